@@ -1,0 +1,5 @@
+"""``python -m engine``: the same command line as ``engine``."""
+
+from .cli import main
+
+main()

@@ -1,0 +1,57 @@
+"""``BlockingEngine``: the engine for synchronous trainers.
+
+One event loop runs in a background thread for the engine's whole life (an anyio blocking
+portal), so every ``score`` call reuses the same connection pool, threads and imported plugins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from contextlib import ExitStack
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+from .config import EngineConfig, load_config
+from .engine import Engine
+
+__all__ = ["BlockingEngine"]
+
+
+class BlockingEngine:
+    """A synchronous facade over :class:`Engine`; use it as a context manager."""
+
+    def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
+        self._engine = Engine(config, **kwargs)
+        self._stack: ExitStack | None = None
+        self._portal: BlockingPortal | None = None
+
+    @classmethod
+    def from_config(cls, path: str | Path, **kwargs: Any) -> Self:
+        return cls(load_config(path), **kwargs)
+
+    @property
+    def config(self) -> EngineConfig:
+        return self._engine.config
+
+    def __enter__(self) -> Self:
+        with ExitStack() as stack:
+            self._portal = stack.enter_context(start_blocking_portal(backend="asyncio"))
+            stack.enter_context(self._portal.wrap_async_context_manager(self._engine))
+            self._stack = stack.pop_all()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        stack, self._stack, self._portal = self._stack, None, None
+        if stack is not None:
+            stack.__exit__(exc_type, exc, tb)
+
+    def score(self, items: Iterable[Mapping[str, Any]]) -> list[float]:
+        """Like :meth:`Engine.score`, blocking until the batch is scored or has failed."""
+        if self._portal is None:
+            raise RuntimeError("the engine is not open: use 'with BlockingEngine(...) as eng'")
+        return self._portal.call(self._engine.score, items)

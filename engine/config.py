@@ -1,0 +1,180 @@
+"""Frozen, validated configuration, read from TOML with the standard library.
+
+Every default is a named constant below. A config object is checked when it is built: a bad
+value raises ``ConfigError`` naming the key (and the file, when it came from one).
+
+Per-verifier overrides live under ``[refs."<key>"]``, where the key names one verifier:
+
+* endpoint: its URL, ``[refs."http://127.0.0.1:8080/score"]``;
+* rubric: ``owner/name``, ``[refs."alice/arithmetic-correctness"]``;
+* plugin: the environment and the callable, ``[refs."arith/verify:score"]``, because two
+  environments may both ship ``verify:score`` and they are different verifiers.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = [
+    "DEFAULT_MAX_ATTEMPTS",
+    "DEFAULT_MAX_CONCURRENCY",
+    "DEFAULT_MAX_IN_FLIGHT",
+    "DEFAULT_RETRY_DEADLINE",
+    "DEFAULT_THREADS",
+    "DEFAULT_TIMEOUT",
+    "EngineConfig",
+    "Limits",
+    "load_config",
+]
+
+DEFAULT_MAX_CONCURRENCY = 64  # calls in flight at once, per verifier
+DEFAULT_TIMEOUT = 60.0  # seconds, per call
+DEFAULT_MAX_ATTEMPTS = 5  # first try plus retries, for transient HTTP failures
+DEFAULT_RETRY_DEADLINE = 60.0  # seconds from the first try after which no retry starts
+DEFAULT_MAX_IN_FLIGHT = 1024  # items in flight at once over all verifiers, however large the batch
+DEFAULT_THREADS = 64  # worker threads shared by all sync plugins
+DEFAULT_ENVIRONMENTS = "envs"
+
+DIGEST_PATTERN = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+def _fail(source: Path | None, key: str, message: str) -> ConfigError:
+    where = f"{source}: " if source is not None else ""
+    return ConfigError(f"{where}{key}: {message}")
+
+
+def _positive_int(value: Any, key: str, source: Path | None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _fail(source, key, f"must be a whole number >= 1, got {value!r}")
+    return value
+
+
+def _positive_float(value: Any, key: str, source: Path | None) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise _fail(source, key, f"must be a number > 0, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How one verifier is called: concurrency, rate, deadline and retry budget."""
+
+    max_concurrency: int = DEFAULT_MAX_CONCURRENCY
+    max_rate: float | None = None  # calls per second; None means unlimited
+    timeout: float = DEFAULT_TIMEOUT
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    retry_deadline: float = DEFAULT_RETRY_DEADLINE
+
+    def __post_init__(self) -> None:
+        self.validate(None, "Limits")
+
+    def validate(self, source: Path | None, prefix: str) -> None:
+        _positive_int(self.max_concurrency, f"{prefix}.max_concurrency", source)
+        if self.max_rate is not None:
+            _positive_float(self.max_rate, f"{prefix}.max_rate", source)
+        _positive_float(self.timeout, f"{prefix}.timeout", source)
+        _positive_int(self.max_attempts, f"{prefix}.max_attempts", source)
+        _positive_float(self.retry_deadline, f"{prefix}.retry_deadline", source)
+
+    @classmethod
+    def parse(cls, table: Any, base: Limits, prefix: str, source: Path | None) -> Limits:
+        """``base`` with the keys of a TOML table applied over it."""
+        if not isinstance(table, Mapping):
+            raise _fail(source, prefix, "must be a table")
+        known = {f.name for f in fields(cls)}
+        for key in table:
+            if key not in known:
+                raise _fail(source, f"{prefix}.{key}", f"unknown key (known: {', '.join(sorted(known))})")
+        try:
+            limits = replace(base, **dict(table))
+        except ConfigError as exc:  # re-raise naming the table's key and the file
+            where = f"{source}: " if source is not None else ""
+            raise ConfigError(f"{where}{prefix}.{str(exc).removeprefix('Limits.')}") from None
+        return limits
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to know. Build it directly or with :func:`load_config`."""
+
+    environments: Path = Path(DEFAULT_ENVIRONMENTS)
+    allow_unpinned: bool = False
+    pins: Mapping[str, str] = field(default_factory=dict)
+    defaults: Limits = Limits()
+    refs: Mapping[str, Limits] = field(default_factory=dict)
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    threads: int = DEFAULT_THREADS
+    source: Path | None = None  # the file this came from, for messages
+
+    def __post_init__(self) -> None:
+        src = self.source
+        object.__setattr__(self, "environments", Path(self.environments))
+        if not isinstance(self.allow_unpinned, bool):
+            raise _fail(src, "allow_unpinned", f"must be true or false, got {self.allow_unpinned!r}")
+        for name, digest in self.pins.items():
+            if not isinstance(digest, str) or not DIGEST_PATTERN.fullmatch(digest):
+                raise _fail(src, f"pins.{name}", f"must look like 'sha256:<64 hex digits>', got {digest!r}")
+        for key, limits in self.refs.items():
+            if not isinstance(limits, Limits):
+                raise _fail(src, f"refs.{key!r}", "must be a Limits")
+        _positive_int(self.max_in_flight, "max_in_flight", src)
+        _positive_int(self.threads, "threads", src)
+        object.__setattr__(self, "pins", MappingProxyType(dict(self.pins)))
+        object.__setattr__(self, "refs", MappingProxyType(dict(self.refs)))
+
+    def limits_for(self, key: str) -> Limits:
+        """The limits of the verifier named ``key`` (see the module docstring for its form)."""
+        return self.refs.get(key, self.defaults)
+
+
+_TOP_LEVEL = {"environments", "allow_unpinned", "pins", "defaults", "refs", "max_in_flight", "threads"}
+
+
+def config_from_mapping(data: Mapping[str, Any], *, base_dir: Path, source: Path | None = None) -> EngineConfig:
+    """Build an :class:`EngineConfig` from parsed TOML; relative paths are taken from ``base_dir``."""
+    for key in data:
+        if key not in _TOP_LEVEL:
+            raise _fail(source, key, f"unknown key (known: {', '.join(sorted(_TOP_LEVEL))})")
+    environments = data.get("environments", DEFAULT_ENVIRONMENTS)
+    if not isinstance(environments, str) or not environments:
+        raise _fail(source, "environments", f"must be a directory path, got {environments!r}")
+    pins = data.get("pins", {})
+    if not isinstance(pins, Mapping):
+        raise _fail(source, "pins", "must be a table of environment name = digest")
+    defaults = Limits.parse(data.get("defaults", {}), Limits(), "defaults", source)
+    refs_table = data.get("refs", {})
+    if not isinstance(refs_table, Mapping):
+        raise _fail(source, "refs", 'must be a table of [refs."<verifier>"] tables')
+    refs = {key: Limits.parse(table, defaults, f"refs.{key!r}", source) for key, table in refs_table.items()}
+    return EngineConfig(
+        environments=base_dir / environments,
+        allow_unpinned=data.get("allow_unpinned", False),
+        pins=pins,
+        defaults=defaults,
+        refs=refs,
+        max_in_flight=data.get("max_in_flight", DEFAULT_MAX_IN_FLIGHT),
+        threads=data.get("threads", DEFAULT_THREADS),
+        source=source,
+    )
+
+
+def load_config(path: str | Path) -> EngineConfig:
+    """Read a TOML config file; relative paths in it are relative to the file."""
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    return config_from_mapping(data, base_dir=path.parent, source=path)

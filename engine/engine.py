@@ -1,0 +1,193 @@
+"""The engine: resolves each item's environment to its verifier, and scores batches.
+
+``Engine`` is the async API; ``engine.blocking.BlockingEngine`` wraps it for synchronous trainers.
+One engine owns one ``httpx.AsyncClient`` (one connection pool), one thread pool limiter for sync
+plugins, and the live limits of every verifier, all shared by every batch it scores.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import anyio
+import httpx
+
+from .config import DEFAULT_TIMEOUT, EngineConfig, load_config
+from .endpoint import EndpointVerifier
+from .errors import VerificationError, describe
+from .manifest import Environment, load_environment
+from .plugin import PluginVerifier
+from .retry import Sleep
+from .scheduler import Gate, Lane, in_flight_cap, run_lanes
+from .verifier import Verifier
+
+__all__ = ["Engine"]
+
+_ENV_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+
+
+def _check_item(index: int, item: Any) -> str:
+    """The item's environment name; raises ``TypeError``/``ValueError`` for a malformed item."""
+    if not isinstance(item, Mapping):
+        raise TypeError(f"item {index} is a {type(item).__name__}, not a mapping")
+    for key in ("environment", "task", "trajectory"):
+        if key not in item:
+            raise ValueError(f"item {index} has no {key!r} (an item needs 'environment', 'task', 'trajectory')")
+    name = item["environment"]
+    if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
+        raise ValueError(f"item {index}: 'environment' must be an environment's directory name, got {name!r}")
+    if not isinstance(item["task"], Mapping):
+        raise TypeError(f"item {index}: 'task' is a {type(item['task']).__name__}, not a mapping")
+    return name
+
+
+class _NoJudge:
+    """Rubric verifiers need a judge; without one configured, every rubric item fails, loudly."""
+
+    kind = "rubric"
+
+    def __init__(self, environment: Environment) -> None:
+        self.ref = environment.verifier.ref
+        self.key = environment.verifier_key
+
+    async def verify(self, task: Mapping[str, Any], trajectory: Any) -> float:
+        raise VerificationError(self.kind, self.ref, "no judge is configured for rubric verifiers")
+
+
+class Engine:
+    """Scores batches of rollouts: one float per item, in input order, or one ``VerificationError``.
+
+    Use it as an async context manager::
+
+        async with Engine.from_config("engine.toml") as eng:
+            rewards = await eng.score(items)
+
+    ``transport`` replaces the HTTP transport under the shared client; ``sleep`` is what retries
+    wait with (tests inject one that takes no time).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        sleep: Sleep = anyio.sleep,
+    ) -> None:
+        self.config = config if config is not None else EngineConfig()
+        self._transport = transport
+        self._sleep = sleep
+        self._client: httpx.AsyncClient | None = None
+        self._threads: anyio.CapacityLimiter | None = None
+        self._in_flight = in_flight_cap(self.config.max_in_flight)
+        self._environments: dict[str, Environment] = {}
+        self._verifiers: dict[str, Verifier] = {}
+        self._gates: dict[str, Gate] = {}
+
+    @classmethod
+    def from_config(cls, path: str | Path, **kwargs: Any) -> Self:
+        """An engine configured by the TOML file at ``path``."""
+        return cls(load_config(path), **kwargs)
+
+    async def __aenter__(self) -> Self:
+        if self._client is not None:
+            raise RuntimeError("this engine is already open")
+        size = self.config.max_in_flight
+        self._client = httpx.AsyncClient(
+            transport=self._transport,
+            limits=httpx.Limits(max_connections=size, max_keepalive_connections=size),
+            timeout=DEFAULT_TIMEOUT,
+            follow_redirects=False,
+        )
+        self._threads = anyio.CapacityLimiter(self.config.threads)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        client, self._client = self._client, None
+        self._verifiers.clear()
+        if client is not None:
+            await client.aclose()
+
+    def environment(self, name: str) -> Environment:
+        """The environment called ``name``, loaded once; ``ValueError`` if there is none."""
+        env = self._environments.get(name)
+        if env is None:
+            path = self.config.environments / name
+            if not path.is_dir():
+                raise ValueError(f"unknown environment {name!r}: no directory {path}")
+            env = self._environments[name] = load_environment(path)
+        return env
+
+    def _verifier(self, env: Environment) -> Verifier:
+        key = env.verifier_key
+        verifier = self._verifiers.get(key)
+        if verifier is not None:
+            return verifier
+        if self._client is None or self._threads is None:
+            raise RuntimeError("the engine is not open: use 'async with Engine(...) as eng'")
+        limits = self.config.limits_for(key)
+        spec = env.verifier
+        if spec.kind == "plugin":
+            verifier = PluginVerifier(
+                env,
+                limits,
+                pin=self.config.pins.get(env.name),
+                allow_unpinned=self.config.allow_unpinned,
+                thread_limiter=self._threads,
+            )
+        elif spec.kind == "endpoint":
+            verifier = EndpointVerifier(spec.ref, limits, self._client, sleep=self._sleep)
+        else:
+            verifier = _NoJudge(env)
+        self._verifiers[key] = verifier
+        return verifier
+
+    def _lanes(self, items: list[Any]) -> list[Lane]:
+        lanes: dict[str, Lane] = {}
+        by_env: dict[str, Lane] = {}
+        for index, item in enumerate(items):
+            name = _check_item(index, item)
+            lane = by_env.get(name)
+            if lane is None:
+                verifier = self._verifier(self.environment(name))
+                lane = lanes.get(verifier.key)
+                if lane is None:
+                    limits = self.config.limits_for(verifier.key)
+                    gate = self._gates.get(verifier.key)
+                    if gate is None:
+                        gate = self._gates[verifier.key] = Gate.from_limits(limits)
+                    lane = lanes[verifier.key] = Lane(verifier, gate, limits.max_concurrency)
+                by_env[name] = lane
+            lane.indices.append(index)
+        return list(lanes.values())
+
+    async def score(self, items: Iterable[Mapping[str, Any]]) -> list[float]:
+        """One reward per item, in input order.
+
+        Each item is a mapping with ``environment`` (a directory name under the configured
+        environments), ``task`` (a mapping), ``trajectory`` (as submitted) and optionally ``id``.
+        Raises ``VerificationError`` for the first item whose verifier fails, after cancelling
+        everything else in flight; ``TypeError``/``ValueError`` for malformed items.
+        """
+        batch = list(items)
+        lanes = self._lanes(batch)
+
+        async def call(lane: Lane, index: int) -> float:
+            item = batch[index]
+            try:
+                return await lane.verifier.verify(item["task"], item["trajectory"])
+            except VerificationError as exc:
+                exc.index, exc.item_id, exc.environment = index, item.get("id"), item["environment"]
+                raise
+            except Exception as exc:
+                v = lane.verifier
+                raise VerificationError(
+                    v.kind, v.ref, describe(exc), environment=item["environment"], index=index, item_id=item.get("id")
+                ) from exc
+
+        return await run_lanes(len(batch), lanes, call, self._in_flight)

@@ -1,0 +1,122 @@
+"""The engine's exceptions, and the one place where third-party errors become ours.
+
+Tree::
+
+    EngineError
+    ├── ConfigError            (also a ValueError) a bad config file, key or value
+    │   └── ManifestError      an environment's manifest.json is unreadable or invalid
+    └── VerificationError      a verifier could not produce a reward for an item;
+                               the whole batch aborts with it, never a zero in its place
+
+Misuse of the Python API (an item that is not a mapping, an unknown environment name) raises
+plain ``TypeError``/``ValueError``: those are bugs in the caller, not verifier failures.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import orjson
+import tenacity
+
+__all__ = [
+    "ConfigError",
+    "EngineError",
+    "ManifestError",
+    "VerificationError",
+    "describe",
+    "excerpt",
+]
+
+EXCERPT_CHARS = 200
+
+
+class EngineError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+
+class ConfigError(EngineError, ValueError):
+    """The engine's configuration is unusable; the message names the file and the key."""
+
+
+class ManifestError(ConfigError):
+    """An environment's ``manifest.json`` is unreadable or invalid; names the file and the field."""
+
+
+class VerificationError(EngineError):
+    """A verifier failed to produce a reward.
+
+    ``kind`` and ``ref`` name the verifier, ``environment`` the environment the item came from,
+    ``index`` the item's position in the batch and ``item_id`` its ``id`` (when the item had one).
+    ``reason`` says what went wrong; the original exception, if any, is chained as ``__cause__``.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        ref: str,
+        reason: str,
+        *,
+        environment: str | None = None,
+        index: int | None = None,
+        item_id: Any = None,
+    ) -> None:
+        self.kind = kind
+        self.ref = ref
+        self.reason = reason
+        self.environment = environment
+        self.index = index
+        self.item_id = item_id
+        super().__init__(kind, ref, reason)
+
+    def __str__(self) -> str:
+        where = ""
+        if self.index is not None:
+            where = f" on item {self.index}"
+            if self.item_id is not None:
+                where += f" (id {self.item_id!r})"
+        env = f" (environment {self.environment!r})" if self.environment else ""
+        return f"{self.kind} verifier {self.ref!r}{env} failed{where}: {self.reason}"
+
+
+def excerpt(text: str | bytes, limit: int = EXCERPT_CHARS) -> str:
+    """A short, single-line excerpt of a body, for error messages."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", errors="replace")
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def describe(exc: BaseException) -> str:
+    """A reason for ``VerificationError`` that says what happened, in words, for any exception.
+
+    This is the single translation table from third-party exceptions (httpx, orjson, tenacity) to
+    readable reasons; everything else is described by its type and message.
+    """
+    if isinstance(exc, tenacity.RetryError):
+        attempt = exc.last_attempt
+        last = attempt.exception()
+        why = describe(last) if last is not None else "no exception"
+        return f"gave up after {attempt.attempt_number} attempts; last: {why}"
+    if isinstance(exc, httpx.TimeoutException):
+        phase = {
+            httpx.ConnectTimeout: "connecting",
+            httpx.ReadTimeout: "waiting for the response",
+            httpx.WriteTimeout: "sending the request",
+            httpx.PoolTimeout: "waiting for a free connection",
+        }.get(type(exc), "the request")
+        return f"timed out {phase}"
+    if isinstance(exc, httpx.ConnectError):
+        return f"could not connect: {exc or type(exc).__name__}"
+    if isinstance(exc, httpx.RemoteProtocolError):
+        return f"the server broke the HTTP exchange: {exc}"
+    if isinstance(exc, httpx.HTTPError):
+        return f"HTTP error ({type(exc).__name__}): {exc}"
+    if isinstance(exc, orjson.JSONDecodeError):
+        return f"response is not valid JSON ({exc})"
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    message = str(exc)
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+

@@ -1,0 +1,115 @@
+"""Environments and their ``manifest.json``.
+
+An environment is a directory whose name is the environment's name. Its manifest names exactly
+one verifier of one of three kinds; there is no fourth kind and no built-in scorer::
+
+    {"kind": "environment", "verifier": {"kind": "plugin", "ref": "verify:score"}}
+
+Other top-level keys (``version``, ``description``, ...) are descriptive and allowed.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import orjson
+
+from .errors import ManifestError
+
+__all__ = ["KINDS", "Environment", "VerifierSpec", "load_environment", "parse_verifier"]
+
+MANIFEST = "manifest.json"
+KINDS: tuple[str, ...] = ("rubric", "plugin", "endpoint")
+Kind = Literal["rubric", "plugin", "endpoint"]
+
+_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
+_IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
+RUBRIC_REF = re.compile(rf"(?P<owner>{_NAME})/(?P<name>{_NAME})(?:@(?P<version>[1-9][0-9]*))?")
+PLUGIN_REF = re.compile(rf"(?P<module>{_IDENT}(?:\.{_IDENT})*):(?P<attr>{_IDENT}(?:\.{_IDENT})*)")
+ENDPOINT_REF = re.compile(r"https?://[^\s/?#]+[^\s]*", re.IGNORECASE)
+
+_REF_FORMS = {
+    "rubric": (RUBRIC_REF, "'owner/name' or 'owner/name@N'"),
+    "plugin": (PLUGIN_REF, "'module:callable'"),
+    "endpoint": (ENDPOINT_REF, "an http:// or https:// URL"),
+}
+
+
+@dataclass(frozen=True)
+class VerifierSpec:
+    """What a manifest says about its verifier: one of the three kinds and its ref."""
+
+    kind: Kind
+    ref: str
+
+
+@dataclass(frozen=True)
+class Environment:
+    """A loaded, validated environment directory."""
+
+    name: str
+    path: Path
+    verifier: VerifierSpec
+    manifest: Mapping[str, Any]
+
+    @property
+    def verifier_key(self) -> str:
+        """The verifier's name for limits and provenance (see ``engine.config``).
+
+        A plugin is only meaningful inside its environment, so its key carries the environment's
+        name; a rubric's key drops the version pin, so one rubric shares one set of limits.
+        """
+        spec = self.verifier
+        if spec.kind == "plugin":
+            return f"{self.name}/{spec.ref}"
+        if spec.kind == "rubric":
+            return spec.ref.partition("@")[0]
+        return spec.ref
+
+
+def parse_verifier(value: Any, where: str) -> VerifierSpec:
+    """Validate a manifest's ``verifier`` object; ``where`` prefixes error messages."""
+    if not isinstance(value, Mapping):
+        raise ManifestError(f"{where}: field 'verifier' must be an object with 'kind' and 'ref'")
+    extra = sorted(set(value) - {"kind", "ref"})
+    if extra:
+        raise ManifestError(f"{where}: field 'verifier' has unknown keys {extra} (it takes 'kind' and 'ref')")
+    kind = value.get("kind")
+    if kind not in KINDS:
+        shown = "missing" if kind is None else f"{kind!r}"
+        raise ManifestError(
+            f"{where}: field 'verifier.kind' is {shown}; it must be one of 'rubric', 'plugin', 'endpoint' "
+            "(there are exactly three kinds and no built-in scorer)"
+        )
+    ref = value.get("ref")
+    pattern, form = _REF_FORMS[kind]
+    if not isinstance(ref, str) or not pattern.fullmatch(ref):
+        raise ManifestError(f"{where}: field 'verifier.ref' is {ref!r}; a {kind} ref must be {form}")
+    return VerifierSpec(kind=kind, ref=ref)
+
+
+def load_environment(path: Path) -> Environment:
+    """Load and validate the environment in directory ``path``; raises ``ManifestError``."""
+    manifest_path = path / MANIFEST
+    try:
+        raw = manifest_path.read_bytes()
+    except FileNotFoundError:
+        raise ManifestError(f"{manifest_path}: no manifest (an environment directory needs {MANIFEST})") from None
+    except OSError as exc:
+        raise ManifestError(f"{manifest_path}: cannot read: {exc}") from exc
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ManifestError(f"{manifest_path}: invalid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ManifestError(f"{manifest_path}: must be a JSON object, got {type(data).__name__}")
+    if data.get("kind") != "environment":
+        raise ManifestError(f"{manifest_path}: field 'kind' must be 'environment', got {data.get('kind')!r}")
+    if "verifier" not in data:
+        raise ManifestError(f"{manifest_path}: field 'verifier' is missing")
+    spec = parse_verifier(data["verifier"], str(manifest_path))
+    return Environment(name=path.name, path=path, verifier=spec, manifest=data)

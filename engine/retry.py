@@ -1,0 +1,80 @@
+"""Which HTTP failures are retried, and how long to wait: pure functions, tested as such.
+
+Retried: failing to connect, and the statuses that mean "try again" (429, 502, 503, 504). Never
+retried: timeouts waiting for an answer (the verifier may be working; trying again doubles the
+load), other 4xx (the request is wrong), other 5xx (the verifier is broken).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Awaitable, Callable
+from email.utils import parsedate_to_datetime
+
+import httpx
+import tenacity
+
+from .errors import excerpt
+
+__all__ = ["RETRY_STATUSES", "TransientStatus", "backoff", "is_transient", "make_retrying", "parse_retry_after"]
+
+RETRY_STATUSES = frozenset({429, 502, 503, 504})
+BACKOFF_BASE = 0.1  # seconds before the first retry, doubled on each further one
+BACKOFF_MAX = 10.0  # seconds, the longest wait between two tries without a Retry-After
+
+Sleep = Callable[[float], Awaitable[None]]
+
+
+class TransientStatus(Exception):
+    """A response whose status asks to try again later; carries its ``Retry-After`` in seconds."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self.status = response.status_code
+        self.retry_after = parse_retry_after(response.headers.get("retry-after"))
+        super().__init__(f"HTTP {self.status}: {excerpt(response.content)}")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for failures worth another try."""
+    return isinstance(exc, TransientStatus | httpx.ConnectError | httpx.ConnectTimeout)
+
+
+def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header (delta-seconds or an HTTP date), or None."""
+    if value is None:
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
+
+
+def backoff(attempt: int, rng: Callable[[], float] = random.random) -> float:
+    """Wait before try ``attempt + 1``: exponential with jitter (half to all of the step)."""
+    step = min(BACKOFF_MAX, BACKOFF_BASE * 2.0 ** (attempt - 1))
+    return step * (0.5 + 0.5 * rng())
+
+
+def _wait(state: tenacity.RetryCallState) -> float:
+    exc = state.outcome.exception() if state.outcome is not None else None
+    if isinstance(exc, TransientStatus) and exc.retry_after is not None:
+        return exc.retry_after
+    return backoff(state.attempt_number)
+
+
+def make_retrying(max_attempts: int, deadline: float, sleep: Sleep) -> tenacity.AsyncRetrying:
+    """A bounded retry loop: at most ``max_attempts`` tries, and no wait that would end past ``deadline``."""
+    return tenacity.AsyncRetrying(
+        stop=tenacity.stop_after_attempt(max_attempts) | tenacity.stop_before_delay(deadline),
+        wait=_wait,
+        retry=tenacity.retry_if_exception(is_transient),
+        sleep=sleep,
+        reraise=False,
+    )

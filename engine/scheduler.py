@@ -1,0 +1,99 @@
+"""The scheduler: fan a batch out over its verifiers, under their limits, and stop at the first error.
+
+Each verifier's share of a batch is a *lane*. A lane runs as many workers as its verifier may
+have calls in flight; the workers pull item indices from one shared iterator, so a batch of a
+million items is a few hundred tasks, not a million. Every call holds, in order, a slot of its
+verifier (engine-wide, so concurrent batches share it), a token of its verifier's rate limiter,
+and a slot of the engine-wide cap on items in flight. A verifier at its limit only makes its own
+workers wait: the other lanes keep going (no head-of-line blocking).
+
+The first exception cancels the task group (HTTP requests are closed, queued items never start,
+threads are abandoned) and is raised alone, never wrapped in an ``ExceptionGroup``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import anyio
+from aiolimiter import AsyncLimiter
+
+from .config import Limits
+from .verifier import Verifier
+
+__all__ = ["Gate", "Lane", "in_flight_cap", "run_lanes"]
+
+logger = logging.getLogger("engine")
+
+
+def _semaphore(size: int) -> anyio.Semaphore:
+    # fast_acquire: an uncontended acquire does not yield to the event loop (cheap per item)
+    return anyio.Semaphore(size, max_value=size, fast_acquire=True)
+
+
+@dataclass(eq=False)
+class Gate:
+    """A verifier's limits as live objects, shared by every batch one engine scores."""
+
+    slots: anyio.Semaphore
+    rate: AsyncLimiter | None
+
+    @classmethod
+    def from_limits(cls, limits: Limits) -> Gate:
+        rate = AsyncLimiter(limits.max_rate, 1.0) if limits.max_rate is not None else None
+        return cls(_semaphore(limits.max_concurrency), rate)
+
+
+@dataclass(eq=False)
+class Lane:
+    """One verifier's share of a batch: the positions of its items."""
+
+    verifier: Verifier
+    gate: Gate
+    width: int  # workers: the verifier's max concurrency
+    indices: list[int] = field(default_factory=list)
+
+
+def in_flight_cap(size: int) -> anyio.Semaphore:
+    """The engine-wide cap on items in flight."""
+    return _semaphore(size)
+
+
+Call = Callable[[Lane, int], Awaitable[float]]
+
+
+async def run_lanes(size: int, lanes: Sequence[Lane], call: Call, in_flight: anyio.Semaphore) -> list[float]:
+    """``call(lane, i)`` for every index of every lane; the rewards by index, or the first error."""
+    results = [math.nan] * size
+    failure: Exception | None = None
+
+    async def worker(lane: Lane, todo: Iterator[int]) -> None:
+        gate = lane.gate
+        for index in todo:
+            async with gate.slots:
+                if gate.rate is not None:
+                    await gate.rate.acquire()
+                async with in_flight:
+                    results[index] = await call(lane, index)
+
+    async def guarded(lane: Lane, todo: Iterator[int]) -> None:
+        nonlocal failure
+        try:
+            await worker(lane, todo)
+        except Exception as exc:
+            if failure is None:
+                failure = exc
+            tg.cancel_scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        for lane in lanes:
+            todo = iter(lane.indices)
+            for _ in range(min(lane.width, len(lane.indices), in_flight.max_value or 1)):
+                tg.start_soon(guarded, lane, todo)
+    if failure is not None:
+        logger.error("batch aborted: %s", failure)
+        raise failure
+    return results
