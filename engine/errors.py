@@ -109,10 +109,8 @@ def describe(exc: BaseException) -> str:
         return f"timed out {phase}"
     if isinstance(exc, httpx.ConnectError):
         return f"could not connect: {exc or type(exc).__name__}"
-    if isinstance(exc, httpx.RemoteProtocolError):
-        return f"the server broke the HTTP exchange: {exc}"
     if isinstance(exc, httpx.HTTPError):
-        return f"HTTP error ({type(exc).__name__}): {exc}"
+        return f"HTTP error ({type(exc).__name__}){f': {exc}' if str(exc) else ''}"
     if isinstance(exc, orjson.JSONDecodeError):
         return f"response is not valid JSON ({exc})"
     if isinstance(exc, TimeoutError):

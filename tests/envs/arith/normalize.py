@@ -1,0 +1,2 @@
+def answer(text):
+    return str(text).strip().rstrip(".").replace(" ", "")
