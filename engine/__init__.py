@@ -10,12 +10,14 @@ from .digest import digest_directory
 from .engine import Engine
 from .errors import ConfigError, EngineError, ManifestError, VerificationError
 from .manifest import KINDS, Environment, VerifierSpec, load_environment
+from .report import BatchResult, VerifierReport
 from .trajectory import flatten
 from .verifier import AsyncVerifyFn, Verifier, VerifyFn
 
 __all__ = [
     "KINDS",
     "AsyncVerifyFn",
+    "BatchResult",
     "BlockingEngine",
     "ConfigError",
     "Engine",
@@ -26,6 +28,7 @@ __all__ = [
     "ManifestError",
     "VerificationError",
     "Verifier",
+    "VerifierReport",
     "VerifierSpec",
     "VerifyFn",
     "digest_directory",

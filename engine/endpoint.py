@@ -66,6 +66,9 @@ class EndpointVerifier:
         self._sleep = sleep
         self.retries = 0  # transient failures retried, over the engine's life
 
+    def provenance(self) -> Mapping[str, Any]:
+        return {"kind": self.kind, "ref": self.ref}
+
     def _fail(self, reason: str) -> VerificationError:
         return VerificationError(self.kind, self.ref, reason)
 

@@ -7,9 +7,11 @@ plugins, and the live limits of every verifier, all shared by every batch it sco
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from time import perf_counter
 from types import TracebackType
 from typing import Any, Self
 
@@ -21,6 +23,7 @@ from .endpoint import EndpointVerifier
 from .errors import VerificationError, describe
 from .manifest import Environment, load_environment
 from .plugin import PluginVerifier
+from .report import BatchResult, VerifierReport
 from .retry import Sleep
 from .scheduler import Gate, Lane, in_flight_cap, run_lanes
 from .verifier import Verifier
@@ -53,6 +56,10 @@ class _NoJudge:
     def __init__(self, environment: Environment) -> None:
         self.ref = environment.verifier.ref
         self.key = environment.verifier_key
+        self.retries = 0
+
+    def provenance(self) -> Mapping[str, Any]:
+        return {"kind": self.kind, "ref": self.ref}
 
     async def verify(self, task: Mapping[str, Any], trajectory: Any) -> float:
         raise VerificationError(self.kind, self.ref, "no judge is configured for rubric verifiers")
@@ -167,7 +174,11 @@ class Engine:
         return list(lanes.values())
 
     async def score(self, items: Iterable[Mapping[str, Any]]) -> list[float]:
-        """One reward per item, in input order.
+        """One reward per item, in input order; see :meth:`run` for the rules."""
+        return (await self.run(items)).rewards
+
+    async def run(self, items: Iterable[Mapping[str, Any]]) -> BatchResult:
+        """Score a batch: its rewards in input order, with per-verifier reports and provenance.
 
         Each item is a mapping with ``environment`` (a directory name under the configured
         environments), ``task`` (a mapping), ``trajectory`` (as submitted) and optionally ``id``.
@@ -190,4 +201,29 @@ class Engine:
                     v.kind, v.ref, describe(exc), environment=item["environment"], index=index, item_id=item.get("id")
                 ) from exc
 
-        return await run_lanes(len(batch), lanes, call, self._in_flight)
+        started = perf_counter()
+        retries_before = [lane.verifier.retries for lane in lanes]
+        rewards = await run_lanes(len(batch), lanes, call, self._in_flight)
+        elapsed = perf_counter() - started
+        verifier_of = [0] * len(batch)
+        reports = []
+        for position, (lane, retries) in enumerate(zip(lanes, retries_before, strict=True)):
+            v = lane.verifier
+            for index in lane.indices:
+                verifier_of[index] = position
+            reports.append(
+                VerifierReport(
+                    kind=v.kind,
+                    ref=v.ref,
+                    key=v.key,
+                    provenance=v.provenance(),
+                    items=len(lane.indices),
+                    reward_sum=math.fsum(rewards[i] for i in lane.indices),
+                    latencies=lane.latencies,
+                    waited=lane.waited,
+                    busy=math.fsum(lane.latencies),
+                    peak_in_flight=lane.peak,
+                    retries=v.retries - retries,
+                )
+            )
+        return BatchResult(rewards=rewards, verifiers=reports, elapsed=elapsed, verifier_of=verifier_of)

@@ -68,6 +68,10 @@ class PluginVerifier:
         self._is_async = False
         self._lock = anyio.Lock()
         self.digest: str | None = None  # the digest the module was imported at
+        self.retries = 0  # plugins are never retried: a failure is the plugin's answer
+
+    def provenance(self) -> Mapping[str, Any]:
+        return {"kind": self.kind, "ref": self.ref, "environment": self.environment.name, "digest": self.digest}
 
     def _fail(self, reason: str) -> VerificationError:
         return VerificationError(self.kind, self.ref, reason, environment=self.environment.name)

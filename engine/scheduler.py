@@ -17,6 +17,7 @@ import logging
 import math
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from time import perf_counter
 
 import anyio
 from aiolimiter import AsyncLimiter
@@ -49,12 +50,16 @@ class Gate:
 
 @dataclass(eq=False)
 class Lane:
-    """One verifier's share of a batch: the positions of its items."""
+    """One verifier's share of a batch: the positions of its items, and what happened to them."""
 
     verifier: Verifier
     gate: Gate
     width: int  # workers: the verifier's max concurrency
     indices: list[int] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)  # seconds per call
+    waited: float = 0.0  # seconds items spent waiting for a limit
+    running: int = 0
+    peak: int = 0
 
 
 def in_flight_cap(size: int) -> anyio.Semaphore:
@@ -73,11 +78,20 @@ async def run_lanes(size: int, lanes: Sequence[Lane], call: Call, in_flight: any
     async def worker(lane: Lane, todo: Iterator[int]) -> None:
         gate = lane.gate
         for index in todo:
+            queued = perf_counter()
             async with gate.slots:
                 if gate.rate is not None:
                     await gate.rate.acquire()
                 async with in_flight:
-                    results[index] = await call(lane, index)
+                    started = perf_counter()
+                    lane.waited += started - queued
+                    lane.running += 1
+                    lane.peak = max(lane.peak, lane.running)
+                    try:
+                        results[index] = await call(lane, index)
+                    finally:
+                        lane.running -= 1
+                    lane.latencies.append(perf_counter() - started)
 
     async def guarded(lane: Lane, todo: Iterator[int]) -> None:
         nonlocal failure

@@ -31,6 +31,15 @@ class Verifier(Protocol):
         """The name its limits are configured under (``engine.config``)."""
         ...
 
+    @property
+    def retries(self) -> int:
+        """Transient failures retried so far, over the verifier's life."""
+        ...
+
+    def provenance(self) -> Mapping[str, Any]:
+        """What scores the items: kind, ref, and the environment digest or rubric version."""
+        ...
+
     async def verify(self, task: Mapping[str, Any], trajectory: Any) -> float:
         """The reward for one item; raises on any failure (the scheduler names the item)."""
         ...

@@ -117,8 +117,8 @@ class TestServer:
         try:
             while await self._exchange(reader, writer, number):
                 pass
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass  # the client went away, or the server is stopping: the connection is over either way
         finally:
             with self._lock:
                 self.closed += 1
