@@ -1,0 +1,26 @@
+# Two commands on a fresh machine with Python 3.11 and make:
+#   make run    score the shipped example rollouts (starts the example verifier service itself)
+#   make test   lint, type-check and run the whole test suite
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/python examples/run.py
+
+test: $(STAMP)
+	$(BIN)/ruff check engine tests benchmarks examples
+	$(BIN)/mypy
+	$(BIN)/pytest -q
+
+clean:
+	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache
