@@ -1,0 +1,247 @@
+"""Reading stored trajectories, as a stream, for ``engine score``.
+
+An input file holds one row per rollout with the fields ``id``, ``environment``, ``task`` and
+``trajectory``. Two formats are read, chosen by the file's extension:
+
+* JSON Lines (``.jsonl``, ``.ndjson``, ``.json-lines``): one JSON object a line. Blank lines are
+  skipped but still counted, so a row's number is its line number in an editor.
+* Parquet (``.parquet``): the same four columns, read in batches of :data:`BATCH_ROWS` rows; other
+  columns are ignored. A row's number is its 1-based position in the file. Because Parquet tables
+  are often written from data frames that hold nested values as text, ``task`` and
+  ``trajectory`` may each be nested values (struct, list) or JSON text:
+
+  - a ``task`` that is a string is always decoded as JSON (a task must be an object);
+  - a ``trajectory`` that is a string is decoded only if it is JSON text of an array or an object;
+    any other string (plain text, ``"42"``) stays the string it is, since a bare string is a
+    legitimate trajectory.
+
+  In JSON Lines no such decoding happens: the values are already JSON.
+
+Memory stays flat whatever the file's size: JSON Lines is read one line at a time, Parquet one
+batch at a time, and only the current row (or batch) is ever held.
+
+**Checksum.** A resumed run must refuse an input that changed under it, so the reader keeps a
+running sha256 of what it has consumed; :meth:`RowReader.checksum` is that digest through the
+rows read so far. For JSON Lines it is the sha256 of the file's bytes up to the end of the last
+row's line (blank lines before it included), i.e. literally what was read. For Parquet, whose
+bytes depend on the writer, it is the sha256 of the rows' values: each row's four values, as read
+and before any JSON-text decoding, encoded as one orjson array.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from types import TracebackType
+from typing import Any, BinaryIO, Literal, Self
+
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .errors import EngineError
+
+__all__ = [
+    "BATCH_ROWS",
+    "EMPTY_CHECKSUM",
+    "FIELDS",
+    "JSONL_SUFFIXES",
+    "PARQUET_SUFFIXES",
+    "InputError",
+    "Row",
+    "RowReader",
+    "open_rows",
+]
+
+FIELDS: tuple[str, ...] = ("id", "environment", "task", "trajectory")
+JSONL_SUFFIXES: tuple[str, ...] = (".jsonl", ".ndjson", ".json-lines")
+PARQUET_SUFFIXES: tuple[str, ...] = (".parquet",)
+BATCH_ROWS = 1024  # Parquet rows decoded at once: small enough to keep memory flat, big enough to be fast
+EMPTY_CHECKSUM = f"sha256:{hashlib.sha256().hexdigest()}"  # the checksum of no rows at all
+
+Unit = Literal["line", "row"]
+
+
+class InputError(EngineError, ValueError):
+    """The input file is unreadable or holds a bad row.
+
+    ``path`` is the file; ``unit`` and ``number`` locate the row (``"line", 7`` in JSON Lines,
+    ``"row", 7`` in Parquet), both ``None`` for a problem with the file as a whole; ``reason``
+    says what is wrong.
+    """
+
+    def __init__(self, path: Path, reason: str, *, unit: Unit | None = None, number: int | None = None) -> None:
+        self.path = path
+        self.reason = reason
+        self.unit = unit
+        self.number = number
+        where = f"{path}: {unit} {number}" if number is not None else f"{path}"
+        super().__init__(f"{where}: {reason}")
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One validated input row. ``number`` is its line (JSON Lines) or row (Parquet), from 1."""
+
+    number: int
+    id: Any
+    environment: str
+    task: Mapping[str, Any]
+    trajectory: Any
+
+    def as_item(self) -> dict[str, Any]:
+        """The row as an item for ``Engine.score``."""
+        return {"id": self.id, "environment": self.environment, "task": self.task, "trajectory": self.trajectory}
+
+
+class RowReader:
+    """An iterator of :class:`Row` over one input file; use :func:`open_rows` to get one.
+
+    It is also a context manager that closes the file. ``rows_read`` counts the rows consumed so
+    far, skipped ones included; :meth:`checksum` covers exactly those rows.
+    """
+
+    def __init__(self, path: Path, *, start: int = 0) -> None:
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ValueError(f"start must be a whole number >= 0, got {start!r}")
+        suffix = path.suffix.lower()
+        if suffix in JSONL_SUFFIXES:
+            self.unit: Unit = "line"
+        elif suffix in PARQUET_SUFFIXES:
+            self.unit = "row"
+        else:
+            supported = ", ".join(JSONL_SUFFIXES + PARQUET_SUFFIXES)
+            raise InputError(path, f"unsupported extension {path.suffix!r} (supported: {supported})")
+        self.path = path
+        self.rows_read = 0
+        self._hash = hashlib.sha256()
+        self._file: BinaryIO | None = None
+        self._parquet: pq.ParquetFile | None = None
+        try:
+            self._raw = self._open_jsonl() if self.unit == "line" else self._open_parquet()
+            # Skipping happens now, not on the first next(), so checksum() covers the skipped rows
+            # as soon as the reader exists: that is what a resume compares against its state.
+            for _ in islice(self._raw, start):
+                pass
+        except BaseException:
+            self.close()
+            raise
+
+    def _fail(self, number: int, reason: str) -> InputError:
+        return InputError(self.path, reason, unit=self.unit, number=number)
+
+    def _open_jsonl(self) -> Iterator[tuple[int, Any]]:
+        try:
+            self._file = self.path.open("rb")
+        except OSError as exc:
+            raise InputError(self.path, f"cannot read: {exc}") from exc
+        return self._jsonl(self._file)
+
+    def _jsonl(self, file: BinaryIO) -> Iterator[tuple[int, Any]]:
+        """``(line number, raw line)`` per non-blank line, hashing every byte up to it."""
+        number = 0
+        for line in file:
+            number += 1
+            self._hash.update(line)
+            if line.isspace():
+                continue
+            self.rows_read += 1
+            yield number, line
+
+    def _open_parquet(self) -> Iterator[tuple[int, Any]]:
+        try:
+            self._parquet = pq.ParquetFile(self.path)
+        except (OSError, pa.ArrowException) as exc:
+            raise InputError(self.path, f"cannot read as Parquet: {exc}") from exc
+        names = set(self._parquet.schema_arrow.names)
+        missing = [name for name in FIELDS if name not in names]
+        if missing:
+            raise InputError(self.path, f"missing column(s) {', '.join(map(repr, missing))} (a row needs {FIELDS})")
+        return self._parquet_rows(self._parquet)
+
+    def _parquet_rows(self, file: pq.ParquetFile) -> Iterator[tuple[int, Any]]:
+        """``(row number, (id, environment, task, trajectory))`` per row, as stored, hashing each."""
+        number = 0
+        try:
+            for batch in file.iter_batches(batch_size=BATCH_ROWS, columns=list(FIELDS)):
+                columns = [batch.column(name).to_pylist() for name in FIELDS]
+                for values in zip(*columns, strict=True):
+                    number += 1
+                    try:
+                        self._hash.update(orjson.dumps(values))
+                    except orjson.JSONEncodeError as exc:
+                        raise self._fail(number, f"holds a value JSON cannot represent: {exc}") from exc
+                    self.rows_read += 1
+                    yield number, values
+        except (OSError, pa.ArrowException) as exc:
+            raise InputError(self.path, f"cannot read as Parquet after row {number}: {exc}") from exc
+
+    def _decode(self, number: int, raw: Any) -> Row:
+        if self.unit == "line":
+            try:
+                data = orjson.loads(raw)
+            except orjson.JSONDecodeError as exc:
+                raise self._fail(number, f"invalid JSON: {exc}") from None
+            if not isinstance(data, dict):
+                raise self._fail(number, f"must be a JSON object, got {type(data).__name__}")
+            missing = [name for name in FIELDS if name not in data]
+            if missing:
+                raise self._fail(number, f"missing field(s) {', '.join(map(repr, missing))} (a row needs {FIELDS})")
+            row_id, environment, task, trajectory = (data[name] for name in FIELDS)
+        else:
+            row_id, environment, task, trajectory = raw
+            if isinstance(task, str):
+                try:
+                    task = orjson.loads(task)
+                except orjson.JSONDecodeError as exc:
+                    raise self._fail(number, f"'task' is text but not valid JSON: {exc}") from None
+            if isinstance(trajectory, str) and trajectory.lstrip()[:1] in ("[", "{"):
+                with contextlib.suppress(orjson.JSONDecodeError):  # text that merely starts with a bracket stays text
+                    trajectory = orjson.loads(trajectory)
+        if not isinstance(environment, str) or not environment:
+            raise self._fail(number, f"'environment' must be an environment's name, got {environment!r}")
+        if not isinstance(task, dict):
+            raise self._fail(number, f"'task' must be an object, got {type(task).__name__}")
+        return Row(number=number, id=row_id, environment=environment, task=task, trajectory=trajectory)
+
+    def checksum(self) -> str:
+        """``sha256:<hex>`` of the rows consumed so far (see the module docstring)."""
+        return f"sha256:{self._hash.hexdigest()}"  # hexdigest() leaves the running hash as it was
+
+    def __iter__(self) -> Self:
+        return self
+
+    def __next__(self) -> Row:
+        number, raw = next(self._raw)
+        return self._decode(number, raw)
+
+    def close(self) -> None:
+        """Close the file; the reader yields nothing more."""
+        self._raw = iter(())
+        if self._file is not None:
+            self._file.close()
+        if self._parquet is not None:
+            self._parquet.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def open_rows(path: str | Path, *, start: int = 0) -> RowReader:
+    """A :class:`RowReader` over ``path``, after skipping its first ``start`` rows.
+
+    Skipped rows are not validated (a resumed run validated them the first time) but are read
+    and hashed, so :meth:`RowReader.checksum` covers them. If the file has fewer than ``start``
+    rows, ``rows_read`` says how many it had. Raises :class:`InputError` for an unsupported
+    extension or an unreadable file, and on iteration for a bad row.
+    """
+    return RowReader(Path(path), start=start)

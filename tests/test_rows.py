@@ -1,0 +1,401 @@
+"""engine.rows: streaming stored trajectories from JSON Lines and Parquet, validation, skip and checksum."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from engine.errors import EngineError
+from engine.rows import BATCH_ROWS, EMPTY_CHECKSUM, InputError, Row, open_rows
+
+TASKS = [{"a": 1, "b": 2}, {"question": "2+2?", "answer": "4"}, {"nested": {"x": [1, 2, 3]}}]
+TRAJECTORIES: list[Any] = [
+    "plain text answer",
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "4"}],
+    {"content": "an object"},
+]
+
+
+def rows_data(n: int) -> list[dict[str, Any]]:
+    """``n`` distinct rows cycling through nested tasks and trajectories of every shape."""
+    return [
+        {
+            "id": f"r{i}",
+            "environment": "arith",
+            "task": {**TASKS[i % len(TASKS)], "i": i},
+            "trajectory": TRAJECTORIES[i % len(TRAJECTORIES)],
+        }
+        for i in range(n)
+    ]
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]], *, blank_every: int = 0) -> Path:
+    """One object a line; with ``blank_every``, a blank line before every ``blank_every``-th row."""
+    with path.open("wb") as f:
+        for i, row in enumerate(rows):
+            if blank_every and i % blank_every == 0:
+                f.write(b"\n")
+            f.write(orjson.dumps(row) + b"\n")
+    return path
+
+
+def write_parquet(path: Path, columns: dict[str, list[Any]], *, row_group_size: int | None = None) -> Path:
+    pq.write_table(pa.table(columns), path, row_group_size=row_group_size)
+    return path
+
+
+def nested_columns(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """Parquet columns: ``task`` a struct; ``trajectory`` text, JSON text for lists and objects (it mixes shapes)."""
+    return {
+        "id": [r["id"] for r in rows],
+        "environment": [r["environment"] for r in rows],
+        "task": [{"i": r["task"]["i"], "label": str(r["task"])} for r in rows],
+        "trajectory": [t if isinstance(t, str) else orjson.dumps(t).decode() for t in (r["trajectory"] for r in rows)],
+    }
+
+
+# --- JSON Lines -------------------------------------------------------------------------------
+
+
+def test_jsonl_round_trip_with_blank_lines_keeps_line_numbers(tmp_path: Path) -> None:
+    data = rows_data(7)
+    path = write_jsonl(tmp_path / "in.jsonl", data, blank_every=3)
+    with open_rows(path) as rows:
+        got = list(rows)
+        assert rows.rows_read == 7
+        assert rows.unit == "line"
+    assert [(r.id, r.environment, r.task, r.trajectory) for r in got] == [
+        (d["id"], d["environment"], d["task"], d["trajectory"]) for d in data
+    ]
+    # a blank line precedes rows 0, 3 and 6, so rows sit on lines 2,3,4, 6,7,8, 10
+    assert [r.number for r in got] == [2, 3, 4, 6, 7, 8, 10]
+    lines = path.read_bytes().split(b"\n")
+    assert all(orjson.loads(lines[r.number - 1])["id"] == r.id for r in got)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".ndjson", ".json-lines", ".JSONL"])
+def test_jsonl_extensions(tmp_path: Path, suffix: str) -> None:
+    path = write_jsonl(tmp_path / f"in{suffix}", rows_data(2))
+    with open_rows(path) as rows:
+        assert [r.id for r in rows] == ["r0", "r1"]
+
+
+def test_jsonl_strings_are_never_decoded(tmp_path: Path) -> None:
+    # In JSON Lines values are already JSON: a string that looks like JSON stays a string.
+    row = {"id": 1, "environment": "arith", "task": {}, "trajectory": '[{"content": "x"}]'}
+    path = write_jsonl(tmp_path / "in.jsonl", [row])
+    with open_rows(path) as rows:
+        assert next(rows).trajectory == '[{"content": "x"}]'
+
+
+def test_row_as_item(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "in.jsonl", rows_data(1))
+    with open_rows(path) as rows:
+        row = next(rows)
+    assert row.as_item() == rows_data(1)[0]
+    assert isinstance(row, Row)
+
+
+def test_last_line_without_newline_and_crlf(tmp_path: Path) -> None:
+    a, b = (orjson.dumps(r) for r in rows_data(2))
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(a + b"\r\n\r\n" + b)
+    with open_rows(path) as rows:
+        got = list(rows)
+    assert [(r.number, r.id) for r in got] == [(1, "r0"), (3, "r1")]
+
+
+@pytest.mark.parametrize(
+    ("line", "reason"),
+    [
+        (b'{"id": 1, "environment": "arith", "task": {}', "invalid JSON"),
+        (b"\xff\xfe not utf-8", "invalid JSON"),
+        (b'[1, 2, 3]', "must be a JSON object, got list"),
+        (b'"just a string"', "must be a JSON object, got str"),
+        (b'{"environment": "arith", "task": {}, "trajectory": ""}', "missing field(s) 'id'"),
+        (b'{"id": 1, "task": {}, "trajectory": ""}', "missing field(s) 'environment'"),
+        (b'{"id": 1, "environment": "arith", "trajectory": ""}', "missing field(s) 'task'"),
+        (b'{"id": 1, "environment": "arith", "task": {}}', "missing field(s) 'trajectory'"),
+        (b'{"id": 1, "environment": "arith"}', "missing field(s) 'task', 'trajectory'"),
+        (b'{"id": 1, "environment": "arith", "task": [1], "trajectory": ""}', "'task' must be an object, got list"),
+        (b'{"id": 1, "environment": "arith", "task": "{}", "trajectory": ""}', "'task' must be an object, got str"),
+        (b'{"id": 1, "environment": 7, "task": {}, "trajectory": ""}', "'environment' must be an environment's name"),
+        (b'{"id": 1, "environment": "", "task": {}, "trajectory": ""}', "'environment' must be an environment's name"),
+    ],
+)
+def test_jsonl_bad_row_names_its_line(tmp_path: Path, line: bytes, reason: str) -> None:
+    path = tmp_path / "in.jsonl"
+    good = [orjson.dumps(r) for r in rows_data(2)]
+    path.write_bytes(good[0] + b"\n\n" + good[1] + b"\n" + line + b"\n" + good[0] + b"\n")
+    with open_rows(path) as rows:
+        assert next(rows).number == 1
+        assert next(rows).number == 3
+        with pytest.raises(InputError) as info:
+            next(rows)
+    err = info.value
+    assert (err.path, err.unit, err.number) == (path, "line", 4)
+    assert reason in err.reason
+    assert str(err).startswith(f"{path}: line 4: ")
+    assert isinstance(err, EngineError) and isinstance(err, ValueError)
+
+
+# --- Parquet ----------------------------------------------------------------------------------
+
+
+def test_parquet_nested_values(tmp_path: Path) -> None:
+    trajectories = [[{"role": "user", "content": "q"}, {"role": "assistant", "content": f"a{i}"}] for i in range(3)]
+    path = write_parquet(
+        tmp_path / "in.parquet",
+        {
+            "id": [10, 11, 12],
+            "environment": ["arith", "length", "arith"],
+            "task": [{"x": i, "y": f"s{i}"} for i in range(3)],
+            "trajectory": trajectories,
+            "ignored": ["a", "b", "c"],
+        },
+    )
+    with open_rows(path) as rows:
+        got = list(rows)
+        assert rows.unit == "row"
+    assert [r.number for r in got] == [1, 2, 3]
+    assert [r.id for r in got] == [10, 11, 12]
+    assert [r.environment for r in got] == ["arith", "length", "arith"]
+    assert [r.task for r in got] == [{"x": i, "y": f"s{i}"} for i in range(3)]
+    assert [r.trajectory for r in got] == trajectories
+
+
+def test_parquet_json_text_rule(tmp_path: Path) -> None:
+    """A string ``task`` is decoded; a string ``trajectory`` only when it is JSON text of an array or object."""
+    trajectories = [
+        '[{"role": "assistant", "content": "4"}]',  # JSON array: decoded
+        '  {"content": "obj"}',  # JSON object after whitespace: decoded
+        "the answer is 4",  # plain text: stays
+        "42",  # JSON, but a number: stays text
+        '"quoted"',  # JSON, but a string: stays text
+        "[not json",  # starts with a bracket, is not JSON: stays text
+    ]
+    n = len(trajectories)
+    path = write_parquet(
+        tmp_path / "in.parquet",
+        {
+            "id": [f"t{i}" for i in range(n)],
+            "environment": ["arith"] * n,
+            "task": [orjson.dumps({"i": i, "deep": {"k": [i]}}).decode() for i in range(n)],
+            "trajectory": trajectories,
+        },
+    )
+    with open_rows(path) as rows:
+        got = list(rows)
+    assert [r.task for r in got] == [{"i": i, "deep": {"k": [i]}} for i in range(n)]
+    assert [r.trajectory for r in got] == [
+        [{"role": "assistant", "content": "4"}],
+        {"content": "obj"},
+        "the answer is 4",
+        "42",
+        '"quoted"',
+        "[not json",
+    ]
+
+
+def test_parquet_struct_task_and_text_trajectory_round_trip(tmp_path: Path) -> None:
+    data = rows_data(5)
+    path = write_parquet(tmp_path / "in.parquet", nested_columns(data))
+    with open_rows(path) as rows:
+        got = list(rows)
+    assert [r.trajectory for r in got] == [d["trajectory"] for d in data]
+    assert [r.task["i"] for r in got] == list(range(5))
+
+
+def test_parquet_missing_column_names_it(tmp_path: Path) -> None:
+    path = write_parquet(tmp_path / "in.parquet", {"id": [1], "environment": ["arith"], "trajectory": ["x"]})
+    with pytest.raises(InputError) as info:
+        open_rows(path)
+    assert info.value.number is None
+    assert "missing column(s) 'task'" in str(info.value)
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("task", "reason"),
+    [
+        ("{not json", "'task' is text but not valid JSON"),
+        ("[1, 2]", "'task' must be an object, got list"),
+        (None, "'task' must be an object, got NoneType"),
+    ],
+)
+def test_parquet_bad_task_names_its_row(tmp_path: Path, task: Any, reason: str) -> None:
+    path = write_parquet(
+        tmp_path / "in.parquet",
+        {
+            "id": [1, 2, 3],
+            "environment": ["arith"] * 3,
+            "task": ['{"a": 1}', task, '{"a": 3}'],
+            "trajectory": ["x"] * 3,
+        },
+    )
+    with open_rows(path) as rows:
+        assert next(rows).task == {"a": 1}
+        with pytest.raises(InputError) as info:
+            next(rows)
+    assert (info.value.unit, info.value.number) == ("row", 2)
+    assert reason in str(info.value)
+    assert str(info.value).startswith(f"{path}: row 2: ")
+
+
+def test_parquet_null_environment_names_its_row(tmp_path: Path) -> None:
+    path = write_parquet(
+        tmp_path / "in.parquet",
+        {"id": [1, 2], "environment": ["arith", None], "task": ["{}", "{}"], "trajectory": ["x", "y"]},
+    )
+    with open_rows(path) as rows, pytest.raises(InputError, match=r"row 2: 'environment' must be"):
+        list(rows)
+
+
+def test_parquet_value_json_cannot_represent(tmp_path: Path) -> None:
+    path = write_parquet(
+        tmp_path / "in.parquet",
+        {"id": [b"ok?", b"no"], "environment": ["arith"] * 2, "task": ["{}"] * 2, "trajectory": ["x"] * 2},
+    )
+    with pytest.raises(InputError) as info:
+        list(open_rows(path))
+    assert (info.value.unit, info.value.number) == ("row", 1)
+    assert "JSON cannot represent" in str(info.value)
+
+
+def test_not_parquet(tmp_path: Path) -> None:
+    path = tmp_path / "in.parquet"
+    path.write_bytes(b"this is not parquet at all")
+    with pytest.raises(InputError, match="cannot read as Parquet"):
+        open_rows(path)
+
+
+def test_parquet_across_batches_and_row_groups(tmp_path: Path) -> None:
+    n = BATCH_ROWS * 2 + 37
+    data = rows_data(n)
+    path = write_parquet(tmp_path / "in.parquet", nested_columns(data), row_group_size=700)
+    with open_rows(path, start=BATCH_ROWS + 5) as rows:
+        assert rows.rows_read == BATCH_ROWS + 5
+        got = list(rows)
+        assert rows.rows_read == n
+    assert [r.number for r in got] == list(range(BATCH_ROWS + 6, n + 1))
+    assert [r.id for r in got] == [d["id"] for d in data[BATCH_ROWS + 5 :]]
+
+
+# --- files and extensions ---------------------------------------------------------------------
+
+
+def test_unsupported_extension_names_the_supported_ones(tmp_path: Path) -> None:
+    path = tmp_path / "in.csv"
+    path.write_text("id,environment\n")
+    with pytest.raises(InputError) as info:
+        open_rows(path)
+    message = str(info.value)
+    assert "'.csv'" in message
+    assert all(s in message for s in (".jsonl", ".ndjson", ".json-lines", ".parquet"))
+
+
+@pytest.mark.parametrize("name", ["missing.jsonl", "missing.parquet"])
+def test_missing_file_is_an_input_error(tmp_path: Path, name: str) -> None:
+    with pytest.raises(InputError, match="cannot read"):
+        open_rows(tmp_path / name)
+
+
+def test_bad_start(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "in.jsonl", rows_data(1))
+    with pytest.raises(ValueError, match="start"):
+        open_rows(path, start=-1)
+
+
+# --- skip and checksum ------------------------------------------------------------------------
+
+
+def test_start_skips_and_numbers_stay_right(tmp_path: Path) -> None:
+    data = rows_data(10)
+    path = write_jsonl(tmp_path / "in.jsonl", data, blank_every=4)
+    with open_rows(path) as rows:
+        everything = list(rows)
+    with open_rows(path, start=6) as rows:
+        assert rows.rows_read == 6
+        rest = list(rows)
+    assert rest == everything[6:]
+
+
+def test_skipped_rows_are_not_validated(tmp_path: Path) -> None:
+    # a resumed run validated them the first time; skipping only counts and hashes them
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"not json\n" + orjson.dumps(rows_data(1)[0]) + b"\n")
+    with open_rows(path, start=1) as rows:
+        assert [r.number for r in rows] == [2]
+
+
+def test_start_past_the_end_reports_how_many_rows_there_were(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "in.jsonl", rows_data(3), blank_every=2)
+    with open_rows(path, start=10) as rows:
+        assert rows.rows_read == 3
+        assert list(rows) == []
+
+
+def prefix_through_line(path: Path, line: int) -> bytes:
+    """The file's bytes up to and including line ``line`` (1-based)."""
+    data = path.read_bytes()
+    end = 0
+    for _ in range(line):
+        end = data.index(b"\n", end) + 1
+    return data[:end]
+
+
+def test_jsonl_checksum_is_sha256_of_what_was_read(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "in.jsonl", rows_data(6), blank_every=2)
+    with open_rows(path) as rows:
+        assert rows.checksum() == EMPTY_CHECKSUM
+        seen = [next(rows) for _ in range(4)]
+        expected = "sha256:" + hashlib.sha256(prefix_through_line(path, seen[-1].number)).hexdigest()
+        assert rows.checksum() == expected
+    with open_rows(path, start=4) as skipped:
+        assert skipped.checksum() == expected
+
+
+def checksums(path: Path, n: int) -> list[str]:
+    """The reader's checksum after each of the first ``n`` rows."""
+    out = []
+    with open_rows(path) as rows:
+        for _ in range(n):
+            next(rows)
+            out.append(rows.checksum())
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_checksum_is_stable_and_changes_with_a_read_row(tmp_path: Path, fmt: str) -> None:
+    data = rows_data(8)
+
+    def write(name: str, rows: list[dict[str, Any]], row_group_size: int | None = None) -> Path:
+        if fmt == "jsonl":
+            return write_jsonl(tmp_path / f"{name}.jsonl", rows)
+        return write_parquet(tmp_path / f"{name}.parquet", nested_columns(rows), row_group_size=row_group_size)
+
+    original = write("a", data)
+    first = checksums(original, 8)
+    assert len(set(first)) == 8  # each row moves it
+    assert checksums(original, 8) == first  # and it is deterministic
+    with open_rows(original, start=5) as rows:
+        assert rows.checksum() == first[4]
+
+    changed = [dict(d) for d in data]
+    changed[3]["trajectory"] = "a different answer"
+    second = checksums(write("b", changed), 8)
+    assert second[:3] == first[:3]  # rows before the change read the same
+    assert all(a != b for a, b in zip(first[3:], second[3:], strict=True))  # from it on, never
+
+    later = [dict(d) for d in data]
+    later[7]["task"] = {"i": 7, "other": True}
+    assert checksums(write("c", later), 7) == first[:7]  # a change after row 7 leaves rows 1..7 alone
+
+    if fmt == "parquet":  # values, not bytes: a differently laid-out file of the same rows hashes alike
+        assert checksums(write("d", data, row_group_size=3), 8) == first
