@@ -1,0 +1,179 @@
+"""Rubrics: a team's written grading standards, as numbered, immutable files.
+
+Layout of the registry directory::
+
+    <root>/<owner>/<name>/<N>.md        N = 1, 2, ...; a new standard is a new file, never an edit
+
+A file is Markdown, the text the judge applies, optionally preceded by TOML front matter between
+two ``+++`` lines::
+
+    +++
+    scale = [0, 10]        # the range the judge scores in; [0, 1] when absent
+    description = "..."    # other keys are allowed and ignored by the engine
+    +++
+    Award 10 when the final answer ...
+
+``owner/name`` resolves to the latest version, ``owner/name@N`` to version N. A resolved
+:class:`Rubric` holds the text and a digest of the exact bytes it was parsed from, so a batch is
+judged against one version even if a new file appears while it runs, and the caller can record
+which. Files whose names are not ``<N>.md`` (``README.md``, ``draft.md``) are not versions.
+"""
+
+from __future__ import annotations
+
+import builtins
+import hashlib
+import math
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import VerificationError
+from .manifest import RUBRIC_REF
+
+__all__ = ["DEFAULT_SCALE", "Rubric", "RubricError", "RubricRegistry", "normalise", "parse_rubric"]
+
+DEFAULT_SCALE: tuple[float, float] = (0.0, 1.0)
+FENCE = "+++"
+_VERSION_FILE = re.compile(r"([1-9][0-9]*)\.md")
+
+
+class RubricError(VerificationError):
+    """A rubric cannot be used: missing, missing the version asked for, malformed, or a bad scale."""
+
+    def __init__(self, ref: str, reason: str) -> None:
+        super().__init__("rubric", ref, reason)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rubric:
+    """One resolved rubric version. ``text`` is the Markdown body, without the front matter."""
+
+    owner: str
+    name: str
+    version: int
+    text: str
+    digest: str  # "sha256:<hex>" of the file's bytes
+    path: Path
+    scale: tuple[float, float] = DEFAULT_SCALE
+
+    @property
+    def ref(self) -> str:
+        """The pinned ref of this version, ``owner/name@N``."""
+        return f"{self.owner}/{self.name}@{self.version}"
+
+
+def normalise(score: float, scale: tuple[float, float]) -> float:
+    """``score`` on ``scale`` mapped to 0..1; ``ValueError`` if it lies outside the scale."""
+    lo, hi = scale
+    if not lo <= score <= hi:
+        raise ValueError(f"score {score!r} is outside the scale [{lo!r}, {hi!r}]")
+    return (score - lo) / (hi - lo)
+
+
+def _scale(value: Any) -> tuple[float, float]:
+    """The ``scale`` front matter value, checked; raises ``ValueError`` saying what is wrong."""
+    if not isinstance(value, list) or len(value) != 2:
+        raise ValueError(f"scale must be [lo, hi], got {value!r}")
+    for bound in value:
+        if isinstance(bound, bool) or not isinstance(bound, int | float):
+            raise ValueError(f"scale must be two numbers, got {value!r}")
+    lo, hi = float(value[0]), float(value[1])
+    # hi - lo must be finite too, or normalising a score would divide by infinity
+    if not (math.isfinite(lo) and math.isfinite(hi) and math.isfinite(hi - lo)):
+        raise ValueError(f"scale must be finite numbers, got {value!r}")
+    if lo >= hi:
+        raise ValueError(f"scale must be [lo, hi] with lo < hi, got {value!r}")
+    return lo, hi
+
+
+def parse_rubric(data: bytes) -> tuple[str, tuple[float, float]]:
+    """The text and scale of a rubric file's bytes; raises ``ValueError`` saying what is wrong."""
+    try:
+        source = data.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8 text ({exc})") from None
+    lines = source.splitlines(keepends=True)
+    # Front matter starts at the first non-blank line: a stray blank line above it must not
+    # silently turn it into rubric text (and the scale into the default).
+    first = next((i for i, line in enumerate(lines) if line.strip()), None)
+    front: dict[str, Any] = {}
+    body = source
+    if first is not None and lines[first].strip() == FENCE:
+        close = next((i for i in range(first + 1, len(lines)) if lines[i].strip() == FENCE), None)
+        if close is None:
+            raise ValueError(f"front matter opened by '{FENCE}' on line {first + 1} is never closed")
+        try:
+            front = tomllib.loads("".join(lines[first + 1 : close]))
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"front matter is not valid TOML: {exc}") from None
+        body = "".join(lines[close + 1 :])
+    scale = _scale(front["scale"]) if "scale" in front else DEFAULT_SCALE
+    text = body.strip()
+    if not text:
+        raise ValueError("has no rubric text (the body after the front matter is empty)")
+    return text, scale
+
+
+class RubricRegistry:
+    """The rubrics under one directory; reads the files on every call, so new versions show up."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    def _versions(self, directory: Path) -> builtins.list[int]:
+        try:
+            names = [entry.name for entry in directory.iterdir() if entry.is_file()]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted(int(m.group(1)) for n in names if (m := _VERSION_FILE.fullmatch(n)))
+
+    def resolve(self, ref: str) -> Rubric:
+        """The rubric ``owner/name`` (latest version) or ``owner/name@N``; raises ``RubricError``.
+
+        A ref that is not of either form is a ``ValueError`` (manifests are checked on load, so
+        only a caller's typo gets here).
+        """
+        match = RUBRIC_REF.fullmatch(ref) if isinstance(ref, str) else None
+        if match is None:
+            raise ValueError(f"rubric ref {ref!r} must be 'owner/name' or 'owner/name@N'")
+        owner, name = match["owner"], match["name"]
+        directory = self.root / owner / name
+        versions = self._versions(directory)
+        if not versions:
+            raise RubricError(ref, f"no rubric {owner}/{name}: no version files (1.md, 2.md, ...) in {directory}")
+        if match["version"] is None:
+            version = versions[-1]
+        else:
+            version = int(match["version"])
+            if version not in versions:
+                shown = ", ".join(map(str, versions))
+                raise RubricError(ref, f"rubric {owner}/{name} has no version {version} (it has {shown})")
+        path = directory / f"{version}.md"
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise RubricError(ref, f"cannot read {path}: {exc}") from exc
+        try:
+            text, scale = parse_rubric(data)
+        except ValueError as exc:
+            raise RubricError(ref, f"{path}: {exc}") from None
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        return Rubric(owner=owner, name=name, version=version, text=text, digest=digest, path=path, scale=scale)
+
+    def list(self) -> dict[str, builtins.list[int]]:
+        """Every rubric, ``owner/name`` -> its versions in ascending order; empty if the directory is missing."""
+        found: dict[str, builtins.list[int]] = {}
+        try:
+            owners = sorted(entry for entry in self.root.iterdir() if entry.is_dir())
+        except (FileNotFoundError, NotADirectoryError):
+            return found
+        for owner in owners:
+            for directory in sorted(entry for entry in owner.iterdir() if entry.is_dir()):
+                key = f"{owner.name}/{directory.name}"
+                versions = self._versions(directory)
+                if versions and RUBRIC_REF.fullmatch(key):
+                    found[key] = versions
+        return found
