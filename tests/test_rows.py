@@ -14,7 +14,7 @@ import pytest
 from engine.errors import EngineError
 from engine.rows import BATCH_ROWS, EMPTY_CHECKSUM, InputError, Row, open_rows
 
-TASKS = [{"a": 1, "b": 2}, {"question": "2+2?", "answer": "4"}, {"nested": {"x": [1, 2, 3]}}]
+TASKS: list[dict[str, Any]] = [{"a": 1, "b": 2}, {"question": "2+2?", "answer": "4"}, {"nested": {"x": [1, 2, 3]}}]
 TRAJECTORIES: list[Any] = [
     "plain text answer",
     [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "4"}],

@@ -1,0 +1,526 @@
+"""Writing rewards for ``engine score``: never half-written, checkpointed, resumable after kill -9.
+
+The output holds one record per input row, in input order: ``id``, ``reward`` (a float) and
+``verifier``, the provenance object the caller passes (``kind``, ``ref``, ``environment``, a digest
+or a rubric version, ...), written as given. Its format follows the output's extension: JSON Lines
+(``.jsonl``, ``.ndjson``, ``.json-lines``) or Parquet (``.parquet``).
+
+Files, for an output ``OUT``:
+
+* ``OUT.partial``: the records written so far, as JSON Lines whatever the output's format (for
+  Parquet it is a spool, converted at the end);
+* ``OUT.state.json``: the last checkpoint (see :class:`Checkpoint`);
+* ``OUT.tmp``: for Parquet, the file being built from the spool at the end.
+
+``OUT`` itself appears only when the run is complete, by ``os.replace`` after an fsync, so it is
+never half-written; a complete old ``OUT`` is replaced atomically.
+
+**Why it survives kill -9.** :meth:`RewardWriter.checkpoint` first fsyncs the partial file, then
+replaces the state file atomically (temporary file, fsync, ``os.replace``, fsync of the
+directory). So the state on disk never claims more than the partial file durably holds, whatever
+the moment of the kill. A resume truncates the partial file back to the byte offset the state
+records, dropping any records written after the last checkpoint, and checks that what remains
+is byte for byte what was checkpointed (its sha256). The caller checkpoints after each chunk, so
+at most one chunk is scored again.
+
+**Why the result is identical.** Records are encoded the same way on every run, so the resumed
+partial file is byte-identical to an uninterrupted run's, and so is a JSON Lines output. A Parquet
+output is built from that same spool at the end in both cases, with the same settings, so it is
+byte-identical too (given the same pyarrow).
+
+**Parquet columns.** ``reward`` is float64. ``verifier`` is JSON text: provenance objects differ
+by verifier kind (a digest here, a rubric version there), and a struct column would add every
+other kind's keys, as nulls, to each record, so it would not round-trip. ``id`` is int64 when
+every id is an integer (or null), string when every id is a string (or null), and JSON text
+otherwise (mixed or other types). The schema metadata key ``engine.json_columns`` lists the
+columns holding JSON text; :func:`read_rewards` decodes them, so every output round-trips.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+from types import MappingProxyType, TracebackType
+from typing import Any, BinaryIO, Literal, Self
+
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .errors import EngineError
+from .rows import EMPTY_CHECKSUM, JSONL_SUFFIXES, PARQUET_SUFFIXES, RowReader, open_rows
+
+__all__ = [
+    "STATE_FORMAT",
+    "Checkpoint",
+    "OutputError",
+    "ResumeError",
+    "RewardRecord",
+    "RewardWriter",
+    "open_output",
+    "open_run",
+    "partial_path",
+    "read_rewards",
+    "state_path",
+]
+
+STATE_FORMAT = "engine-score-state/1"
+PARQUET_BATCH_ROWS = 65_536  # records per row group when the spool becomes Parquet
+HASH_CHUNK = 1 << 20
+JSON_COLUMNS_KEY = b"engine.json_columns"
+
+Format = Literal["jsonl", "parquet"]
+IdKind = Literal["null", "int", "str", "json"]
+
+
+class OutputError(EngineError, ValueError):
+    """The output cannot be written where or how it was asked (bad extension, same file as input, ...)."""
+
+
+class ResumeError(OutputError):
+    """A run cannot start or resume: the state is missing or does not match, or the input changed."""
+
+
+def partial_path(output: Path) -> Path:
+    """Where the records go until the run is complete."""
+    return output.with_name(output.name + ".partial")
+
+
+def state_path(output: Path) -> Path:
+    """Where the last checkpoint of a run writing ``output`` is kept."""
+    return output.with_name(output.name + ".state.json")
+
+
+def _format(path: Path) -> Format:
+    suffix = path.suffix.lower()
+    if suffix in JSONL_SUFFIXES:
+        return "jsonl"
+    if suffix in PARQUET_SUFFIXES:
+        return "parquet"
+    supported = ", ".join(JSONL_SUFFIXES + PARQUET_SUFFIXES)
+    raise OutputError(f"{path}: unsupported extension {path.suffix!r} (supported: {supported})")
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename or unlink in ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What the state file records: enough to resume, and to refuse to resume wrongly.
+
+    ``rows_done`` input rows (and as many records) are done; ``input_checksum`` is the input's
+    checksum through them (:meth:`engine.rows.RowReader.checksum`); the partial file's first
+    ``output_bytes`` bytes hold their records and have ``output_checksum``. ``meta`` is the
+    caller's own JSON object (counters for a summary, ...), handed back on resume.
+    """
+
+    input: str
+    rows_done: int
+    input_checksum: str
+    output_bytes: int
+    output_checksum: str
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(
+            {
+                "format": STATE_FORMAT,
+                "input": self.input,
+                "rows_done": self.rows_done,
+                "input_checksum": self.input_checksum,
+                "output_bytes": self.output_bytes,
+                "output_checksum": self.output_checksum,
+                "meta": dict(self.meta),
+            },
+            option=orjson.OPT_INDENT_2,
+        )
+
+    @classmethod
+    def load(cls, path: Path) -> Checkpoint:
+        """The checkpoint in state file ``path``; ``ResumeError`` if it is missing or unusable."""
+        try:
+            data = orjson.loads(path.read_bytes())
+        except FileNotFoundError:
+            raise ResumeError(f"no interrupted run to resume: {path} does not exist; run without --resume") from None
+        except (OSError, orjson.JSONDecodeError) as exc:
+            raise ResumeError(f"{path}: unreadable state file ({exc}); delete it to start over") from exc
+        fmt = data.get("format") if isinstance(data, dict) else None
+        if fmt != STATE_FORMAT:
+            raise ResumeError(
+                f"{path}: not a state file this version can resume (format {fmt!r}, not {STATE_FORMAT!r})"
+            )
+        types = {"input": str, "rows_done": int, "input_checksum": str, "output_bytes": int, "output_checksum": str}
+        for key, kind in types.items():
+            if not isinstance(data.get(key), kind) or isinstance(data.get(key), bool):
+                raise ResumeError(f"{path}: field {key!r} is missing or not a {kind.__name__}; delete it to start over")
+        if not isinstance(data.get("meta"), dict):
+            raise ResumeError(f"{path}: field 'meta' is missing or not an object; delete it to start over")
+        return cls(**{key: data[key] for key in (*types, "meta")})
+
+    def save(self, path: Path) -> None:
+        """Replace state file ``path`` atomically and durably with this checkpoint."""
+        payload = self.to_json()  # before touching any file: a meta JSON cannot hold changes nothing
+        tmp = _state_tmp(path)
+        with tmp.open("wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+
+
+def _state_tmp(state: Path) -> Path:
+    return state.with_name(state.name + ".tmp")
+
+
+def _finite(reward: float) -> float:
+    if isinstance(reward, bool) or not isinstance(reward, int | float):
+        raise TypeError(f"a reward must be a float, got {reward!r} ({type(reward).__name__})")
+    value = float(reward)
+    if not math.isfinite(value):
+        raise ValueError(f"a reward must be a finite number, got {reward!r}")
+    return value
+
+
+class RewardWriter:
+    """Writes reward records to ``partial_path(output)`` and checkpoints them; see the module docstring.
+
+    Get one from :func:`open_output` (or :func:`open_run`). As a context manager it closes the
+    files on exit without finishing: unless :meth:`finish` ran, the partial and state files stay
+    for ``--resume``.
+    """
+
+    def __init__(self, output: Path, input_path: Path, data: BinaryIO, checkpoint: Checkpoint) -> None:
+        self.output = output
+        self.input_path = input_path
+        self.format: Format = _format(output)
+        self.partial = partial_path(output)
+        self.state = state_path(output)
+        self.last_checkpoint = checkpoint
+        self.rows_written = checkpoint.rows_done
+        self._data: BinaryIO | None = data
+        self._bytes = checkpoint.output_bytes
+        self._hash = hashlib.sha256()
+
+    def _file(self) -> BinaryIO:
+        if self._data is None:
+            raise ValueError(f"the writer of {self.output} is closed")
+        return self._data
+
+    def write(self, row_id: Any, reward: float, verifier: Mapping[str, Any]) -> None:
+        """Append the record of the next input row. ``verifier`` is written as given."""
+        f = self._file()
+        record = {"id": row_id, "reward": _finite(reward), "verifier": dict(verifier)}
+        try:
+            line = orjson.dumps(record) + b"\n"
+        except orjson.JSONEncodeError as exc:
+            raise TypeError(f"the record of id {row_id!r} cannot be written as JSON: {exc}") from exc
+        f.write(line)
+        self._hash.update(line)
+        self._bytes += len(line)
+        self.rows_written += 1
+
+    def checkpoint(self, rows_done: int, input_checksum: str, *, meta: Mapping[str, Any] | None = None) -> None:
+        """Make the records written so far durable, then record them as done.
+
+        ``rows_done`` must equal the records written (one per input row) and ``input_checksum``
+        be the input's checksum through those rows. A crash after this returns loses nothing
+        written before it.
+        """
+        f = self._file()
+        if rows_done != self.rows_written:
+            raise ValueError(
+                f"checkpoint of {rows_done} rows, but {self.rows_written} records were written (one per input row)"
+            )
+        f.flush()
+        os.fsync(f.fileno())
+        checkpoint = Checkpoint(
+            input=self.last_checkpoint.input,
+            rows_done=rows_done,
+            input_checksum=input_checksum,
+            output_bytes=self._bytes,
+            output_checksum=self._output_checksum(),
+            meta=MappingProxyType(dict(meta if meta is not None else self.last_checkpoint.meta)),
+        )
+        checkpoint.save(self.state)
+        self.last_checkpoint = checkpoint
+
+    def _rewind(self, checkpoint: Checkpoint) -> None:
+        """Check the partial file's checkpointed prefix, drop what follows it, and position for appending."""
+        data = self._file()
+        size = os.fstat(data.fileno()).st_size
+        if size < checkpoint.output_bytes:
+            raise ResumeError(
+                f"{self.partial} holds {size} bytes but {checkpoint.output_bytes} were checkpointed: it was changed; "
+                f"delete {self.state} to start over"
+            )
+        remaining = checkpoint.output_bytes
+        while remaining:
+            chunk = data.read(min(remaining, HASH_CHUNK))
+            self._hash.update(chunk)
+            remaining -= len(chunk)
+        if self._output_checksum() != checkpoint.output_checksum:
+            raise ResumeError(
+                f"{self.partial} no longer holds what was checkpointed (checksum mismatch): it was changed; "
+                f"delete {self.state} to start over"
+            )
+        data.truncate(checkpoint.output_bytes)
+        data.seek(checkpoint.output_bytes)
+
+    def _output_checksum(self) -> str:
+        return f"sha256:{self._hash.hexdigest()}"
+
+    def check_input(self, rows: RowReader) -> None:
+        """Refuse to resume unless ``rows``, opened at ``start=rows_done``, read what the run already read."""
+        done = self.last_checkpoint.rows_done
+        if rows.rows_read < done:
+            raise ResumeError(
+                f"the input changed since the run started: {rows.path} now has {rows.rows_read} rows, "
+                f"but {done} were already scored; delete {self.state} to start over"
+            )
+        if rows.rows_read != done:
+            raise ValueError(f"the reader must be opened at start={done}, it has read {rows.rows_read} rows")
+        if rows.checksum() != self.last_checkpoint.input_checksum:
+            raise ResumeError(
+                f"the input changed since the run started: the first {done} rows of {rows.path} had checksum "
+                f"{self.last_checkpoint.input_checksum}, now {rows.checksum()}; delete {self.state} to start over"
+            )
+
+    def finish(self) -> None:
+        """Put the complete output in place atomically and remove the partial and state files."""
+        f = self._file()
+        f.flush()
+        os.fsync(f.fileno())
+        self.close()
+        if self.format == "parquet":
+            tmp = self.output.with_name(self.output.name + ".tmp")
+            _spool_to_parquet(self.partial, tmp)
+            _fsync_file(tmp)
+            os.replace(tmp, self.output)
+        else:
+            os.replace(self.partial, self.output)
+        _fsync_dir(self.output.parent)
+        # Only now is the run over: a crash before this line leaves a state that resumes to the same output.
+        self.state.unlink(missing_ok=True)
+        self.partial.unlink(missing_ok=True)
+        _state_tmp(self.state).unlink(missing_ok=True)  # left by a crash inside a checkpoint, if any
+        _fsync_dir(self.output.parent)
+
+    def close(self) -> None:
+        """Close the partial file, leaving it and the state for ``--resume``."""
+        data, self._data = self._data, None
+        if data is not None:
+            data.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def _resolved(path: Path) -> str:
+    return str(path.resolve())
+
+
+def open_output(output: str | Path, *, input_path: str | Path, resume: bool) -> RewardWriter:
+    """A writer for ``output``, the rewards of input file ``input_path``.
+
+    A fresh run (``resume=False``) refuses if an interrupted run's state exists for ``output``,
+    otherwise starts an empty partial file and a state of 0 rows; an existing complete ``output``
+    is replaced only when the new run finishes. A resumed run loads the state, refuses if it is
+    missing, was made for another input, or if the partial file no longer holds what it
+    checkpointed, and truncates the partial file to the last checkpoint. The caller must then
+    check the input with :meth:`RewardWriter.check_input` (:func:`open_run` does it all).
+    """
+    output, input_path = Path(output), Path(input_path)
+    _format(output)
+    if _resolved(output) == _resolved(input_path):
+        raise OutputError(f"{output}: the output would replace the input; choose another output file")
+    return _restore(output, input_path) if resume else _start(output, input_path)
+
+
+def _start(output: Path, input_path: Path) -> RewardWriter:
+    state, partial = state_path(output), partial_path(output)
+    if state.exists():
+        raise ResumeError(
+            f"an interrupted run exists for {output} ({state}): use --resume to continue it, "
+            f"or delete {state} to start over"
+        )
+    checkpoint = Checkpoint(
+        input=_resolved(input_path),
+        rows_done=0,
+        input_checksum=EMPTY_CHECKSUM,
+        output_bytes=0,
+        output_checksum=EMPTY_CHECKSUM,
+    )
+    try:
+        data: BinaryIO = partial.open("wb")
+    except OSError as exc:
+        raise OutputError(f"cannot write {partial}: {exc}") from exc
+    try:
+        os.fsync(data.fileno())
+        checkpoint.save(state)  # from here on, --resume works whenever the run stops
+    except BaseException:
+        data.close()
+        raise
+    return RewardWriter(output, input_path, data, checkpoint)
+
+
+def _restore(output: Path, input_path: Path) -> RewardWriter:
+    state, partial = state_path(output), partial_path(output)
+    checkpoint = Checkpoint.load(state)
+    if checkpoint.input != _resolved(input_path):
+        raise ResumeError(
+            f"the interrupted run of {output} read {checkpoint.input}, not {_resolved(input_path)}; "
+            f"resume with that input, or delete {state} to start over"
+        )
+    try:
+        data: BinaryIO = partial.open("r+b")
+    except FileNotFoundError:
+        raise ResumeError(
+            f"{partial} is missing, so the interrupted run cannot continue; delete {state} to start over"
+        ) from None
+    except OSError as exc:
+        raise OutputError(f"cannot write {partial}: {exc}") from exc
+    writer = RewardWriter(output, input_path, data, checkpoint)
+    try:
+        writer._rewind(checkpoint)
+    except BaseException:
+        writer.close()
+        raise
+    return writer
+
+
+@contextlib.contextmanager
+def open_run(
+    input_path: str | Path, output: str | Path, *, resume: bool = False
+) -> Iterator[tuple[RowReader, RewardWriter]]:
+    """The rows still to score and the writer of their rewards, checked against each other.
+
+    Fresh: the reader starts at the first row. Resumed: the writer is restored from its state,
+    the reader skips the rows already done, and the run is refused (:class:`ResumeError`) if
+    those rows differ from the ones the interrupted run read. Both are closed on exit; the run is
+    complete only once the caller has called ``writer.finish()``.
+    """
+    with contextlib.ExitStack() as stack:
+        if resume:
+            writer = stack.enter_context(open_output(output, input_path=input_path, resume=True))
+            rows = stack.enter_context(open_rows(input_path, start=writer.rows_written))
+            writer.check_input(rows)
+        else:
+            rows = stack.enter_context(open_rows(input_path))
+            writer = stack.enter_context(open_output(output, input_path=input_path, resume=False))
+        yield rows, writer
+
+
+def _id_kind(value: Any) -> IdKind:
+    if value is None:
+        return "null"
+    if isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63:
+        return "int"
+    if isinstance(value, str):
+        return "str"
+    return "json"
+
+
+def _merge(a: IdKind, b: IdKind) -> IdKind:
+    if a == "null" or a == b:
+        return b
+    if b == "null":
+        return a
+    return "json"
+
+
+def _batches(f: BinaryIO) -> Iterator[list[dict[str, Any]]]:
+    """The spool's records, parsed, :data:`PARQUET_BATCH_ROWS` at a time."""
+    while lines := list(islice(f, PARQUET_BATCH_ROWS)):
+        yield [orjson.loads(line) for line in lines]
+
+
+def _spool_to_parquet(spool: Path, target: Path) -> None:
+    """Convert the JSON Lines spool to a Parquet file, streaming; two passes, the first picks the ``id`` type."""
+    kind: IdKind = "null"
+    with spool.open("rb") as f:
+        for batch in _batches(f):
+            for record in batch:
+                kind = _merge(kind, _id_kind(record["id"]))
+    id_type = pa.int64() if kind == "int" else pa.string()
+    json_columns = "id,verifier" if kind == "json" else "verifier"
+    schema = pa.schema(
+        [
+            pa.field("id", id_type),
+            pa.field("reward", pa.float64(), nullable=False),
+            pa.field("verifier", pa.string(), nullable=False),
+        ],
+        metadata={JSON_COLUMNS_KEY: json_columns.encode()},
+    )
+    with spool.open("rb") as f, pq.ParquetWriter(target, schema) as writer:
+        for batch in _batches(f):
+            ids = [r["id"] for r in batch]
+            if kind == "json":
+                ids = [None if i is None else orjson.dumps(i).decode() for i in ids]
+            columns = [
+                pa.array(ids, type=id_type),
+                pa.array([r["reward"] for r in batch], type=pa.float64()),
+                pa.array([orjson.dumps(r["verifier"]).decode() for r in batch], type=pa.string()),
+            ]
+            writer.write_batch(pa.record_batch(columns, schema=schema))
+
+
+@dataclass(frozen=True, slots=True)
+class RewardRecord:
+    """One record of an output file."""
+
+    id: Any
+    reward: float
+    verifier: Mapping[str, Any]
+
+
+def read_rewards(path: str | Path) -> Iterator[RewardRecord]:
+    """The records of a complete output file (JSON Lines or Parquet), streamed, in order."""
+    path = Path(path)
+    if _format(path) == "jsonl":
+        with path.open("rb") as f:
+            for line in f:
+                if not line.isspace():
+                    data = orjson.loads(line)
+                    yield RewardRecord(data["id"], data["reward"], data["verifier"])
+        return
+    with pq.ParquetFile(path) as pf:
+        metadata = pf.schema_arrow.metadata or {}
+        json_columns = set(metadata.get(JSON_COLUMNS_KEY, b"").decode().split(","))
+
+        def column(batch: pa.RecordBatch, name: str) -> list[Any]:
+            values = batch.column(name).to_pylist()
+            if name in json_columns:
+                return [None if v is None else orjson.loads(v) for v in values]
+            return values
+
+        for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=["id", "reward", "verifier"]):
+            for row_id, reward, verifier in zip(
+                column(batch, "id"), column(batch, "reward"), column(batch, "verifier"), strict=True
+            ):
+                yield RewardRecord(row_id, reward, verifier)

@@ -1,0 +1,496 @@
+"""engine.output: atomic reward files, checkpoints, and resume after a crash, a failure or kill -9."""
+
+from __future__ import annotations
+
+import math
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from engine.errors import VerificationError
+from engine.output import (
+    STATE_FORMAT,
+    OutputError,
+    ResumeError,
+    RewardRecord,
+    open_output,
+    open_run,
+    partial_path,
+    read_rewards,
+    state_path,
+)
+from engine.rows import EMPTY_CHECKSUM, Row, open_rows
+
+VERIFIER = {"kind": "plugin", "ref": "verify:score", "environment": "arith", "digest": "sha256:" + "ab" * 32}
+RUBRIC = {"kind": "rubric", "ref": "alice/arith", "environment": "judge", "rubric_version": 3, "rubric_digest": "x"}
+FORMATS = ["jsonl", "parquet"]
+
+
+def write_input(path: Path, n: int, *, changed: dict[int, str] | None = None) -> Path:
+    """``n`` JSON Lines rows; ``changed`` maps a 0-based row to a different trajectory."""
+    changed = changed or {}
+    with path.open("wb") as f:
+        for i in range(n):
+            row = {"id": f"row-{i}", "environment": "arith", "task": {"i": i}, "trajectory": changed.get(i, f"t{i}")}
+            f.write(orjson.dumps(row) + b"\n")
+    return path
+
+
+def reward_of(row: Row) -> float:
+    """A deterministic stand-in for a verifier: depends on the task and the trajectory."""
+    return float(row.task["i"] / 7 + len(str(row.trajectory)) / 1000)
+
+
+def write_chunk(writer: Any, batch: list[Row]) -> None:
+    for row in batch:
+        writer.write(row.id, reward_of(row), VERIFIER if row.task["i"] % 3 else RUBRIC)
+
+
+def score_all(input_path: Path, output: Path, *, resume: bool = False, chunk: int = 3) -> int:
+    """Score every row, checkpointing each chunk, and finish; returns how many rows this run scored."""
+    scored = 0
+    with open_run(input_path, output, resume=resume) as (rows, writer):
+        while batch := list(islice(rows, chunk)):
+            write_chunk(writer, batch)
+            scored += len(batch)
+            writer.checkpoint(rows.rows_read, rows.checksum())
+        writer.finish()
+    return scored
+
+
+def interrupted(input_path: Path, output: Path, *, chunks: int, chunk: int = 3) -> None:
+    """Score ``chunks`` chunks with checkpoints, then half of the next one, and stop without finishing."""
+    with open_run(input_path, output) as (rows, writer):
+        for _ in range(chunks):
+            write_chunk(writer, list(islice(rows, chunk)))
+            writer.checkpoint(rows.rows_read, rows.checksum())
+        write_chunk(writer, list(islice(rows, chunk // 2 + 1)))
+
+
+def state_of(output: Path) -> dict[str, Any]:
+    data: dict[str, Any] = orjson.loads(state_path(output).read_bytes())
+    return data
+
+
+@pytest.fixture(params=FORMATS)
+def fmt(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def reference(tmp_path: Path, fmt: str) -> Path:
+    """The output of an uninterrupted run over the 20-row input ``in.jsonl``."""
+    out = tmp_path / "ref" / f"rewards.{fmt}"
+    out.parent.mkdir()
+    score_all(write_input(tmp_path / "in.jsonl", 20), out)
+    return out
+
+
+# --- round trips ------------------------------------------------------------------------------
+
+ID_SETS: dict[str, list[Any]] = {
+    "ints": [1, 2, 3, -4],
+    "strings": ["a", "b", "", "ü"],
+    "ints and nulls": [None, 1, None, 2],
+    "all null": [None, None],
+    "mixed": [1, "1", None, {"k": [1]}, 2**64 - 1, True, 1.5],
+}
+
+
+@pytest.mark.parametrize("ids", ID_SETS.values(), ids=ID_SETS.keys())
+def test_round_trip(tmp_path: Path, fmt: str, ids: list[Any]) -> None:
+    inp = write_input(tmp_path / "in.jsonl", 1)
+    out = tmp_path / f"rewards.{fmt}"
+    records = [RewardRecord(i, k / 3 - 1, VERIFIER if k % 2 else RUBRIC) for k, i in enumerate(ids)]
+    with open_output(out, input_path=inp, resume=False) as writer:
+        for r in records:
+            writer.write(r.id, r.reward, r.verifier)
+        writer.finish()
+    got = list(read_rewards(out))
+    assert got == records
+    assert [type(g.id) for g in got] == [type(r.id) for r in records]  # 1 stays 1, "1" stays "1", True stays True
+
+
+@pytest.mark.parametrize(
+    ("ids", "id_type", "json_columns"),
+    [
+        ([1, None, 2], pa.int64(), b"verifier"),
+        (["a", None], pa.string(), b"verifier"),
+        ([None], pa.string(), b"verifier"),
+        ([1, "a"], pa.string(), b"id,verifier"),
+    ],
+)
+def test_parquet_columns(tmp_path: Path, ids: list[Any], id_type: pa.DataType, json_columns: bytes) -> None:
+    inp = write_input(tmp_path / "in.jsonl", 1)
+    out = tmp_path / "rewards.parquet"
+    with open_output(out, input_path=inp, resume=False) as writer:
+        for i in ids:
+            writer.write(i, 0.5, VERIFIER)
+        writer.finish()
+    schema = pq.read_schema(out)
+    assert schema.names == ["id", "reward", "verifier"]
+    assert schema.field("id").type == id_type
+    assert schema.field("reward").type == pa.float64()
+    assert schema.field("verifier").type == pa.string()
+    assert schema.metadata[b"engine.json_columns"] == json_columns
+    assert orjson.loads(pq.read_table(out).column("verifier")[0].as_py()) == VERIFIER
+
+
+def test_jsonl_output_is_one_object_a_line_in_input_order(tmp_path: Path) -> None:
+    inp = write_input(tmp_path / "in.jsonl", 5)
+    out = tmp_path / "rewards.jsonl"
+    score_all(inp, out, chunk=2)
+    lines = [orjson.loads(line) for line in out.read_bytes().splitlines()]
+    assert [line["id"] for line in lines] == [f"row-{i}" for i in range(5)]
+    assert all(list(line) == ["id", "reward", "verifier"] for line in lines)
+    with open_rows(inp) as rows:
+        assert [line["reward"] for line in lines] == [reward_of(r) for r in rows]
+
+
+@pytest.mark.timeout(30)
+def test_parquet_output_spans_row_groups(tmp_path: Path) -> None:
+    inp = write_input(tmp_path / "in.jsonl", 1)
+    out = tmp_path / "rewards.parquet"
+    n = 70_000  # more than one batch of the spool conversion
+    with open_output(out, input_path=inp, resume=False) as writer:
+        for i in range(n):
+            writer.write(i, i / n, VERIFIER)
+        writer.finish()
+    assert pq.ParquetFile(out).metadata.num_row_groups >= 2
+    got = list(read_rewards(out))
+    assert [g.id for g in got] == list(range(n))
+    assert got[-1] == RewardRecord(n - 1, (n - 1) / n, VERIFIER)
+
+
+# --- never half-written -----------------------------------------------------------------------
+
+
+def test_output_appears_only_at_finish(tmp_path: Path, fmt: str) -> None:
+    inp = write_input(tmp_path / "in.jsonl", 6)
+    out = tmp_path / f"rewards.{fmt}"
+    with open_run(inp, out) as (rows, writer):
+        write_chunk(writer, list(rows))
+        writer.checkpoint(rows.rows_read, rows.checksum())
+        assert not out.exists()
+        assert partial_path(out).exists() and state_path(out).exists()
+        writer.finish()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["in.jsonl", out.name])
+    assert len(list(read_rewards(out))) == 6
+
+
+def test_old_complete_output_is_replaced_only_at_finish(tmp_path: Path, fmt: str) -> None:
+    inp = write_input(tmp_path / "in.jsonl", 4)
+    out = tmp_path / f"rewards.{fmt}"
+    score_all(write_input(tmp_path / "old.jsonl", 2), out)
+    old = out.read_bytes()
+    with open_run(inp, out) as (rows, writer):
+        write_chunk(writer, list(rows))
+        writer.checkpoint(rows.rows_read, rows.checksum())
+        assert out.read_bytes() == old
+        writer.finish()
+    assert [r.id for r in read_rewards(out)] == [f"row-{i}" for i in range(4)]
+
+
+def test_a_failure_keeps_everything_checkpointed_and_resumes(tmp_path: Path, fmt: str, reference: Path) -> None:
+    inp, out = tmp_path / "in.jsonl", tmp_path / f"rewards.{fmt}"
+    with pytest.raises(VerificationError), open_run(inp, out) as (rows, writer):
+        while batch := list(islice(rows, 3)):
+            if any(row.task["i"] == 13 for row in batch):
+                raise VerificationError("plugin", "verify:score", "boom", index=13)
+            write_chunk(writer, batch)
+            writer.checkpoint(rows.rows_read, rows.checksum())
+    assert not out.exists()
+    assert state_of(out)["rows_done"] == 12
+    assert [r.id for r in read_rewards_partial(out)] == [f"row-{i}" for i in range(12)]
+    assert score_all(inp, out, resume=True) == 8
+    assert out.read_bytes() == reference.read_bytes()
+
+
+def read_rewards_partial(output: Path) -> Iterator[RewardRecord]:
+    """The records in a run's partial file (JSON Lines whatever the output's format)."""
+    spool = output.with_name("spool.jsonl")
+    spool.write_bytes(partial_path(output).read_bytes())
+    return read_rewards(spool)
+
+
+# --- checkpoint and resume --------------------------------------------------------------------
+
+
+def test_crash_after_a_checkpoint_resumes_to_an_identical_file(tmp_path: Path, fmt: str, reference: Path) -> None:
+    inp, out = tmp_path / "in.jsonl", tmp_path / f"rewards.{fmt}"
+    interrupted(inp, out, chunks=2)
+    with partial_path(out).open("ab") as f:
+        f.write(b'{"id": "row-8", "reward": 0.1, "verif')  # a record cut off by the crash
+    checkpointed = state_of(out)["output_bytes"]
+    assert partial_path(out).stat().st_size > checkpointed  # records after the checkpoint are on disk
+
+    with open_run(inp, out, resume=True) as (rows, writer):
+        assert writer.rows_written == 6
+        assert partial_path(out).stat().st_size == checkpointed  # truncated back to the checkpoint
+        rest = list(rows)
+        assert [r.number for r in rest] == list(range(7, 21))
+        write_chunk(writer, rest)
+        writer.checkpoint(rows.rows_read, rows.checksum())
+        writer.finish()
+    assert out.read_bytes() == reference.read_bytes()
+    assert not partial_path(out).exists() and not state_path(out).exists()
+
+
+def test_resume_after_the_last_checkpoint_but_before_finish(tmp_path: Path, fmt: str, reference: Path) -> None:
+    inp, out = tmp_path / "in.jsonl", tmp_path / f"rewards.{fmt}"
+    with open_run(inp, out) as (rows, writer):
+        write_chunk(writer, list(rows))
+        writer.checkpoint(rows.rows_read, rows.checksum())
+    assert score_all(inp, out, resume=True) == 0
+    assert out.read_bytes() == reference.read_bytes()
+
+
+def test_resume_right_after_start(tmp_path: Path, fmt: str, reference: Path) -> None:
+    inp, out = tmp_path / "in.jsonl", tmp_path / f"rewards.{fmt}"
+    open_output(out, input_path=inp, resume=False).close()
+    assert state_of(out)["rows_done"] == 0
+    assert score_all(inp, out, resume=True) == 20
+    assert out.read_bytes() == reference.read_bytes()
+
+
+def test_state_records_the_checkpoint(tmp_path: Path) -> None:
+    inp, out = write_input(tmp_path / "in.jsonl", 10), tmp_path / "rewards.jsonl"
+    with open_run(inp, out) as (rows, writer):
+        assert state_of(out)["input_checksum"] == EMPTY_CHECKSUM
+        write_chunk(writer, list(islice(rows, 4)))
+        writer.checkpoint(4, rows.checksum(), meta={"verifiers": {"verify:score": {"items": 4}}})
+        state = state_of(out)
+        assert state["format"] == STATE_FORMAT
+        assert state["input"] == str(inp.resolve())
+        assert state["rows_done"] == 4
+        assert state["input_checksum"] == rows.checksum()
+        assert state["output_bytes"] == partial_path(out).stat().st_size
+    with open_run(inp, out, resume=True) as (rows, writer):
+        assert writer.last_checkpoint.meta == {"verifiers": {"verify:score": {"items": 4}}}
+        write_chunk(writer, [next(rows)])
+        writer.checkpoint(5, rows.checksum())  # meta carries over when not given
+        assert state_of(out)["meta"] == {"verifiers": {"verify:score": {"items": 4}}}
+
+
+def test_fresh_run_refused_while_an_interrupted_run_exists(tmp_path: Path) -> None:
+    inp, out = write_input(tmp_path / "in.jsonl", 10), tmp_path / "rewards.jsonl"
+    interrupted(inp, out, chunks=1)
+    before = partial_path(out).read_bytes(), state_path(out).read_bytes()
+    with pytest.raises(ResumeError) as info, open_run(inp, out):
+        pass
+    assert "--resume" in str(info.value) and str(state_path(out)) in str(info.value)
+    assert (partial_path(out).read_bytes(), state_path(out).read_bytes()) == before
+
+
+def test_resume_refused_without_state(tmp_path: Path) -> None:
+    inp, out = write_input(tmp_path / "in.jsonl", 3), tmp_path / "rewards.jsonl"
+    with pytest.raises(ResumeError, match="run without --resume"), open_run(inp, out, resume=True):
+        pass
+
+
+def test_resume_refused_for_another_input(tmp_path: Path) -> None:
+    inp, out = write_input(tmp_path / "in.jsonl", 10), tmp_path / "rewards.jsonl"
+    other = write_input(tmp_path / "other.jsonl", 10)
+    interrupted(inp, out, chunks=1)
+    with pytest.raises(ResumeError, match=r"read .*in\.jsonl, not .*other\.jsonl"), open_run(other, out, resume=True):
+        pass
+
+
+def test_resume_refused_when_a_read_row_changed(tmp_path: Path) -> None:
+    inp, out = write_input(tmp_path / "in.jsonl", 10), tmp_path / "rewards.jsonl"
+    interrupted(inp, out, chunks=2)
+    write_input(inp, 10, changed={4: "edited"})
+    changed = "the input changed since the run started: the first 6 rows"
+    with pytest.raises(ResumeError, match=changed), open_run(inp, out, resume=True):
+        pass
+    assert state_of(out)["rows_done"] == 6  # refused, not damaged
+
+
+def test_resume_refused_when_the_input_shrank(tmp_path: Path) -> None:
+    inp, out = write_input(tmp_path / "in.jsonl", 10), tmp_path / "rewards.jsonl"
+    interrupted(inp, out, chunks=2)
+    write_input(inp, 4)
+    with pytest.raises(ResumeError, match="now has 4 rows, but 6 were already scored"), open_run(inp, out, resume=True):
+        pass
+
+
+def test_resume_accepts_changes_after_the_rows_done(tmp_path: Path) -> None:
+    inp, out = write_input(tmp_path / "in.jsonl", 10), tmp_path / "rewards.jsonl"
+    interrupted(inp, out, chunks=2)
+    write_input(inp, 12, changed={8: "edited later"})
+    assert score_all(inp, out, resume=True) == 6
+    with open_rows(inp) as rows:
+        assert [r.reward for r in read_rewards(out)] == [reward_of(row) for row in rows]
+
+
+@pytest.mark.parametrize("damage", ["flip", "shorten", "delete"])
+def test_resume_refused_when_the_partial_file_changed(tmp_path: Path, damage: str) -> None:
+    inp, out = write_input(tmp_path / "in.jsonl", 10), tmp_path / "rewards.jsonl"
+    interrupted(inp, out, chunks=2)
+    partial = partial_path(out)
+    data = partial.read_bytes()
+    if damage == "flip":
+        partial.write_bytes(data[:5] + bytes([data[5] ^ 1]) + data[6:])
+        expected = "no longer holds what was checkpointed"
+    elif damage == "shorten":
+        partial.write_bytes(data[:10])
+        expected = "holds 10 bytes but"
+    else:
+        partial.unlink()
+        expected = "is missing"
+    with pytest.raises(ResumeError, match=expected), open_run(inp, out, resume=True):
+        pass
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (b"{not json", "unreadable state file"),
+        (b'{"format": "something-else/9"}', "not a state file this version can resume"),
+        (orjson.dumps({"format": STATE_FORMAT, "input": "x"}), "field 'rows_done' is missing"),
+    ],
+)
+def test_resume_refused_with_a_bad_state_file(tmp_path: Path, content: bytes, expected: str) -> None:
+    inp, out = write_input(tmp_path / "in.jsonl", 3), tmp_path / "rewards.jsonl"
+    state_path(out).write_bytes(content)
+    with pytest.raises(ResumeError, match=expected), open_run(inp, out, resume=True):
+        pass
+
+
+# --- misuse -----------------------------------------------------------------------------------
+
+
+def test_misuse(tmp_path: Path) -> None:
+    inp = write_input(tmp_path / "in.jsonl", 3)
+    with pytest.raises(OutputError, match=r"unsupported extension '\.csv'"):
+        open_output(tmp_path / "rewards.csv", input_path=inp, resume=False)
+    with pytest.raises(OutputError, match="would replace the input"):
+        open_output(inp, input_path=inp, resume=False)
+    with pytest.raises(OutputError, match="cannot write"):
+        open_output(tmp_path / "no" / "such" / "dir.jsonl", input_path=inp, resume=False)
+    with open_output(tmp_path / "rewards.jsonl", input_path=inp, resume=False) as writer:
+        with pytest.raises(ValueError, match="finite"):
+            writer.write(1, math.nan, VERIFIER)
+        with pytest.raises(ValueError, match="finite"):
+            writer.write(1, math.inf, VERIFIER)
+        with pytest.raises(TypeError, match="must be a float"):
+            writer.write(1, True, VERIFIER)
+        with pytest.raises(TypeError, match="must be a float"):
+            writer.write(1, "0.5", VERIFIER)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="cannot be written as JSON"):
+            writer.write(object(), 0.5, VERIFIER)
+        assert writer.rows_written == 0  # nothing refused was written
+        writer.write(1, 1, VERIFIER)  # an int reward is a float
+        with pytest.raises(ValueError, match="checkpoint of 2 rows, but 1 records were written"):
+            writer.checkpoint(2, EMPTY_CHECKSUM)
+        writer.finish()
+        with pytest.raises(ValueError, match="closed"):
+            writer.write(2, 0.5, VERIFIER)
+    assert list(read_rewards(tmp_path / "rewards.jsonl")) == [RewardRecord(1, 1.0, VERIFIER)]
+
+
+# --- kill -9 ----------------------------------------------------------------------------------
+
+SCRIPT = '''
+"""Score an input with a deterministic stand-in verifier, checkpointing each chunk.
+
+argv: input output chunk hold [--resume]. After ``hold`` checkpoints, it writes all but the last
+record of the next chunk (more than a write buffer, so most of it reaches the file), says
+"holding" and waits to be killed.
+"""
+import sys
+from itertools import islice
+
+from engine.output import open_run
+
+input_path, output, chunk, hold = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+DIGEST = "sha256:" + "c" * 64
+VERIFIER = {"kind": "endpoint", "ref": "http://127.0.0.1:1/score", "environment": "arith", "digest": DIGEST}
+
+with open_run(input_path, output, resume="--resume" in sys.argv) as (rows, writer):
+    print("started at", writer.rows_written, flush=True)
+    checkpoints = 0
+    while batch := list(islice(rows, chunk)):
+        if checkpoints == hold:
+            batch = batch[:-1]
+        for row in batch:
+            writer.write(row.id, row.task["i"] / 7 + len(row.trajectory) / 1000, VERIFIER)
+        if checkpoints == hold:
+            print("holding", flush=True)
+            sys.stdin.read()
+        writer.checkpoint(rows.rows_read, rows.checksum())
+        checkpoints += 1
+        print("checkpoint", writer.rows_written, flush=True)
+    writer.finish()
+print("done", flush=True)
+'''
+
+ROWS, CHUNK = 1000, 100
+
+
+def start_script(tmp_path: Path, out: Path, hold: int, *, resume: bool = False) -> subprocess.Popen[bytes]:
+    script = tmp_path / "backfill.py"
+    script.write_text(SCRIPT)
+    args = [sys.executable, str(script), str(tmp_path / "in.jsonl"), str(out), str(CHUNK), str(hold)]
+    return subprocess.Popen(
+        [*args, *(["--resume"] if resume else [])],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+
+
+def run_script(tmp_path: Path, out: Path, *, resume: bool = False) -> list[str]:
+    proc = start_script(tmp_path, out, hold=-1, resume=resume)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr.decode()
+    return stdout.decode().splitlines()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kill_at", ["while running", "mid-chunk"])
+def test_kill_9_then_resume_gives_the_uninterrupted_output(tmp_path: Path, fmt: str, kill_at: str) -> None:
+    write_input(tmp_path / "in.jsonl", ROWS)
+    reference = tmp_path / f"reference.{fmt}"
+    assert run_script(tmp_path, reference)[-1] == "done"
+
+    out = tmp_path / f"rewards.{fmt}"
+    # "while running": killed as soon as it reports its 2nd checkpoint, wherever it is then (it holds, at
+    # the latest, in chunk 6, so it cannot finish first). "mid-chunk": killed with most of a chunk written.
+    hold, wanted = (5, f"checkpoint {2 * CHUNK}") if kill_at == "while running" else (3, "holding")
+    with start_script(tmp_path, out, hold=hold) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        seen: list[str] = []
+        for _ in range(20):
+            line = proc.stdout.readline().decode().strip()
+            seen.append(line)
+            if line in (wanted, ""):
+                break
+        if seen[-1] != wanted:
+            proc.kill()
+            pytest.fail(f"the script said {seen}, then: {proc.stderr.read().decode()}")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    assert proc.returncode == -signal.SIGKILL
+
+    assert not out.exists()
+    done = state_of(out)["rows_done"]
+    assert done >= 2 * CHUNK and done % CHUNK == 0
+    if kill_at == "mid-chunk":
+        assert done == 3 * CHUNK
+        assert partial_path(out).stat().st_size > state_of(out)["output_bytes"]  # records past the checkpoint
+
+    lines = run_script(tmp_path, out, resume=True)
+    assert lines[0] == f"started at {done}"  # at most one chunk is scored again
+    assert lines[-1] == "done"
+    assert out.read_bytes() == reference.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["backfill.py", "in.jsonl", reference.name, out.name])
