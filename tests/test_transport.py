@@ -1,0 +1,182 @@
+"""The pooled HTTP/1.1 transport under the engine's client, against real servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import anyio
+import anyio.abc
+import httpx
+import pytest
+
+from engine.transport import PoolTransport
+from httpserver import Request, Response, TestServer, json_handler
+
+pytestmark = pytest.mark.timeout(10)
+
+RawHandler = Callable[[anyio.abc.SocketStream], Awaitable[None]]
+
+
+@asynccontextmanager
+async def raw_server(handler: RawHandler) -> AsyncIterator[str]:
+    """A TCP server on 127.0.0.1 whose handler writes whatever bytes a test needs; yields its URL."""
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, handler)
+        try:
+            yield f"http://127.0.0.1:{port}/"
+        finally:
+            tg.cancel_scope.cancel()
+
+
+async def eventually(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Wait, on the event loop, until ``condition()`` holds (a server on another thread changes it)."""
+    with anyio.fail_after(timeout):
+        while not condition():
+            await anyio.sleep(0.005)
+
+
+async def read_request(stream: anyio.abc.SocketStream) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += await stream.receive()
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")), 0)
+    while len(body) < length:
+        body += await stream.receive()
+    return head
+
+
+async def test_posts_and_reuses_one_connection() -> None:
+    with TestServer(json_handler(lambda r: {"echo": r.json(), "path": r.path})) as server:
+        async with httpx.AsyncClient(transport=PoolTransport(4)) as client:
+            for n in range(5):
+                response = await client.post(f"{server.url}/score?x=1", json={"n": n})
+                assert response.status_code == 200
+                assert response.json() == {"echo": {"n": n}, "path": "/score?x=1"}
+        assert server.opened == 1
+        await eventually(lambda: server.open_connections == 0)
+
+
+async def test_pool_limit_bounds_connections_per_origin() -> None:
+    release = threading.Event()
+
+    async def hold(request: Request) -> Response:
+        while not release.is_set():  # the server runs on its own loop and thread: poll the flag
+            await asyncio.sleep(0.005)
+        return Response.json({"ok": True})
+
+    with TestServer(hold) as server:
+        async with httpx.AsyncClient(transport=PoolTransport(3)) as client:
+            async with anyio.create_task_group() as tg:
+                for _ in range(10):
+                    tg.start_soon(functools.partial(client.post, server.url, content=b"{}"))
+                await eventually(lambda: server.in_flight == 3)
+                await anyio.wait_all_tasks_blocked()
+                assert server.opened == 3
+                release.set()
+        assert server.max_in_flight == 3
+        assert len(server.requests) == 10
+
+
+async def test_chunked_response_is_decoded() -> None:
+    async def handler(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            await read_request(stream)
+            await stream.send(
+                b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-type: application/json\r\n\r\n"
+                b"7\r\n{\"rewar\r\n8\r\nd\": 0.5}\r\n0\r\n\r\n"
+            )
+
+    async with raw_server(handler) as url, httpx.AsyncClient(transport=PoolTransport()) as client:
+        assert (await client.post(url, content=b"{}")).json() == {"reward": 0.5}
+
+
+async def test_body_delimited_by_close() -> None:
+    async def handler(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            await read_request(stream)
+            await stream.send(b"HTTP/1.0 200 OK\r\ncontent-type: application/json\r\n\r\n{\"reward\": 1}")
+
+    async with raw_server(handler) as url, httpx.AsyncClient(transport=PoolTransport()) as client:
+        response = await client.post(url, content=b"{}")
+        assert response.json() == {"reward": 1}
+
+
+async def test_close_before_a_complete_response_is_a_protocol_error() -> None:
+    async def handler(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            await read_request(stream)
+            await stream.send(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n{\"rew")
+
+    async with raw_server(handler) as url, httpx.AsyncClient(transport=PoolTransport()) as client:
+        with pytest.raises(httpx.RemoteProtocolError, match="before the response was complete"):
+            await client.post(url, content=b"{}")
+
+
+async def test_malformed_response_is_a_protocol_error() -> None:
+    async def handler(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            await read_request(stream)
+            await stream.send(b"SMTP ready\r\n\r\n")
+
+    async with raw_server(handler) as url, httpx.AsyncClient(transport=PoolTransport()) as client:
+        with pytest.raises(httpx.RemoteProtocolError, match="malformed HTTP response"):
+            await client.post(url, content=b"{}")
+
+
+async def test_refused_connection_is_a_connect_error() -> None:
+    with TestServer(json_handler(lambda r: {})) as server:
+        url = server.url
+    async with httpx.AsyncClient(transport=PoolTransport()) as client:
+        with pytest.raises(httpx.ConnectError):
+            await client.post(url, content=b"{}")
+
+
+async def test_read_timeout_closes_the_connection() -> None:
+    async def never(request: Request) -> Response:
+        await asyncio.sleep(30)
+        return Response()
+
+    with TestServer(never) as server:
+        async with httpx.AsyncClient(transport=PoolTransport(), timeout=httpx.Timeout(5, read=0.2)) as client:
+            with pytest.raises(httpx.ReadTimeout):
+                await client.post(server.url, content=b"{}")
+        await eventually(lambda: server.open_connections == 0)
+
+
+async def test_cancelled_request_closes_its_connection_and_frees_its_slot() -> None:
+    async def never(request: Request) -> Response:
+        await asyncio.sleep(30)
+        return Response()
+
+    with TestServer(never) as server:
+        async with httpx.AsyncClient(transport=PoolTransport(1)) as client:
+            with anyio.move_on_after(0.2):
+                await client.post(server.url, content=b"{}")
+            await eventually(lambda: server.open_connections == 0)
+            server.handler = json_handler(lambda r: {"again": True})
+            assert (await client.post(server.url, content=b"{}")).json() == {"again": True}
+
+
+async def test_not_reused_after_connection_close() -> None:
+    async def close_each(request: Request) -> Response:
+        return Response.json({"n": len(request.body)}, headers={"connection": "close"})
+
+    with TestServer(close_each) as server:
+        async with httpx.AsyncClient(transport=PoolTransport()) as client:
+            for _ in range(3):
+                assert (await client.post(server.url, content=b"{}")).json() == {"n": 2}
+        assert server.opened == 3
+
+
+async def test_unsupported_scheme() -> None:
+    async with httpx.AsyncClient(transport=PoolTransport()) as client:
+        with pytest.raises(httpx.UnsupportedProtocol):
+            await client.post("ftp://127.0.0.1/x", content=b"{}")
