@@ -23,6 +23,7 @@ from types import MappingProxyType
 from typing import Any
 
 from .errors import ConfigError
+from .judge import JudgeConfig
 
 __all__ = [
     "DEFAULT_MAX_ATTEMPTS",
@@ -43,6 +44,7 @@ DEFAULT_RETRY_DEADLINE = 60.0  # seconds from the first try after which no retry
 DEFAULT_MAX_IN_FLIGHT = 1024  # items in flight at once over all verifiers, however large the batch
 DEFAULT_THREADS = 64  # worker threads shared by all sync plugins
 DEFAULT_ENVIRONMENTS = "envs"
+DEFAULT_RUBRICS = "rubrics"
 
 DIGEST_PATTERN = re.compile(r"sha256:[0-9a-f]{64}")
 
@@ -113,13 +115,24 @@ class EngineConfig:
     refs: Mapping[str, Limits] = field(default_factory=dict)
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
     threads: int = DEFAULT_THREADS
+    rubrics: Path = Path(DEFAULT_RUBRICS)  # the rubric registry: <rubrics>/<owner>/<name>/<N>.md
+    judge: JudgeConfig | None = None  # None: rubric verifiers fail, saying no judge is configured
     source: Path | None = None  # the file this came from, for messages
 
     def __post_init__(self) -> None:
         src = self.source
         object.__setattr__(self, "environments", Path(self.environments))
+        object.__setattr__(self, "rubrics", Path(self.rubrics))
+        if self.judge is not None and not isinstance(self.judge, JudgeConfig):
+            raise _fail(src, "judge", f"must be a JudgeConfig, got {type(self.judge).__name__}")
         if not isinstance(self.allow_unpinned, bool):
             raise _fail(src, "allow_unpinned", f"must be true or false, got {self.allow_unpinned!r}")
+        if not isinstance(self.pins, Mapping):
+            raise _fail(src, "pins", "must be a mapping of environment name to digest")
+        if not isinstance(self.refs, Mapping):
+            raise _fail(src, "refs", "must be a mapping of verifier key to Limits")
+        if not isinstance(self.defaults, Limits):
+            raise _fail(src, "defaults", f"must be a Limits, got {type(self.defaults).__name__}")
         for name, digest in self.pins.items():
             if not isinstance(digest, str) or not DIGEST_PATTERN.fullmatch(digest):
                 raise _fail(src, f"pins.{name}", f"must look like 'sha256:<64 hex digits>', got {digest!r}")
@@ -136,7 +149,9 @@ class EngineConfig:
         return self.refs.get(key, self.defaults)
 
 
-_TOP_LEVEL = {"environments", "allow_unpinned", "pins", "defaults", "refs", "max_in_flight", "threads"}
+_TOP_LEVEL = {
+    "environments", "allow_unpinned", "pins", "defaults", "refs", "max_in_flight", "threads", "rubrics", "judge"
+}
 
 
 def config_from_mapping(data: Mapping[str, Any], *, base_dir: Path, source: Path | None = None) -> EngineConfig:
@@ -147,6 +162,13 @@ def config_from_mapping(data: Mapping[str, Any], *, base_dir: Path, source: Path
     environments = data.get("environments", DEFAULT_ENVIRONMENTS)
     if not isinstance(environments, str) or not environments:
         raise _fail(source, "environments", f"must be a directory path, got {environments!r}")
+    rubrics = data.get("rubrics", DEFAULT_RUBRICS)
+    if not isinstance(rubrics, str) or not rubrics:
+        raise _fail(source, "rubrics", f"must be a directory path, got {rubrics!r}")
+    judge_table = data.get("judge")
+    if judge_table is not None and not isinstance(judge_table, Mapping):
+        raise _fail(source, "judge", "must be a table")
+    judge = JudgeConfig.from_table(judge_table, source) if judge_table is not None else None
     pins = data.get("pins", {})
     if not isinstance(pins, Mapping):
         raise _fail(source, "pins", "must be a table of environment name = digest")
@@ -163,6 +185,8 @@ def config_from_mapping(data: Mapping[str, Any], *, base_dir: Path, source: Path
         refs=refs,
         max_in_flight=data.get("max_in_flight", DEFAULT_MAX_IN_FLIGHT),
         threads=data.get("threads", DEFAULT_THREADS),
+        rubrics=base_dir / rubrics,
+        judge=judge,
         source=source,
     )
 

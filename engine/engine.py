@@ -21,11 +21,13 @@ import httpx
 from .config import DEFAULT_TIMEOUT, EngineConfig, load_config
 from .endpoint import EndpointVerifier
 from .errors import VerificationError, describe
+from .judge import Judge, RubricVerifier
 from .manifest import Environment, load_environment
 from .plugin import PluginVerifier
 from .report import BatchResult, VerifierReport
 from .retry import Sleep
-from .scheduler import Gate, Lane, in_flight_cap, run_lanes
+from .rubric import RubricRegistry
+from .scheduler import Gate, Lane, in_flight_cap, logger, run_lanes
 from .verifier import Verifier
 
 __all__ = ["Engine"]
@@ -46,23 +48,6 @@ def _check_item(index: int, item: Any) -> str:
     if not isinstance(item["task"], Mapping):
         raise TypeError(f"item {index}: 'task' is a {type(item['task']).__name__}, not a mapping")
     return name
-
-
-class _NoJudge:
-    """Rubric verifiers need a judge; without one configured, every rubric item fails, loudly."""
-
-    kind = "rubric"
-
-    def __init__(self, environment: Environment) -> None:
-        self.ref = environment.verifier.ref
-        self.key = environment.verifier_key
-        self.retries = 0
-
-    def provenance(self) -> Mapping[str, Any]:
-        return {"kind": self.kind, "ref": self.ref}
-
-    async def verify(self, task: Mapping[str, Any], trajectory: Any) -> float:
-        raise VerificationError(self.kind, self.ref, "no judge is configured for rubric verifiers")
 
 
 class Engine:
@@ -93,6 +78,8 @@ class Engine:
         self._environments: dict[str, Environment] = {}
         self._verifiers: dict[str, Verifier] = {}
         self._gates: dict[str, Gate] = {}
+        self._judge: Judge | None = None
+        self.rubrics = RubricRegistry(self.config.rubrics)
 
     @classmethod
     def from_config(cls, path: str | Path, **kwargs: Any) -> Self:
@@ -110,12 +97,14 @@ class Engine:
             follow_redirects=False,
         )
         self._threads = anyio.CapacityLimiter(self.config.threads)
+        if self.config.judge is not None:
+            self._judge = Judge(self.config.judge, self._client, sleep=self._sleep)
         return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        client, self._client = self._client, None
+        client, self._client, self._judge = self._client, None, None
         self._verifiers.clear()
         if client is not None:
             await client.aclose()
@@ -130,45 +119,61 @@ class Engine:
             env = self._environments[name] = load_environment(path)
         return env
 
-    def _verifier(self, env: Environment) -> Verifier:
-        key = env.verifier_key
-        verifier = self._verifiers.get(key)
-        if verifier is not None:
-            return verifier
+    def _verifier(self, env: Environment, rubrics: dict[str, Verifier]) -> Verifier:
+        """The verifier of ``env`` for this batch.
+
+        Plugins and endpoints live as long as the engine (imports and connections are reused);
+        a rubric is resolved once per batch (``rubrics`` holds this batch's), so every item of a
+        batch is judged against the same version even if a new one appears while it runs.
+        """
         if self._client is None or self._threads is None:
             raise RuntimeError("the engine is not open: use 'async with Engine(...) as eng'")
-        limits = self.config.limits_for(key)
         spec = env.verifier
-        if spec.kind == "plugin":
-            verifier = PluginVerifier(
-                env,
-                limits,
-                pin=self.config.pins.get(env.name),
-                allow_unpinned=self.config.allow_unpinned,
-                thread_limiter=self._threads,
-            )
-        elif spec.kind == "endpoint":
-            verifier = EndpointVerifier(spec.ref, limits, self._client, sleep=self._sleep)
-        else:
-            verifier = _NoJudge(env)
-        self._verifiers[key] = verifier
+        if spec.kind == "rubric":
+            verifier = rubrics.get(spec.ref)
+            if verifier is None:
+                if self._judge is None:
+                    raise VerificationError("rubric", spec.ref, "no [judge] is configured to grade rubrics")
+                verifier = rubrics[spec.ref] = RubricVerifier(self.rubrics.resolve(spec.ref), self._judge)
+            return verifier
+        key = env.verifier_key
+        verifier = self._verifiers.get(key)
+        if verifier is None:
+            limits = self.config.limits_for(key)
+            if spec.kind == "plugin":
+                verifier = PluginVerifier(
+                    env,
+                    limits,
+                    pin=self.config.pins.get(env.name),
+                    allow_unpinned=self.config.allow_unpinned,
+                    thread_limiter=self._threads,
+                )
+            else:
+                verifier = EndpointVerifier(spec.ref, limits, self._client, sleep=self._sleep)
+            self._verifiers[key] = verifier
         return verifier
 
     def _lanes(self, items: list[Any]) -> list[Lane]:
-        lanes: dict[str, Lane] = {}
+        lanes: dict[Verifier, Lane] = {}
         by_env: dict[str, Lane] = {}
+        rubrics: dict[str, Verifier] = {}
         for index, item in enumerate(items):
             name = _check_item(index, item)
             lane = by_env.get(name)
             if lane is None:
-                verifier = self._verifier(self.environment(name))
-                lane = lanes.get(verifier.key)
+                try:
+                    verifier = self._verifier(self.environment(name), rubrics)
+                except VerificationError as exc:
+                    exc.index, exc.item_id, exc.environment = index, item.get("id"), name
+                    logger.error("batch aborted: %s", exc)
+                    raise
+                lane = lanes.get(verifier)
                 if lane is None:
                     limits = self.config.limits_for(verifier.key)
                     gate = self._gates.get(verifier.key)
                     if gate is None:
                         gate = self._gates[verifier.key] = Gate.from_limits(limits)
-                    lane = lanes[verifier.key] = Lane(verifier, gate, limits.max_concurrency)
+                    lane = lanes[verifier] = Lane(verifier, gate, limits.max_concurrency)
                 by_env[name] = lane
             lane.indices.append(index)
         return list(lanes.values())
@@ -226,4 +231,9 @@ class Engine:
                     retries=v.retries - retries,
                 )
             )
-        return BatchResult(rewards=rewards, verifiers=reports, elapsed=elapsed, verifier_of=verifier_of)
+        usage: dict[str, int] = {}
+        for lane in lanes:
+            if isinstance(lane.verifier, RubricVerifier):  # a fresh one per batch: its usage is this batch's
+                for name, count in lane.verifier.usage.as_dict().items():
+                    usage[name] = usage.get(name, 0) + count
+        return BatchResult(rewards=rewards, verifiers=reports, elapsed=elapsed, verifier_of=verifier_of, usage=usage)
