@@ -21,7 +21,6 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import cast
-from typing import Any
 
 import httptools
 import httpx

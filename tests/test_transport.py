@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -13,9 +12,9 @@ import anyio
 import anyio.abc
 import httpx
 import pytest
+from httpserver import Request, Response, TestServer, json_handler
 
 from engine.transport import PoolTransport
-from httpserver import Request, Response, TestServer, json_handler
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -47,7 +46,8 @@ async def read_request(stream: anyio.abc.SocketStream) -> bytes:
     while b"\r\n\r\n" not in data:
         data += await stream.receive()
     head, _, body = data.partition(b"\r\n\r\n")
-    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")), 0)
+    lengths = [int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")]
+    length = lengths[0] if lengths else 0
     while len(body) < length:
         body += await stream.receive()
     return head
@@ -73,14 +73,13 @@ async def test_pool_limit_bounds_connections_per_origin() -> None:
         return Response.json({"ok": True})
 
     with TestServer(hold) as server:
-        async with httpx.AsyncClient(transport=PoolTransport(3)) as client:
-            async with anyio.create_task_group() as tg:
-                for _ in range(10):
-                    tg.start_soon(functools.partial(client.post, server.url, content=b"{}"))
-                await eventually(lambda: server.in_flight == 3)
-                await anyio.wait_all_tasks_blocked()
-                assert server.opened == 3
-                release.set()
+        async with httpx.AsyncClient(transport=PoolTransport(3)) as client, anyio.create_task_group() as tg:
+            for _ in range(10):
+                tg.start_soon(functools.partial(client.post, server.url, content=b"{}"))
+            await eventually(lambda: server.in_flight == 3)
+            await anyio.wait_all_tasks_blocked()
+            assert server.opened == 3
+            release.set()
         assert server.max_in_flight == 3
         assert len(server.requests) == 10
 
