@@ -4,6 +4,10 @@
 contributes ``<path> NUL <size> NUL <bytes>`` so that no two different trees hash alike. Caches
 that Python and the usual tools write next to code are left out, so importing a vetted plugin
 does not change its digest.
+
+Symbolic links are followed, as ``import`` follows them: a linked file or directory is hashed by
+its content, so editing code behind a link changes the digest. A link back up the tree (a loop)
+is not entered twice; a dangling link contributes ``<path> NUL -> <target> NUL``.
 """
 
 from __future__ import annotations
@@ -21,8 +25,18 @@ CHUNK = 1 << 20
 
 def _files(root: Path) -> list[tuple[str, Path]]:
     found: list[tuple[str, Path]] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in IGNORED_DIRS]
+    # the real paths of each directory's ancestors on the walk, to cut loops made of links
+    ancestors: dict[str, frozenset[str]] = {os.fspath(root): frozenset()}
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        seen = ancestors.pop(dirpath) | {os.path.realpath(dirpath)}
+        kept = []
+        for name in dirnames:
+            child = os.path.join(dirpath, name)
+            if name in IGNORED_DIRS or os.path.realpath(child) in seen:
+                continue
+            ancestors[child] = seen
+            kept.append(name)
+        dirnames[:] = kept
         for name in filenames:
             if name.endswith(IGNORED_SUFFIXES):
                 continue
@@ -39,6 +53,9 @@ def digest_directory(path: str | Path) -> str:
         raise NotADirectoryError(f"{root}: not a directory")
     h = hashlib.sha256()
     for rel, full in _files(root):
+        if not full.exists():  # a dangling link: nothing to import there, but where it points counts
+            h.update(f"{rel}\0-> {os.readlink(full)}\0".encode())
+            continue
         h.update(f"{rel}\0{full.stat().st_size}\0".encode())
         with full.open("rb") as f:
             while chunk := f.read(CHUNK):

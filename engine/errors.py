@@ -108,7 +108,7 @@ def describe(exc: BaseException) -> str:
         }.get(type(exc), "the request")
         return f"timed out {phase}"
     if isinstance(exc, httpx.ConnectError):
-        return f"could not connect: {exc or type(exc).__name__}"
+        return f"could not connect: {str(exc) or type(exc).__name__}"
     if isinstance(exc, httpx.HTTPError):
         return f"HTTP error ({type(exc).__name__}){f': {exc}' if str(exc) else ''}"
     if isinstance(exc, orjson.JSONDecodeError):

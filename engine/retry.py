@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Awaitable, Callable
+from datetime import UTC
 from email.utils import parsedate_to_datetime
 
 import httpx
@@ -53,6 +54,8 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
         when = parsedate_to_datetime(value)
     except (TypeError, ValueError):
         return None
+    if when.tzinfo is None:  # an HTTP date is always GMT, even in the forms that do not say so
+        when = when.replace(tzinfo=UTC)
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 

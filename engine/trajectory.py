@@ -4,7 +4,8 @@ The rules, in order:
 
 * a string is itself;
 * ``None`` is no text (assistant messages that only call tools have ``content: null``);
-* a list or tuple is its elements flattened and joined with newlines, skipping those with no text;
+* a list or tuple is its elements flattened and joined with newlines, skipping those with no text
+  (``None``, ``""``, an image part, a list of nothing but those), so no blank lines appear;
 * a message, as a mapping or as an object with attributes, is its ``content`` if that is not
   ``None``, else its ``text``; content that is a list of parts is flattened like any list;
 * a part that has a ``type`` but no text (``{"type": "image_url", ...}``) is no text;
@@ -34,8 +35,8 @@ def _flatten(value: Any, path: str) -> str | None:
     if value is None:
         return None
     if isinstance(value, list | tuple):
-        pieces = (_flatten(element, f"{path}[{i}]") for i, element in enumerate(value))
-        return "\n".join(piece for piece in pieces if piece is not None) if value else None
+        pieces = [piece for i, element in enumerate(value) if (piece := _flatten(element, f"{path}[{i}]"))]
+        return "\n".join(pieces) if pieces else None
     if isinstance(value, bytes | bytearray | int | float | complex | set | frozenset):
         raise TypeError(f"cannot flatten trajectory: {type(value).__name__} at {path}")
     content, text = _field(value, "content"), _field(value, "text")

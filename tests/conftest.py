@@ -1,0 +1,111 @@
+"""Shared fixtures: a private copy of the test environments, endpoint environments, a config, a sleep recorder.
+
+Every test gets its own copy of ``tests/envs`` under ``tmp_path``, so a test may edit files (the pin
+tests do) and every engine imports its plugins from a directory no other test touches. Plugins keep
+state in module globals (``spy``); :func:`plugin_module` finds the module an engine imported from
+that private copy.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import anyio.lowlevel
+import orjson
+import pytest
+
+import engine
+
+ENVS = Path(__file__).parent / "envs"
+TEST_TIMEOUT = 5.0  # seconds, per test, unless a test says otherwise
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Give every test the per-test timeout; a test may set its own with ``@pytest.mark.timeout``."""
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(TEST_TIMEOUT))
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    # the test plugins use asyncio directly (faulty_async, arith_async)
+    return "asyncio"
+
+
+@pytest.fixture
+def envs(tmp_path: Path) -> Path:
+    """A fresh copy of ``tests/envs``: the environments directory of this test's engines."""
+    target = tmp_path / "envs"
+    shutil.copytree(ENVS, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return target
+
+
+@pytest.fixture
+def config(envs: Path) -> engine.EngineConfig:
+    return engine.EngineConfig(environments=envs, allow_unpinned=True)
+
+
+def add_endpoint_env(envs: Path, name: str, url: str, **extra: Any) -> str:
+    """Create environment ``name`` whose verifier is the endpoint at ``url``; returns ``name``."""
+    directory = envs / name
+    directory.mkdir()
+    manifest = {"kind": "environment", **extra, "verifier": {"kind": "endpoint", "ref": url}}
+    (directory / "manifest.json").write_bytes(orjson.dumps(manifest))
+    return name
+
+
+def loaded_module(envs: Path, environment: str, filename: str) -> ModuleType | None:
+    """The module an engine imported from ``envs/<environment>/<filename>``, if one did yet."""
+    wanted = str(envs / environment / filename)
+    found = [m for m in list(sys.modules.values()) if getattr(m, "__file__", None) == wanted]
+    assert len(found) <= 1, f"{wanted} was imported {len(found)} times"
+    return found[0] if found else None
+
+
+def plugin_module(envs: Path, environment: str, filename: str) -> ModuleType:
+    """The module an engine imported from ``envs/<environment>/<filename>`` (it must have)."""
+    module = loaded_module(envs, environment, filename)
+    assert module is not None, f"nothing was imported from {envs / environment / filename}"
+    return module
+
+
+def item(environment: str, trajectory: Any = "", item_id: Any = None, **task: Any) -> dict[str, Any]:
+    """A batch item; the keyword arguments are its task."""
+    out: dict[str, Any] = {"environment": environment, "task": task, "trajectory": trajectory}
+    if item_id is not None:
+        out["id"] = item_id
+    return out
+
+
+class SleepRecorder:
+    """An ``Engine(sleep=...)`` that records each wait and takes no time (it still yields once)."""
+
+    def __init__(self) -> None:
+        self.calls: list[float] = []
+
+    async def __call__(self, seconds: float) -> None:
+        self.calls.append(seconds)
+        await anyio.lowlevel.checkpoint()
+
+
+@pytest.fixture
+def sleeps() -> SleepRecorder:
+    return SleepRecorder()
+
+
+@pytest.fixture
+def import_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The file the ``import_log`` environment appends a line to each time it is imported."""
+    log = tmp_path / "imports.log"
+    monkeypatch.setenv("ENGINE_TEST_IMPORT_LOG", str(log))
+    yield log
+
+
+def import_count(log: Path) -> int:
+    return len(log.read_text().splitlines()) if log.exists() else 0

@@ -1,0 +1,131 @@
+"""The environment digest that gates plugin imports."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine import digest_directory
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    root = tmp_path / "env"
+    (root / "pkg").mkdir(parents=True)
+    (root / "manifest.json").write_text('{"kind": "environment"}')
+    (root / "verify.py").write_text("def score(task, trajectory):\n    return 1.0\n")
+    (root / "pkg" / "helpers.py").write_text("X = 1\n")
+    return root
+
+
+def test_format_and_determinism(tree: Path, tmp_path: Path) -> None:
+    digest = digest_directory(tree)
+    assert digest.startswith("sha256:")
+    assert len(digest) == len("sha256:") + 64
+    int(digest.removeprefix("sha256:"), 16)
+    assert digest_directory(tree) == digest
+    assert digest_directory(str(tree)) == digest
+    # where the directory lives does not matter, only what is in it
+    copy = tmp_path / "elsewhere" / "other_name"
+    shutil.copytree(tree, copy)
+    assert digest_directory(copy) == digest
+
+
+def test_changes_on_content_change(tree: Path) -> None:
+    before = digest_directory(tree)
+    (tree / "pkg" / "helpers.py").write_text("X = 2\n")
+    assert digest_directory(tree) != before
+
+
+def test_changes_on_rename_and_on_a_new_file(tree: Path) -> None:
+    before = digest_directory(tree)
+    (tree / "pkg" / "helpers.py").rename(tree / "pkg" / "helper.py")
+    renamed = digest_directory(tree)
+    assert renamed != before
+    (tree / "empty.txt").write_bytes(b"")
+    assert digest_directory(tree) not in {before, renamed}
+
+
+def test_file_boundaries_matter(tmp_path: Path) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    (one / "a").write_bytes(b"bc")
+    (two / "ab").write_bytes(b"c")
+    assert digest_directory(one) != digest_directory(two)
+
+
+def test_ignores_python_caches(tree: Path) -> None:
+    before = digest_directory(tree)
+    for cache in (tree / "__pycache__", tree / "pkg" / "__pycache__", tree / ".mypy_cache"):
+        cache.mkdir()
+        (cache / "verify.cpython-311.pyc").write_bytes(b"\x00compiled")
+    (tree / "stray.pyc").write_bytes(b"\x00compiled")
+    (tree / "pkg" / "old.pyo").write_bytes(b"\x00compiled")
+    assert digest_directory(tree) == before
+
+
+def test_not_a_directory(tree: Path) -> None:
+    with pytest.raises(NotADirectoryError):
+        digest_directory(tree / "verify.py")
+    with pytest.raises(NotADirectoryError):
+        digest_directory(tree / "missing")
+
+
+@pytest.mark.timeout(20)
+def test_command_line_prints_the_same_digest(tree: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "engine", "digest", str(tree)], capture_output=True, text=True, check=False, timeout=15
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == digest_directory(tree) + "\n"
+
+
+@pytest.mark.timeout(20)
+def test_command_line_refuses_a_missing_directory(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "engine", "digest", str(tmp_path / "missing")],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=15,
+    )
+    assert done.returncode == 2
+    assert "does not exist" in done.stderr
+
+
+def test_follows_linked_directories_and_files(tree: Path, tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "lib.py").write_text("WEIGHT = 1\n")
+    (shared / "data.txt").write_text("a\n")
+    (tree / "lib").symlink_to(shared, target_is_directory=True)
+    (tree / "data.txt").symlink_to(shared / "data.txt")
+    before = digest_directory(tree)
+
+    (shared / "lib.py").write_text("WEIGHT = 2\n")  # code reached through a linked directory
+    after_lib = digest_directory(tree)
+    assert after_lib != before
+    (shared / "data.txt").write_text("b\n")  # a linked file
+    assert digest_directory(tree) not in {before, after_lib}
+
+
+def test_a_link_loop_is_not_followed_forever(tree: Path) -> None:
+    (tree / "pkg" / "up").symlink_to(tree, target_is_directory=True)
+    (tree / "pkg" / "self").symlink_to(tree / "pkg", target_is_directory=True)
+    first = digest_directory(tree)
+    assert digest_directory(tree) == first
+    (tree / "pkg" / "helpers.py").write_text("X = 3\n")
+    assert digest_directory(tree) != first
+
+
+def test_dangling_link_counts_by_its_target(tree: Path) -> None:
+    (tree / "model.bin").symlink_to(tree / "nowhere-1")
+    first = digest_directory(tree)
+    (tree / "model.bin").unlink()
+    (tree / "model.bin").symlink_to(tree / "nowhere-2")
+    assert digest_directory(tree) != first

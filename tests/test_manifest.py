@@ -1,0 +1,192 @@
+"""Manifests and batch items: what is refused, with which error, before anything is scored."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from conftest import add_endpoint_env, import_count, item
+from httpserver import TestServer, json_handler
+
+import engine
+from engine import ManifestError, load_environment
+
+
+def write_manifest(root: Path, content: Any, name: str = "env") -> Path:
+    directory = root / name
+    directory.mkdir()
+    raw = content if isinstance(content, bytes) else orjson.dumps(content)
+    (directory / "manifest.json").write_bytes(raw)
+    return directory
+
+
+def manifest(kind: Any, ref: Any, **extra: Any) -> dict[str, Any]:
+    return {"kind": "environment", **extra, "verifier": {"kind": kind, "ref": ref}}
+
+
+def refused(directory: Path) -> str:
+    with pytest.raises(ManifestError) as info:
+        load_environment(directory)
+    message = str(info.value)
+    assert message.startswith(str(directory / "manifest.json")), message  # names the file
+    return message
+
+
+@pytest.mark.parametrize(
+    ("kind", "ref", "key"),
+    [
+        ("rubric", "alice/arithmetic-correctness", "alice/arithmetic-correctness"),
+        ("rubric", "alice/arithmetic-correctness@3", "alice/arithmetic-correctness"),
+        ("plugin", "verify:score", "env/verify:score"),
+        ("plugin", "scoring.length:Scorer.score", "env/scoring.length:Scorer.score"),
+        ("endpoint", "http://127.0.0.1:8080/score", "http://127.0.0.1:8080/score"),
+        ("endpoint", "https://judge.example/v1/score?x=1", "https://judge.example/v1/score?x=1"),
+    ],
+)
+def test_valid_manifests_of_each_kind(tmp_path: Path, kind: str, ref: str, key: str) -> None:
+    directory = write_manifest(tmp_path, manifest(kind, ref, version="1.2", description="anything"))
+    env = load_environment(directory)
+    assert env.name == "env"
+    assert env.path == directory
+    assert (env.verifier.kind, env.verifier.ref) == (kind, ref)
+    assert env.verifier_key == key
+    assert env.manifest["version"] == "1.2"  # descriptive keys are allowed and kept
+
+
+def test_invalid_json(tmp_path: Path) -> None:
+    message = refused(write_manifest(tmp_path, b'{"kind": "environment",'))
+    assert "invalid JSON" in message
+
+
+def test_not_an_object(tmp_path: Path) -> None:
+    assert "must be a JSON object, got list" in refused(write_manifest(tmp_path, [1, 2]))
+
+
+def test_wrong_top_level_kind(tmp_path: Path) -> None:
+    message = refused(write_manifest(tmp_path, {"kind": "dataset", "verifier": {"kind": "plugin", "ref": "a:b"}}))
+    assert "field 'kind' must be 'environment'" in message
+
+
+def test_missing_verifier(tmp_path: Path) -> None:
+    assert "field 'verifier' is missing" in refused(write_manifest(tmp_path, {"kind": "environment"}))
+
+
+def test_verifier_not_an_object(tmp_path: Path) -> None:
+    message = refused(write_manifest(tmp_path, {"kind": "environment", "verifier": "verify:score"}))
+    assert "field 'verifier' must be an object" in message
+
+
+def test_verifier_unknown_keys(tmp_path: Path) -> None:
+    content = {"kind": "environment", "verifier": {"kind": "plugin", "ref": "a:b", "timeout": 3}}
+    assert "field 'verifier' has unknown keys ['timeout']" in refused(write_manifest(tmp_path, content))
+
+
+@pytest.mark.parametrize("kind", ["python", "builtin", "exact_match", None])
+def test_unknown_or_missing_kind(tmp_path: Path, kind: Any) -> None:
+    content = manifest(kind, "verify:score")
+    if kind is None:
+        del content["verifier"]["kind"]
+    message = refused(write_manifest(tmp_path, content))
+    assert "field 'verifier.kind'" in message
+    assert "exactly three kinds" in message
+    assert "no built-in" in message
+    assert "'rubric', 'plugin', 'endpoint'" in message
+
+
+@pytest.mark.parametrize(
+    ("kind", "ref"),
+    [
+        ("rubric", "arithmetic-correctness"),
+        ("rubric", "alice/arithmetic@0"),
+        ("rubric", "alice/arithmetic@latest"),
+        ("rubric", "alice/sub/arithmetic"),
+        ("plugin", "verify"),
+        ("plugin", "my-verify:score"),
+        ("plugin", "2verify:score"),
+        ("plugin", "verify:"),
+        ("plugin", "../evil:score"),
+        ("plugin", "verify:score()"),
+        ("endpoint", "127.0.0.1:8080/score"),
+        ("endpoint", "ftp://judge.example/score"),
+        ("endpoint", "http://"),
+        ("endpoint", "http://judge example/score"),
+        ("plugin", 5),
+        ("rubric", None),
+    ],
+)
+def test_bad_ref_per_kind(tmp_path: Path, kind: str, ref: Any) -> None:
+    message = refused(write_manifest(tmp_path, manifest(kind, ref)))
+    assert f"field 'verifier.ref' is {ref!r}" in message
+    form = {
+        "rubric": "'owner/name' or 'owner/name@N'",
+        "plugin": "'module:callable'",
+        "endpoint": "http:// or https://",
+    }
+    assert form[kind] in message
+
+
+def test_no_manifest_file(tmp_path: Path) -> None:
+    (tmp_path / "env").mkdir()
+    assert "no manifest" in refused(tmp_path / "env")
+
+
+# --- batch items: misuse of the API is TypeError/ValueError, raised before anything is scored ---
+
+
+def no_request_handler_server() -> TestServer:
+    return TestServer(json_handler(lambda request: {"reward": 1.0}))
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "text"),
+    [
+        (item("no_such_environment"), ValueError, "unknown environment 'no_such_environment'"),
+        (["environment", "task"], TypeError, "item 1 is a list, not a mapping"),
+        ({"environment": "twin_a", "trajectory": ""}, ValueError, "item 1 has no 'task'"),
+        ({"environment": "twin_a", "task": {}}, ValueError, "item 1 has no 'trajectory'"),
+        ({"task": {}, "trajectory": ""}, ValueError, "item 1 has no 'environment'"),
+        ({"environment": "../twin_a", "task": {}, "trajectory": ""}, ValueError, "item 1: 'environment'"),
+        ({"environment": "twin_a", "task": "2+2", "trajectory": ""}, TypeError, "item 1: 'task' is a str"),
+    ],
+)
+async def test_bad_item_raises_before_anything_is_scored(
+    envs: Path, import_log: Path, bad: Any, error: type[Exception], text: str
+) -> None:
+    with no_request_handler_server() as server:
+        add_endpoint_env(envs, "remote", server.url)
+        config = engine.EngineConfig(environments=envs, allow_unpinned=True)
+        async with engine.Engine(config) as eng:
+            batch = [item("remote"), bad, item("import_log")]
+            with pytest.raises(error) as info:
+                await eng.score(batch)
+            assert not isinstance(info.value, engine.VerificationError)
+            assert text in str(info.value)
+            # the valid items before and after it were not scored: no request, no import
+            assert server.requests == []
+            assert import_count(import_log) == 0
+            # the engine is still usable afterwards
+            assert await eng.score([item("remote")]) == [1.0]
+
+
+async def test_bad_manifest_in_a_batch_raises_before_anything_is_scored(envs: Path) -> None:
+    write_manifest(envs, b"not json", name="broken_manifest")
+    with no_request_handler_server() as server:
+        add_endpoint_env(envs, "remote", server.url)
+        async with engine.Engine(engine.EngineConfig(environments=envs, allow_unpinned=True)) as eng:
+            with pytest.raises(ManifestError, match="invalid JSON"):
+                await eng.score([item("remote"), item("broken_manifest")])
+        assert server.requests == []
+
+
+async def test_empty_batch_and_any_iterable(config: engine.EngineConfig) -> None:
+    async with engine.Engine(config) as eng:
+        assert await eng.score([]) == []
+        assert await eng.score(item(name) for name in ("twin_b", "twin_a")) == [0.75, 0.25]
+
+
+async def test_score_on_a_closed_engine_is_refused(config: engine.EngineConfig) -> None:
+    eng = engine.Engine(config)
+    with pytest.raises(RuntimeError, match="not open"):
+        await eng.score([item("twin_a")])

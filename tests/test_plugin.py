@@ -1,0 +1,250 @@
+"""Plugin verifiers: real modules imported from real environment directories, and every way they fail."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from conftest import import_count, item
+
+import engine
+from engine import EngineConfig, Limits, VerificationError, digest_directory
+
+
+async def fails(config: EngineConfig, items: list[dict[str, Any]]) -> VerificationError:
+    """The ``VerificationError`` scoring ``items`` raises (there must be one, and no result list)."""
+    async with engine.Engine(config) as eng:
+        with pytest.raises(VerificationError) as info:
+            await eng.score(items)
+    assert type(info.value) is VerificationError  # raised alone, not in an ExceptionGroup
+    return info.value
+
+
+def check(err: VerificationError, *, environment: str, ref: str, index: int, item_id: Any, reason: str) -> None:
+    assert (err.kind, err.ref, err.environment, err.index, err.item_id) == ("plugin", ref, environment, index, item_id)
+    assert reason in err.reason, err.reason
+    message = str(err)
+    assert message.startswith(f"plugin verifier {ref!r} (environment {environment!r}) failed on item {index}")
+    assert f"(id {item_id!r})" in message
+    assert reason in message
+
+
+async def test_relative_imports_dotted_module_and_attribute(config: EngineConfig) -> None:
+    items = [
+        item("arith", "4.", reference="4"),
+        item("arith", "5", reference="4"),
+        item("length", "x" * 30),
+        item("length", "y" * 250),
+    ]
+    async with engine.Engine(config) as eng:
+        assert await eng.score(items) == [1.0, 0.0, 0.3, 1.0]
+
+
+async def test_twins_with_their_own_verify_py_give_their_own_rewards(config: EngineConfig) -> None:
+    items = [item(name) for name in ("twin_a", "twin_b", "twin_b", "twin_a", "twin_a")]
+    async with engine.Engine(config) as eng:
+        assert await eng.score(items) == [0.25, 0.75, 0.75, 0.25, 0.25]
+
+
+async def test_import_error(config: EngineConfig) -> None:
+    err = await fails(config, [item("twin_a"), item("broken_import", item_id="b-1")])
+    check(
+        err,
+        environment="broken_import",
+        ref="verify:score",
+        index=1,
+        item_id="b-1",
+        reason="cannot import module 'verify': ModuleNotFoundError",
+    )
+    assert isinstance(err.__cause__, ModuleNotFoundError)
+    assert "a_module_that_does_not_exist_anywhere" in err.reason
+
+
+async def test_missing_attribute(config: EngineConfig) -> None:
+    err = await fails(config, [item("no_attr", item_id=7)])
+    check(
+        err,
+        environment="no_attr",
+        ref="verify:missing",
+        index=0,
+        item_id=7,
+        reason="module 'verify' has no attribute 'missing'",
+    )
+
+
+async def test_not_callable(config: EngineConfig) -> None:
+    err = await fails(config, [item("not_callable", item_id="n")])
+    check(
+        err,
+        environment="not_callable",
+        ref="verify:THRESHOLD",
+        index=0,
+        item_id="n",
+        reason="'THRESHOLD' in module 'verify' is a float, not callable",
+    )
+
+
+async def test_plugin_raises_with_cause_chained(config: EngineConfig) -> None:
+    err = await fails(config, [item("faulty", mode="ok"), item("faulty", item_id="boom", mode="raise")])
+    check(
+        err,
+        environment="faulty",
+        ref="faults:by_task",
+        index=1,
+        item_id="boom",
+        reason="raised Boom: the plugin blew up",
+    )
+    assert type(err.__cause__).__name__ == "Boom"
+    assert str(err.__cause__) == "the plugin blew up"
+
+
+async def test_async_plugin_raises_with_cause_chained(config: EngineConfig) -> None:
+    err = await fails(config, [item("faulty_async", item_id="a", mode="raise")])
+    check(
+        err,
+        environment="faulty_async",
+        ref="faults:by_task",
+        index=0,
+        item_id="a",
+        reason="raised ValueError: async plugin failed",
+    )
+    assert isinstance(err.__cause__, ValueError)
+
+
+async def test_sys_exit_in_a_plugin_fails_the_item_not_the_process(config: EngineConfig) -> None:
+    err = await fails(config, [item("faulty", item_id="x", mode="exit")])
+    check(err, environment="faulty", ref="faults:by_task", index=0, item_id="x", reason="raised SystemExit: 3")
+    assert isinstance(err.__cause__, SystemExit)
+
+
+@pytest.mark.parametrize(
+    ("mode", "reason"),
+    [
+        ("none", "returned None (NoneType), which float() refuses"),
+        ("text", "returned 'high' (str), which float() refuses"),
+        ("list", "returned [1.0] (list), which float() refuses"),
+        ("nan", "returned nan, which is not a finite number"),
+        ("inf", "returned inf, which is not a finite number"),
+    ],
+)
+async def test_bad_return_values(config: EngineConfig, mode: str, reason: str) -> None:
+    items = [item("faulty", mode="ok"), item("faulty", mode="ok"), item("faulty", item_id=mode, mode=mode)]
+    err = await fails(config, items)
+    check(err, environment="faulty", ref="faults:by_task", index=2, item_id=mode, reason=reason)
+
+
+async def test_what_float_accepts_is_accepted(config: EngineConfig) -> None:
+    """The documented contract is ``float(value)``: a numeric string and a bool are rewards."""
+    async with engine.Engine(config) as eng:
+        rewards = await eng.score(
+            [item("faulty", mode="numeric_text"), item("faulty", mode="bool"), item("faulty", mode="ok")]
+        )
+    assert rewards == [0.75, 1.0, 0.5]
+    assert all(type(r) is float for r in rewards)
+
+
+async def test_sync_plugin_timeout(envs: Path) -> None:
+    config = EngineConfig(environments=envs, allow_unpinned=True, refs={"faulty/faults:by_task": Limits(timeout=0.2)})
+    start = anyio.current_time()
+    # the abandoned thread sleeps on for 1 s; Python cannot stop it, the engine does not wait for it
+    err = await fails(config, [item("faulty", mode="ok"), item("faulty", item_id="h", mode="hang", seconds=1)])
+    assert anyio.current_time() - start < 0.9
+    check(err, environment="faulty", ref="faults:by_task", index=1, item_id="h", reason="timed out after 0.2 s")
+
+
+async def test_async_plugin_hang_times_out(envs: Path) -> None:
+    config = EngineConfig(
+        environments=envs, allow_unpinned=True, refs={"faulty_async/faults:by_task": Limits(timeout=0.2)}
+    )
+    err = await fails(config, [item("faulty_async", item_id="h", mode="hang", seconds=30)])
+    check(err, environment="faulty_async", ref="faults:by_task", index=0, item_id="h", reason="timed out after 0.2 s")
+
+
+async def test_timeout_is_per_ref(envs: Path) -> None:
+    """A short timeout under one plugin's key does not apply to another plugin with the same ref."""
+    config = EngineConfig(environments=envs, allow_unpinned=True, refs={"twin_a/verify:score": Limits(timeout=0.2)})
+    async with engine.Engine(config) as eng:
+        assert await eng.score([item("twin_a"), item("twin_b")]) == [0.25, 0.75]
+
+
+# --- importing: once, and only what was pinned ---
+
+
+async def test_fifty_concurrent_first_calls_import_once(config: EngineConfig, import_log: Path) -> None:
+    results: list[list[float]] = []
+
+    async def score_one(eng: engine.Engine) -> None:
+        results.append(await eng.score([item("import_log")]))
+
+    async with engine.Engine(config) as eng:
+        async with anyio.create_task_group() as tg:
+            for _ in range(50):
+                tg.start_soon(score_one, eng)
+        assert results == [[1.0]] * 50
+        assert import_count(import_log) == 1
+
+        second: dict[str, list[float]] = {}
+
+        async def score_batch(name: str) -> None:
+            second[name] = await eng.score([item("import_log")] * 10)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(score_batch, "first")
+            tg.start_soon(score_batch, "second")
+        assert second == {"first": [1.0] * 10, "second": [1.0] * 10}
+        assert import_count(import_log) == 1
+
+
+async def test_fifty_items_of_one_batch_import_once(config: EngineConfig, import_log: Path) -> None:
+    async with engine.Engine(config) as eng:
+        assert await eng.score([item("import_log")] * 50) == [1.0] * 50
+    assert import_count(import_log) == 1
+
+
+async def test_correct_pin_imports(envs: Path, import_log: Path) -> None:
+    pin = digest_directory(envs / "import_log")
+    config = EngineConfig(environments=envs, pins={"import_log": pin})
+    async with engine.Engine(config) as eng:
+        assert await eng.score([item("import_log")]) == [1.0]
+    assert import_count(import_log) == 1
+    # importing wrote __pycache__ into the directory; the pin still holds for the next engine
+    async with engine.Engine(config) as eng:
+        assert await eng.score([item("import_log")]) == [1.0]
+    assert import_count(import_log) == 2
+
+
+async def test_changed_file_after_pinning_refuses_the_import(envs: Path, import_log: Path) -> None:
+    pin = digest_directory(envs / "import_log")
+    with (envs / "import_log" / "verify.py").open("a") as f:
+        f.write("\n# an edit after vetting\n")
+    config = EngineConfig(environments=envs, pins={"import_log": pin})
+
+    err = await fails(config, [item("import_log", item_id="p")])
+
+    check(err, environment="import_log", ref="verify:score", index=0, item_id="p", reason="changed since it was pinned")
+    assert "changed since it was pinned" in err.reason
+    assert f"the pin is {pin}" in err.reason
+    assert digest_directory(envs / "import_log") in err.reason
+    assert not import_log.exists()  # the module never ran
+
+
+async def test_missing_pin_is_refused_with_the_digest_to_pin(envs: Path, import_log: Path) -> None:
+    config = EngineConfig(environments=envs, allow_unpinned=False, pins={"twin_a": digest_directory(envs / "twin_a")})
+    async with engine.Engine(config) as eng:
+        assert await eng.score([item("twin_a")]) == [0.25]  # pinned: fine
+        with pytest.raises(VerificationError) as info:
+            await eng.score([item("twin_a"), item("import_log")])
+    err = info.value
+    assert (err.environment, err.index) == ("import_log", 1)
+    assert "has no pin and allow_unpinned is false" in err.reason
+    assert f'import_log = "{digest_directory(envs / "import_log")}"' in err.reason
+    assert not import_log.exists()
+
+
+async def test_rewards_are_floats(config: EngineConfig) -> None:
+    async with engine.Engine(config) as eng:
+        rewards = await eng.score([item("arith", "4", reference="4"), item("length", "abc")])
+    assert all(type(r) is float and math.isfinite(r) for r in rewards)

@@ -1,0 +1,208 @@
+"""The retry policy as pure functions: what is transient, how long to wait, when to stop."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from email.utils import format_datetime
+
+import httpx
+import pytest
+import tenacity
+from conftest import SleepRecorder
+
+from engine.errors import describe
+from engine.retry import (
+    BACKOFF_BASE,
+    BACKOFF_MAX,
+    RETRY_STATUSES,
+    TransientStatus,
+    backoff,
+    is_transient,
+    make_retrying,
+    parse_retry_after,
+)
+
+REQUEST = httpx.Request("POST", "http://127.0.0.1:9/score")
+
+
+def status(code: int, retry_after: str | None = None, body: bytes = b"busy") -> TransientStatus:
+    headers = {"retry-after": retry_after} if retry_after is not None else {}
+    return TransientStatus(httpx.Response(code, headers=headers, content=body, request=REQUEST))
+
+
+@pytest.mark.parametrize("code", sorted(RETRY_STATUSES))
+def test_retry_statuses_are_transient(code: int) -> None:
+    assert is_transient(status(code))
+
+
+def test_connect_failures_are_transient() -> None:
+    assert is_transient(httpx.ConnectError("refused", request=REQUEST))
+    assert is_transient(httpx.ConnectTimeout("slow to connect", request=REQUEST))
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        httpx.ReadTimeout("no answer", request=REQUEST),  # the verifier may still be working
+        httpx.WriteTimeout("stuck", request=REQUEST),
+        httpx.RemoteProtocolError("garbage", request=REQUEST),
+        ValueError("HTTP 400"),
+        RuntimeError("boom"),
+    ],
+)
+def test_everything_else_is_not(exc: Exception) -> None:
+    assert not is_transient(exc)
+
+
+def test_transient_status_carries_status_retry_after_and_body() -> None:
+    exc = status(429, "7", body=b"slow   down\nplease")
+    assert exc.status == 429
+    assert exc.retry_after == 7.0
+    assert str(exc) == "HTTP 429: slow down please"
+    assert status(503).retry_after is None
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [("5", 5.0), (" 2.5 ", 2.5), ("0", 0.0), ("-3", 0.0), (None, None), ("soon", None), ("", None)],
+)
+def test_parse_retry_after_seconds_and_garbage(value: str | None, seconds: float | None) -> None:
+    assert parse_retry_after(value) == seconds
+
+
+def test_parse_retry_after_http_date() -> None:
+    when = datetime(2015, 10, 21, 7, 28, 0, tzinfo=UTC)
+    header = format_datetime(when, usegmt=True)
+    assert header == "Wed, 21 Oct 2015 07:28:00 GMT"
+    assert parse_retry_after(header, now=when.timestamp() - 30) == pytest.approx(30.0)
+    assert parse_retry_after(header, now=when.timestamp() + 30) == 0.0  # a date in the past: no wait
+
+
+@pytest.fixture
+def eastern_local_time() -> Iterator[None]:
+    """Local time five hours behind GMT, so a date read as local time is off by 18000 s."""
+    old = os.environ.get("TZ")
+    os.environ["TZ"] = "EST+05"
+    time.tzset()
+    yield
+    if old is None:
+        del os.environ["TZ"]
+    else:
+        os.environ["TZ"] = old
+    time.tzset()
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        "Sun, 06 Nov 1994 08:49:37 GMT",  # IMF-fixdate
+        "Sunday, 06-Nov-94 08:49:37 GMT",  # obsolete RFC 850 form
+        "Sun Nov  6 08:49:37 1994",  # obsolete asctime form: no zone written, GMT all the same
+        "Sun, 06 Nov 1994 08:49:37 -0000",
+    ],
+)
+def test_http_dates_are_gmt_whatever_the_local_zone(header: str, eastern_local_time: None) -> None:
+    when = datetime(1994, 11, 6, 8, 49, 37, tzinfo=UTC).timestamp()
+    assert parse_retry_after(header, now=when - 12) == pytest.approx(12.0)
+
+
+def test_backoff_bounds_and_cap() -> None:
+    for attempt in range(1, 30):
+        step = min(BACKOFF_MAX, BACKOFF_BASE * 2 ** (attempt - 1))
+        assert backoff(attempt, rng=lambda: 0.0) == pytest.approx(step / 2)
+        assert backoff(attempt, rng=lambda: 1.0) == pytest.approx(step)
+        assert step / 2 <= backoff(attempt, rng=lambda: 0.37) <= step
+    assert backoff(1, rng=lambda: 1.0) == pytest.approx(BACKOFF_BASE)
+    assert backoff(2, rng=lambda: 1.0) == pytest.approx(2 * BACKOFF_BASE)
+    assert backoff(100, rng=lambda: 1.0) == BACKOFF_MAX
+
+
+class Flaky:
+    """An operation failing with ``failures`` in turn, then returning ``"done"``."""
+
+    def __init__(self, *failures: Exception) -> None:
+        self.failures = list(failures)
+        self.calls = 0
+
+    async def __call__(self) -> str:
+        self.calls += 1
+        if self.failures:
+            raise self.failures.pop(0)
+        return "done"
+
+
+async def run(retrying: tenacity.AsyncRetrying, operation: Flaky) -> str:
+    async for attempt in retrying:
+        with attempt:
+            result = await operation()
+    return result
+
+
+async def test_retries_transient_failures_then_succeeds(sleeps: SleepRecorder) -> None:
+    operation = Flaky(status(503), httpx.ConnectError("refused", request=REQUEST), status(429, "1.5"))
+    assert await run(make_retrying(5, 60.0, sleeps), operation) == "done"
+    assert operation.calls == 4
+    assert len(sleeps.calls) == 3
+    assert BACKOFF_BASE / 2 <= sleeps.calls[0] <= BACKOFF_BASE
+    assert 2 * BACKOFF_BASE / 2 <= sleeps.calls[1] <= 2 * BACKOFF_BASE
+    assert sleeps.calls[2] == 1.5  # Retry-After wins over the backoff
+
+
+async def test_stops_after_max_attempts(sleeps: SleepRecorder) -> None:
+    operation = Flaky(*(status(503) for _ in range(10)))
+    with pytest.raises(tenacity.RetryError) as info:
+        await run(make_retrying(3, 60.0, sleeps), operation)
+    assert operation.calls == 3
+    assert len(sleeps.calls) == 2
+    assert info.value.last_attempt.attempt_number == 3
+    assert isinstance(info.value.last_attempt.exception(), TransientStatus)
+
+
+async def test_stops_before_a_wait_that_would_pass_the_deadline(sleeps: SleepRecorder) -> None:
+    operation = Flaky(status(503, "5"), status(503, "5"))
+    with pytest.raises(tenacity.RetryError) as info:
+        await run(make_retrying(10, 2.0, sleeps), operation)
+    assert operation.calls == 1
+    assert sleeps.calls == []  # it did not sleep 5 s only to give up afterwards
+    assert info.value.last_attempt.attempt_number == 1
+
+
+async def test_non_transient_failure_is_raised_at_once(sleeps: SleepRecorder) -> None:
+    operation = Flaky(ValueError("HTTP 400: bad request"))
+    with pytest.raises(ValueError, match="HTTP 400"):
+        await run(make_retrying(5, 60.0, sleeps), operation)
+    assert operation.calls == 1
+    assert sleeps.calls == []
+
+
+# --- describing failures in words (engine.errors.describe) ---
+
+
+@pytest.mark.parametrize(
+    ("exc", "reason"),
+    [
+        (
+            httpx.ConnectError("[Errno 111] Connection refused", request=REQUEST),
+            "could not connect: [Errno 111] Connection refused",
+        ),
+        (httpx.ConnectError("", request=REQUEST), "could not connect: ConnectError"),
+        (httpx.ReadTimeout("", request=REQUEST), "timed out waiting for the response"),
+        (httpx.ConnectTimeout("", request=REQUEST), "timed out connecting"),
+        (httpx.PoolTimeout("", request=REQUEST), "timed out waiting for a free connection"),
+        (httpx.RemoteProtocolError("peer closed", request=REQUEST), "HTTP error (RemoteProtocolError): peer closed"),
+        (TimeoutError(), "timed out"),
+        (KeyError("reward"), "KeyError: 'reward'"),
+        (RuntimeError(), "RuntimeError"),
+    ],
+)
+def test_describe(exc: BaseException, reason: str) -> None:
+    assert describe(exc) == reason
+
+
+async def test_describe_a_retry_that_gave_up(sleeps: SleepRecorder) -> None:
+    with pytest.raises(tenacity.RetryError) as info:
+        await run(make_retrying(2, 60.0, sleeps), Flaky(status(503), status(502, body=b"bad gateway")))
+    assert describe(info.value) == "gave up after 2 attempts; last: TransientStatus: HTTP 502: bad gateway"

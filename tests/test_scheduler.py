@@ -1,0 +1,233 @@
+"""The scheduler end to end: order, per-verifier and global limits, no head-of-line blocking, aborts."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import pytest
+from conftest import add_endpoint_env, item, loaded_module, plugin_module
+from httpserver import Request, Response, TestServer, json_handler
+
+import engine
+from engine import EngineConfig, Limits, VerificationError
+
+POLL = 0.005  # seconds between two looks at a condition in a bounded wait
+
+
+def reward_from_task(request: Request) -> dict[str, Any]:
+    return {"reward": request.json()["task"]["r"]}
+
+
+async def test_mixed_batch_in_input_order(envs: Path) -> None:
+    with TestServer(json_handler(reward_from_task)) as server:
+        add_endpoint_env(envs, "remote", server.url + "/score")
+        config = EngineConfig(environments=envs, allow_unpinned=True)
+        items: list[dict[str, Any]] = []
+        expected: list[float] = []
+        for i in range(40):
+            match i % 5:
+                case 0:  # sync plugin with a relative import
+                    items.append(item("arith", str(i), reference=str(i if i % 10 else -1)))
+                    expected.append(1.0 if i % 10 else 0.0)
+                case 1:  # async plugin
+                    items.append(item("arith_async", str(i), reference=str(i if i % 3 else -1)))
+                    expected.append(1.0 if i % 3 else 0.0)
+                case 2:  # dotted module and attribute
+                    items.append(item("length", "x" * i))
+                    expected.append(i / 100)
+                case 3:  # endpoint
+                    items.append(item("remote", "t", r=i / 1000))
+                    expected.append(i / 1000)
+                case _:
+                    items.append(item("twin_b" if i % 2 else "twin_a"))
+                    expected.append(0.75 if i % 2 else 0.25)
+        async with engine.Engine(config) as eng:
+            rewards = await eng.score(items)
+        assert rewards == expected
+        assert len(set(rewards)) > 10  # the rewards differ, so the order is really checked
+        assert len(server.requests) == 8
+
+
+async def test_per_verifier_limit_for_a_plugin(envs: Path) -> None:
+    config = EngineConfig(environments=envs, allow_unpinned=True, refs={"spy/spy:score": Limits(max_concurrency=3)})
+    async with engine.Engine(config) as eng:
+        assert await eng.score([item("spy", sleep=0.02)] * 24) == [1.0] * 24
+    spy = plugin_module(envs, "spy", "spy.py")
+    assert spy.calls == 24
+    assert spy.max_running == 3
+
+
+async def test_per_verifier_limit_for_an_endpoint(envs: Path) -> None:
+    async def slowish(request: Request) -> Response:
+        await asyncio.sleep(0.02)
+        return Response.json({"reward": 0.5})
+
+    with TestServer(slowish) as server:
+        url = server.url + "/score"
+        add_endpoint_env(envs, "remote", url)
+        config = EngineConfig(environments=envs, refs={url: Limits(max_concurrency=5)})
+        async with engine.Engine(config) as eng:
+            assert await eng.score([item("remote")] * 30) == [0.5] * 30
+    assert len(server.requests) == 30
+    assert server.max_in_flight == 5
+
+
+async def test_limit_is_shared_by_concurrent_batches(envs: Path) -> None:
+    config = EngineConfig(environments=envs, allow_unpinned=True, refs={"spy/spy:score": Limits(max_concurrency=2)})
+    async with engine.Engine(config) as eng, anyio.create_task_group() as tg:
+        for _ in range(3):
+            tg.start_soon(eng.score, [item("spy", sleep=0.02)] * 6)
+    spy = plugin_module(envs, "spy", "spy.py")
+    assert spy.calls == 18
+    assert spy.max_running == 2
+
+
+async def test_global_cap_on_items_in_flight(envs: Path) -> None:
+    config = EngineConfig(environments=envs, allow_unpinned=True, max_in_flight=4)
+    async with engine.Engine(config) as eng:
+        assert await eng.score([item("spy", sleep=0.02)] * 20) == [1.0] * 20
+    assert plugin_module(envs, "spy", "spy.py").max_running == 4
+
+
+async def test_global_cap_holds_across_verifiers(envs: Path) -> None:
+    async def slowish(request: Request) -> Response:
+        await asyncio.sleep(0.02)
+        return Response.json({"reward": 1.0 if request.path == "/a" else 2.0})
+
+    with TestServer(slowish) as server:
+        # two URLs are two verifiers, each allowed 64 calls at once; the engine allows 4 in all
+        add_endpoint_env(envs, "remote_a", server.url + "/a")
+        add_endpoint_env(envs, "remote_b", server.url + "/b")
+        config = EngineConfig(environments=envs, max_in_flight=4)
+        items = [item("remote_a" if i % 2 else "remote_b") for i in range(24)]
+        async with engine.Engine(config) as eng:
+            assert await eng.score(items) == [1.0 if i % 2 else 2.0 for i in range(24)]
+    assert {r.path for r in server.requests} == {"/a", "/b"}
+    assert server.max_in_flight == 4
+
+
+async def test_a_verifier_at_its_limit_does_not_hold_back_another(envs: Path) -> None:
+    """While the slow endpoint (one call at a time) holds its first request, every plugin item completes."""
+    seen: dict[str, Any] = {}
+
+    async def slow(request: Request) -> Response:
+        if "spy_calls" not in seen:
+            # hold the first request until the fast lane is done: all 20 spy calls made, none running
+            spy = None
+            for _ in range(int(4.0 / POLL)):
+                spy = loaded_module(envs, "spy", "spy.py")
+                if spy is not None and spy.calls == 20 and spy.running == 0:
+                    break
+                await asyncio.sleep(POLL)
+            seen["spy_calls"] = spy.calls if spy is not None else 0
+            seen["spy_running"] = spy.running if spy is not None else None
+        return Response.json({"reward": 0.5})
+
+    with TestServer(slow) as server:
+        url = server.url + "/slow"
+        add_endpoint_env(envs, "remote", url)
+        config = EngineConfig(environments=envs, allow_unpinned=True, refs={url: Limits(max_concurrency=1)})
+        items = [item("remote")] * 3 + [item("spy", sleep=0.001)] * 20
+        async with engine.Engine(config) as eng:
+            rewards = await eng.score(items)
+    assert rewards == [0.5] * 3 + [1.0] * 20
+    assert seen == {"spy_calls": 20, "spy_running": 0}
+    assert server.max_in_flight == 1
+    assert len(server.requests) == 3
+
+
+@pytest.mark.timeout(5)
+async def test_abort_with_a_hundred_slow_siblings(envs: Path, caplog: pytest.LogCaptureFixture) -> None:
+    holder: dict[str, TestServer] = {}
+
+    async def handler(request: Request) -> Response:
+        server = holder["server"]
+        if request.path == "/bad":
+            # answer 400 only once the 100 slow requests (and this one) are in flight
+            for _ in range(int(4.0 / POLL)):
+                if server.in_flight >= 101:
+                    break
+                await asyncio.sleep(POLL)
+            return Response(400, b"this item is malformed")
+        await asyncio.sleep(30)
+        return Response.json({"reward": 1.0})
+
+    with TestServer(handler) as server:
+        holder["server"] = server
+        slow_url, bad_url = server.url + "/slow", server.url + "/bad"
+        add_endpoint_env(envs, "slow", slow_url)
+        add_endpoint_env(envs, "remote", bad_url)
+        config = EngineConfig(environments=envs, refs={slow_url: Limits(max_concurrency=100)})
+        items = [item("slow", item_id=f"s{i}") for i in range(50)]
+        items += [item("remote", item_id="bad")]
+        items += [item("slow", item_id=f"s{i}") for i in range(50, 100)]
+        start = anyio.current_time()
+        with caplog.at_level(logging.ERROR, logger="engine"):
+            async with engine.Engine(config) as eng:
+                with pytest.raises(VerificationError) as info:
+                    await eng.score(items)
+                elapsed = anyio.current_time() - start
+                # the 100 held requests were cancelled: their connections are closed
+                assert await anyio.to_thread.run_sync(lambda: server.wait_until(lambda s: s.in_flight == 0, 2.0))
+                assert await anyio.to_thread.run_sync(lambda: server.wait_until(lambda s: s.closed >= 100, 2.0))
+        assert await anyio.to_thread.run_sync(lambda: server.wait_until(lambda s: s.open_connections == 0, 2.0))
+    err = info.value
+    assert type(err) is VerificationError  # alone, never inside an ExceptionGroup
+    assert not isinstance(err, BaseExceptionGroup)
+    assert (err.kind, err.ref, err.environment, err.index, err.item_id) == ("endpoint", bad_url, "remote", 50, "bad")
+    assert "HTTP 400: this item is malformed" in str(err)
+    assert server.max_in_flight == 101
+    assert len(server.requests) == 101
+    assert elapsed < 4.0
+    records = [r for r in caplog.records if r.name == "engine" and r.levelno >= logging.ERROR]
+    assert len(records) == 1
+    assert bad_url in records[0].getMessage()
+
+
+async def test_one_error_log_record_naming_the_verifier(config: EngineConfig, caplog: pytest.LogCaptureFixture) -> None:
+    items = [item("faulty", mode="ok")] * 5 + [item("faulty", item_id="x", mode="raise")] + [item("twin_a")] * 5
+    with caplog.at_level(logging.DEBUG, logger="engine"):
+        async with engine.Engine(config) as eng:
+            with pytest.raises(VerificationError):
+                await eng.score(items)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1
+    record = errors[0]
+    assert (record.name, record.levelname) == ("engine", "ERROR")
+    message = record.getMessage()
+    assert "'faults:by_task'" in message
+    assert "'faulty'" in message
+    assert "Boom" in message
+
+
+async def test_plugin_failure_stops_an_endpoint_lane_and_queued_items_never_start(envs: Path, tmp_path: Path) -> None:
+    cue = tmp_path / "cue"
+
+    async def hold(request: Request) -> Response:
+        server = holder["server"]
+        if server.in_flight >= 2:
+            cue.touch()  # both allowed requests are held: now the plugin item fails
+        await asyncio.sleep(30)
+        return Response.json({"reward": 1.0})
+
+    holder: dict[str, TestServer] = {}
+    with TestServer(hold) as server:
+        holder["server"] = server
+        url = server.url + "/score"
+        add_endpoint_env(envs, "remote", url)
+        config = EngineConfig(environments=envs, allow_unpinned=True, refs={url: Limits(max_concurrency=2)})
+        items = [item("remote")] * 20 + [item("fail_when", item_id="f", when=str(cue))]
+        async with engine.Engine(config) as eng:
+            with pytest.raises(VerificationError) as info:
+                await eng.score(items)
+            assert await anyio.to_thread.run_sync(lambda: server.wait_until(lambda s: s.in_flight == 0, 2.0))
+        assert await anyio.to_thread.run_sync(lambda: server.wait_until(lambda s: s.open_connections == 0, 2.0))
+    err = info.value
+    assert (err.kind, err.environment, err.index, err.item_id) == ("plugin", "fail_when", 20, "f")
+    assert type(err.__cause__).__name__ == "Cue"
+    assert len(server.requests) == 2  # the 18 queued endpoint items never started
