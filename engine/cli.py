@@ -1,27 +1,206 @@
-"""The command line: a thin layer that parses options and calls keyword-only functions.
+"""The command line: a thin layer that parses options, calls keyword-only functions, and reports.
 
-Exit codes: 0 done; 1 a verification error aborted the run; 2 bad usage, config or input.
+Exit codes (also in ``engine --help``):
+
+* 0 ``EXIT_OK``: done;
+* 1 ``EXIT_VERIFICATION``: a verification error aborted the run (``engine check``: a check failed);
+* 2 ``EXIT_BAD_INPUT``: bad usage, config, manifest, input, or an output that cannot be resumed;
+* 130 ``EXIT_INTERRUPTED``: interrupted (Ctrl-C); a backfill keeps its checkpoint for ``--resume``.
 """
 
 from __future__ import annotations
 
 import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import NoReturn, TypeVar
 
+import anyio
 import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+from rich.table import Table
+from rich.text import Text
 
+from .backfill import DEFAULT_CHUNK_SIZE, RunSummary, count_rows, score_file
+from .check import check_environments
+from .config import EngineConfig, load_config
 from .digest import digest_directory
+from .errors import EngineError, VerificationError
+from .rubric import RubricRegistry
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_OK", "EXIT_VERIFICATION", "main"]
+__all__ = ["EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_VERIFICATION", "cli", "main"]
 
 EXIT_OK = 0
 EXIT_VERIFICATION = 1
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+PLAIN_PROGRESS_EVERY = 10.0  # seconds between progress lines when stderr is not a terminal
+DEFAULT_CONFIG = "engine.toml"
+LOG_WIDTH = 200
+
+T = TypeVar("T")
+
+# Off a terminal (CI, job logs) rich would fold tables to 80 columns; a log line may be long instead.
+stdout = Console(highlight=False, width=None if sys.stdout.isatty() else LOG_WIDTH)
+stderr = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else LOG_WIDTH)
+
+config_option = click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=DEFAULT_CONFIG,
+    show_default=True,
+    help="The engine's TOML config.",
+)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def _fail(code: int, message: str) -> NoReturn:
+    stderr.print(Text("error: ", style="bold red") + Text(message), soft_wrap=True)
+    sys.exit(code)
+
+
+def _run(fn: Callable[[], Awaitable[T]]) -> T:
+    """Run ``fn`` on an asyncio loop, turning the engine's errors into messages and exit codes."""
+    try:
+        return anyio.run(fn, backend="asyncio")
+    except VerificationError as exc:
+        lines = [str(exc)]
+        if exc.__cause__ is not None:
+            lines.append(f"cause: {type(exc.__cause__).__name__}: {exc.__cause__}")
+        lines += getattr(exc, "__notes__", [])
+        _fail(EXIT_VERIFICATION, "\n  ".join(lines))
+    except (EngineError, ValueError, TypeError) as exc:
+        _fail(EXIT_BAD_INPUT, str(exc))
+    except KeyboardInterrupt:
+        _fail(EXIT_INTERRUPTED, "interrupted")
+
+
+def _config(path: Path) -> EngineConfig:
+    try:
+        return load_config(path)
+    except EngineError as exc:
+        _fail(EXIT_BAD_INPUT, str(exc))
+
+
+@click.group(
+    context_settings={"help_option_names": ["-h", "--help"]},
+    epilog="Exit codes: 0 done, 1 a verification error aborted the run, 2 bad usage, config or input, "
+    "130 interrupted.",
+)
 def cli() -> None:
-    """Score rollouts with rubric, plugin and endpoint verifiers."""
+    """Score rollouts with rubric, plugin and endpoint verifiers: one reward per item, or one error."""
+
+
+@contextmanager
+def _progress(total: int | None) -> Iterator[Callable[[int], None]]:
+    """A progress callback: a bar with rate and ETA on a terminal, plain periodic lines otherwise."""
+    if stderr.is_terminal:
+        columns = (
+            TextColumn("scoring"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TaskProgressColumn(),
+            TextColumn("{task.fields[rate]}"),
+            TimeRemainingColumn(),
+        )
+        with Progress(*columns, console=stderr) as bar:
+            task = bar.add_task("score", total=total, rate="")
+            started, first = time.monotonic(), None
+
+            def update(done: int) -> None:
+                nonlocal first
+                first = done if first is None else first
+                rate = (done - first) / max(time.monotonic() - started, 1e-9)
+                bar.update(task, completed=done, rate=f"{rate:,.0f} rows/s")
+
+            yield update
+        return
+    began, last = time.monotonic(), 0.0
+    start: int | None = None
+
+    def line(done: int) -> None:
+        nonlocal last, start
+        start = done if start is None else start
+        now = time.monotonic()
+        if now - last < PLAIN_PROGRESS_EVERY and done != total:
+            return
+        last = now
+        rate = (done - start) / max(now - began, 1e-9)
+        of = f"/{total}" if total is not None else ""
+        eta = f", ETA {(total - done) / rate:,.0f} s" if total is not None and rate > 0 and done < total else ""
+        stderr.print(f"scored {done}{of} rows, {rate:,.0f} rows/s{eta}", soft_wrap=True)
+
+    yield line
+
+
+def _summary_table(summary: RunSummary) -> Table:
+    table = Table(title="per verifier", title_justify="left")
+    for name in ("kind", "ref", "items", "mean reward", "p50 ms", "p99 ms", "retries"):
+        table.add_column(name, justify="left" if name in ("kind", "ref") else "right", overflow="fold")
+    for totals in summary.verifiers.values():
+        table.add_row(
+            Text(totals.kind),
+            Text(totals.ref),
+            f"{totals.items:,}",
+            f"{totals.mean_reward:.4f}",
+            f"{totals.latency.percentile(50) * 1e3:.2f}",
+            f"{totals.latency.percentile(99) * 1e3:.2f}",
+            f"{totals.retries:,}",
+        )
+    return table
+
+
+@cli.command()
+@click.argument("input_path", metavar="INPUT", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="Rewards file: .jsonl or .parquet. Written only when complete.")
+@config_option
+@click.option("--resume", is_flag=True, help="Continue an interrupted or failed run from its last checkpoint.")
+@click.option("--chunk-size", type=click.IntRange(min=1), default=DEFAULT_CHUNK_SIZE, show_default=True,
+              help="Rows per batch and per checkpoint (at most this many are scored again on resume).")
+def score(input_path: Path, output: Path, config_path: Path, resume: bool, chunk_size: int) -> None:
+    """Backfill rewards for a file of stored trajectories (JSON Lines or Parquet)."""
+    config = _config(config_path)
+    if not input_path.is_file():
+        _fail(EXIT_BAD_INPUT, f"{input_path}: no such input file")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with _progress(count_rows(input_path)) as progress:
+        summary = _run(
+            lambda: score_file(
+                input_path=input_path,
+                output=output,
+                config=config,
+                resume=resume,
+                chunk_size=chunk_size,
+                progress=progress,
+            )
+        )
+    stdout.print(_summary_table(summary))
+    resumed = f" (resumed at row {summary.resumed_at:,})" if summary.resumed_at else ""
+    stdout.print(f"{summary.rows:,} rewards written to {summary.output}{resumed}", soft_wrap=True)
+
+
+@cli.command()
+@config_option
+def check(config_path: Path) -> None:
+    """Load every environment and report whether each can score; exit 1 if any cannot."""
+    config = _config(config_path)
+    checks = _run(lambda: check_environments(config=config))
+    table = Table()
+    for name in ("environment", "kind", "ref", "manifest", "digest", "verifier", "ok"):
+        table.add_column(name, overflow="fold")
+    for row in checks:
+        cells = (row.environment, row.kind, row.ref, row.manifest, row.digest, row.verifier)
+        mark = Text("yes", style="green") if row.ok else Text("NO", style="bold red")
+        table.add_row(*map(Text, cells), mark)
+    stdout.print(table)
+    failed = [row.environment for row in checks if not row.ok]
+    if failed:
+        _fail(EXIT_VERIFICATION, f"{len(failed)} of {len(checks)} environments cannot score: {', '.join(failed)}")
+    stdout.print(f"all {len(checks)} environments can score")
 
 
 @cli.command()
@@ -31,6 +210,36 @@ def digest(directory: Path) -> None:
     click.echo(digest_directory(directory))
 
 
+@cli.group(invoke_without_command=True)
+@config_option
+@click.pass_context
+def rubrics(ctx: click.Context, config_path: Path) -> None:
+    """List the rubrics and their versions."""
+    ctx.obj = RubricRegistry(_config(config_path).rubrics)
+    if ctx.invoked_subcommand is None:
+        listing = ctx.obj.list()
+        if not listing:
+            stdout.print(f"no rubrics under {ctx.obj.root}")
+        for ref, versions in sorted(listing.items()):
+            stdout.print(f"{ref}  versions {', '.join(map(str, versions))} (latest {versions[-1]})")
+
+
+@rubrics.command("show")
+@click.argument("ref")
+@click.pass_obj
+def rubrics_show(registry: RubricRegistry, ref: str) -> None:
+    """Print one rubric: owner/name (the latest version) or owner/name@N."""
+    try:
+        rubric = registry.resolve(ref)
+    except VerificationError as exc:
+        _fail(EXIT_BAD_INPUT, exc.reason)
+    except ValueError as exc:
+        _fail(EXIT_BAD_INPUT, str(exc))
+    lo, hi = rubric.scale
+    stdout.print(f"# {rubric.ref}  scale [{lo:g}, {hi:g}]  {rubric.digest}", markup=False)
+    stdout.print(rubric.text, markup=False)
+
+
 def main() -> None:
     """Entry point of the ``engine`` command."""
-    sys.exit(cli.main(standalone_mode=True))
+    cli.main(prog_name="engine")

@@ -119,13 +119,16 @@ class Engine:
             env = self._environments[name] = load_environment(path)
         return env
 
-    def _verifier(self, env: Environment, rubrics: dict[str, Verifier]) -> Verifier:
-        """The verifier of ``env`` for this batch.
+    def verifier_for(self, env: Environment, rubrics: dict[str, Verifier] | None = None) -> Verifier:
+        """The verifier of ``env``.
 
         Plugins and endpoints live as long as the engine (imports and connections are reused);
-        a rubric is resolved once per batch (``rubrics`` holds this batch's), so every item of a
-        batch is judged against the same version even if a new one appears while it runs.
+        a rubric is resolved anew for each batch (``rubrics`` holds the batch's resolutions), so
+        every item of a batch is judged against the same version even if a new one appears while
+        it runs. Raises ``VerificationError`` when a rubric cannot be resolved or graded.
         """
+        if rubrics is None:
+            rubrics = {}
         if self._client is None or self._threads is None:
             raise RuntimeError("the engine is not open: use 'async with Engine(...) as eng'")
         spec = env.verifier
@@ -162,7 +165,7 @@ class Engine:
             lane = by_env.get(name)
             if lane is None:
                 try:
-                    verifier = self._verifier(self.environment(name), rubrics)
+                    verifier = self.verifier_for(self.environment(name), rubrics)
                 except VerificationError as exc:
                     exc.index, exc.item_id, exc.environment = index, item.get("id"), name
                     logger.error("batch aborted: %s", exc)

@@ -116,7 +116,8 @@ class PluginVerifier:
             raise self._fail(f"{attr_path!r} in module {module_name!r} is a {type(target).__name__}, not callable")
         return target, digest
 
-    async def _load(self) -> Callable[..., Any]:
+    async def load(self) -> Callable[..., Any]:
+        """The callable, imported on the first call (after the digest check) and cached."""
         if self._fn is None:
             async with self._lock:
                 if self._fn is None:
@@ -132,7 +133,7 @@ class PluginVerifier:
         )
 
     async def verify(self, task: Mapping[str, Any], trajectory: Any) -> float:
-        fn = await self._load()
+        fn = await self.load()
         try:
             with anyio.move_on_after(self.limits.timeout) as deadline:
                 value = await self._call(fn, task, trajectory)

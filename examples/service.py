@@ -52,6 +52,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=8765)
     args = parser.parse_args()
+    ThreadingHTTPServer.request_queue_size = 1024  # the default backlog of 5 drops connections under load
     server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
     print(f"keyword-coverage verifier listening on http://127.0.0.1:{args.port}/score", flush=True)
     try:

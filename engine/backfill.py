@@ -1,0 +1,155 @@
+"""``engine score``: rewards for a file of stored trajectories, streamed, checkpointed, resumable.
+
+The input is read a chunk at a time (memory stays flat however large the file), each chunk is
+scored as one batch, its records are written, and a checkpoint is taken (``engine.output``). A
+crash, Ctrl-C or kill -9 loses at most the chunk in flight; ``--resume`` continues from the last
+checkpoint and produces the file an uninterrupted run would have. A verification error stops the
+run with the chunk before it checkpointed: fix the verifier, then ``--resume``.
+
+The run's summary (per verifier: items, mean reward, latency percentiles, retries) is carried in
+the checkpoints, so a resumed run reports on the whole file.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pyarrow.parquet as pq
+
+from .config import EngineConfig
+from .engine import Engine
+from .errors import ManifestError, VerificationError
+from .output import open_run
+from .report import LatencyHistogram
+from .rows import JSONL_SUFFIXES, InputError, Row, RowReader
+
+__all__ = ["DEFAULT_CHUNK_SIZE", "RunSummary", "VerifierTotals", "count_rows", "score_file"]
+
+DEFAULT_CHUNK_SIZE = 1024  # rows per batch and per checkpoint: at most this many are scored again on resume
+COUNT_BLOCK = 1 << 20
+
+Progress = Callable[[int], None]  # told how many rows are done, after each chunk
+
+
+@dataclass
+class VerifierTotals:
+    """One verifier's share of a whole run."""
+
+    kind: str
+    ref: str
+    items: int = 0
+    reward_sum: float = 0.0
+    retries: int = 0
+    latency: LatencyHistogram = field(default_factory=LatencyHistogram)
+
+    @property
+    def mean_reward(self) -> float:
+        return self.reward_sum / self.items if self.items else math.nan
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "ref": self.ref,
+            "items": self.items,
+            "reward_sum": self.reward_sum,
+            "retries": self.retries,
+            "latency": {str(bucket): count for bucket, count in self.latency.counts.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> VerifierTotals:
+        latency = LatencyHistogram({int(bucket): count for bucket, count in data["latency"].items()})
+        return cls(data["kind"], data["ref"], data["items"], data["reward_sum"], data["retries"], latency)
+
+
+@dataclass
+class RunSummary:
+    """What ``score_file`` did: rows scored (this run and before a resume) and per-verifier totals."""
+
+    output: Path
+    rows: int
+    resumed_at: int
+    verifiers: dict[str, VerifierTotals]
+
+
+def count_rows(path: Path) -> int | None:
+    """The number of rows in an input file, cheaply (for a progress bar's total); None if unknown."""
+    try:
+        if path.suffix.lower() in JSONL_SUFFIXES:
+            lines, last = 0, b"\n"
+            with path.open("rb") as f:
+                while block := f.read(COUNT_BLOCK):
+                    lines += block.count(b"\n")
+                    last = block[-1:]
+            return lines + (last != b"\n")
+        return int(pq.ParquetFile(path).metadata.num_rows)
+    except (OSError, ValueError):
+        return None
+
+
+def _check_environments(engine: Engine, rows: RowReader, chunk: list[Row]) -> None:
+    """Refuse a chunk naming an unknown environment, by its line, before any of it is scored."""
+    for row in chunk:
+        try:
+            engine.environment(row.environment)
+        except ManifestError:
+            raise  # a broken manifest is a config error, reported as such
+        except ValueError as exc:
+            raise InputError(rows.path, str(exc), unit=rows.unit, number=row.number) from None
+
+
+async def score_file(
+    *,
+    input_path: Path,
+    output: Path,
+    config: EngineConfig,
+    resume: bool = False,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    progress: Progress | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> RunSummary:
+    """Score every row of ``input_path`` into ``output``; see the module docstring.
+
+    Raises ``VerificationError`` when a verifier fails (a note names the input line or row),
+    ``InputError`` for a bad row, ``OutputError``/``ResumeError`` when the output cannot be
+    written or resumed, and ``ConfigError`` for a bad config or manifest.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    async with Engine(config, transport=transport) as engine:
+        with open_run(input_path, output, resume=resume) as (rows, writer):
+            resumed_at = writer.rows_written
+            previous = writer.last_checkpoint.meta.get("verifiers", {}) if resume else {}
+            totals = {key: VerifierTotals.from_json(value) for key, value in previous.items()}
+            if progress is not None:
+                progress(resumed_at)
+            while chunk := list(islice(rows, chunk_size)):
+                _check_environments(engine, rows, chunk)
+                try:
+                    result = await engine.run([row.as_item() for row in chunk])
+                except VerificationError as exc:
+                    if exc.index is not None:
+                        exc.add_note(f"input: {rows.path}, {rows.unit} {chunk[exc.index].number}")
+                    raise
+                for position, (row, reward) in enumerate(zip(chunk, result.rewards, strict=True)):
+                    writer.write(row.id, reward, {**result.provenance(position), "environment": row.environment})
+                for report in result.verifiers:
+                    total = totals.get(report.key)
+                    if total is None:
+                        total = totals[report.key] = VerifierTotals(report.kind, report.ref)
+                    total.items += report.items
+                    total.reward_sum += report.reward_sum
+                    total.retries += report.retries
+                    total.latency.extend(report.latencies)
+                meta = {"verifiers": {key: total.to_json() for key, total in totals.items()}}
+                writer.checkpoint(rows.rows_read, rows.checksum(), meta=meta)
+                if progress is not None:
+                    progress(rows.rows_read)
+            writer.finish()
+            return RunSummary(output=output, rows=rows.rows_read, resumed_at=resumed_at, verifiers=totals)

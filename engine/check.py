@@ -1,0 +1,94 @@
+"""``engine check``: load every environment and say, for each, whether it can score.
+
+For every directory under the configured environments: the manifest is valid; the digest
+matches its pin (required for plugins unless ``allow_unpinned``); a plugin imports and names a
+callable; an endpoint's host accepts a TCP connection; a rubric resolves and a judge is configured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import anyio
+
+from .config import EngineConfig
+from .digest import digest_directory
+from .engine import Engine
+from .errors import EngineError, ManifestError
+from .manifest import load_environment
+from .plugin import PluginVerifier
+
+__all__ = ["CONNECT_TIMEOUT", "EnvironmentCheck", "check_environments"]
+
+CONNECT_TIMEOUT = 5.0  # seconds to wait for an endpoint's host to accept a connection
+
+
+@dataclass(frozen=True)
+class EnvironmentCheck:
+    """One environment's verdict: each column is "ok", a reason it failed, or "-" (not applicable)."""
+
+    environment: str
+    kind: str
+    ref: str
+    manifest: str
+    digest: str
+    verifier: str
+
+    @property
+    def ok(self) -> bool:
+        return all(value in ("ok", "-") for value in (self.manifest, self.digest, self.verifier))
+
+
+async def _reachable(url: str) -> str:
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with anyio.fail_after(CONNECT_TIMEOUT):
+            stream = await anyio.connect_tcp(parts.hostname or "", port)
+    except TimeoutError:
+        return f"no answer from {parts.hostname}:{port} within {CONNECT_TIMEOUT:g} s"
+    except OSError as exc:
+        return f"cannot connect to {parts.hostname}:{port}: {exc.strerror or exc}"
+    await stream.aclose()
+    return "ok"
+
+
+async def check_environments(*, config: EngineConfig) -> list[EnvironmentCheck]:
+    """Check every environment directory under ``config.environments``, in name order."""
+    root = config.environments
+    if not root.is_dir():
+        raise ManifestError(f"{root}: the environments directory does not exist")
+    checks = []
+    async with Engine(config) as engine:
+        for path in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))):
+            try:
+                env = load_environment(path)
+            except ManifestError as exc:
+                checks.append(EnvironmentCheck(path.name, "?", "?", str(exc), "-", "-"))
+                continue
+            pin = config.pins.get(env.name)
+            digest = digest_directory(path)
+            if pin is not None:
+                digest_status = "ok" if pin == digest else f"changed since pinned (now {digest})"
+            elif env.verifier.kind == "plugin" and not config.allow_unpinned:
+                digest_status = f'no pin; after vetting, pin it: {env.name} = "{digest}"'
+            else:
+                digest_status = "-"
+            verdict = "ok"
+            try:
+                if env.verifier.kind == "plugin":
+                    if digest_status not in ("ok", "-"):
+                        verdict = "not imported (digest)"
+                    else:
+                        verifier = engine.verifier_for(env)
+                        assert isinstance(verifier, PluginVerifier)
+                        await verifier.load()
+                elif env.verifier.kind == "endpoint":
+                    verdict = await _reachable(env.verifier.ref)
+                else:
+                    engine.verifier_for(env)
+            except EngineError as exc:
+                verdict = getattr(exc, "reason", str(exc))
+            checks.append(EnvironmentCheck(env.name, env.verifier.kind, env.verifier.ref, "ok", digest_status, verdict))
+    return checks
