@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 from conftest import SleepRecorder, add_endpoint_env, item
@@ -196,3 +199,66 @@ async def test_item_json_cannot_carry_is_named(serve: Any, config: EngineConfig,
     err = await fails(config, [item("remote", trajectory=b"raw bytes", item_id="j")], sleeps)
     check(err, server.url + "/score", index=0, item_id="j", reason="cannot send the item as JSON")
     assert server.requests == []
+
+
+class DripServer:
+    """A real HTTP server on 127.0.0.1 for one connection: a 200 whose body trickles in a byte at a time.
+
+    ``TestServer`` writes each response at once; this one shows whether a call's timeout bounds the
+    whole call or only each wait for the next bytes.
+    """
+
+    def __init__(self, body: bytes, interval: float) -> None:
+        self.body, self.interval = body, interval
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/score"
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+
+    def __enter__(self) -> DripServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.listener.close()
+        self.thread.join(5)
+
+    def _serve(self) -> None:
+        self.listener.settimeout(5)
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return
+        with conn:
+            head = b""
+            while b"\r\n\r\n" not in head and len(head) < 65536:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    return
+                head += chunk
+            try:
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n")
+                conn.sendall(b"content-length: %d\r\n\r\n" % len(self.body))
+                for byte in self.body:
+                    if self.stop.wait(self.interval):
+                        return
+                    conn.sendall(bytes([byte]))
+            except OSError:  # the client hung up
+                return
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="engine/endpoint.py _post: Limits.timeout is passed to httpx, which applies it to each read, not to "
+    "the call: a server trickling bytes keeps one call going far past its timeout",
+)
+async def test_timeout_bounds_the_whole_call(envs: Path, sleeps: SleepRecorder) -> None:
+    with DripServer(b'{"reward": 1.0}' + b" " * 15, interval=0.04) as server:  # 30 bytes over 1.2 s
+        add_endpoint_env(envs, "remote", server.url)
+        config = EngineConfig(environments=envs, refs={server.url: Limits(timeout=0.3)})
+        start = anyio.current_time()
+        async with engine.Engine(config, sleep=sleeps) as eng:
+            with pytest.raises(VerificationError, match="timed out"):
+                await eng.score([item("remote")])
+        assert anyio.current_time() - start < 1.0
