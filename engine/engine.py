@@ -28,6 +28,7 @@ from .report import BatchResult, VerifierReport
 from .retry import Sleep
 from .rubric import RubricRegistry
 from .scheduler import Gate, Lane, in_flight_cap, logger, run_lanes
+from .transport import PoolTransport
 from .verifier import Verifier
 
 __all__ = ["Engine"]
@@ -70,7 +71,8 @@ class Engine:
         sleep: Sleep = anyio.sleep,
     ) -> None:
         self.config = config if config is not None else EngineConfig()
-        self._transport = transport
+        self._injected_transport = transport
+        self._transport: httpx.AsyncBaseTransport | None = None
         self._sleep = sleep
         self._client: httpx.AsyncClient | None = None
         self._threads: anyio.CapacityLimiter | None = None
@@ -90,6 +92,7 @@ class Engine:
         if self._client is not None:
             raise RuntimeError("this engine is already open")
         size = self.config.max_in_flight
+        self._transport = self._injected_transport or PoolTransport(size)
         self._client = httpx.AsyncClient(
             transport=self._transport,
             limits=httpx.Limits(max_connections=size, max_keepalive_connections=size),
@@ -104,7 +107,7 @@ class Engine:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        client, self._client, self._judge = self._client, None, None
+        client, self._client, self._judge, self._transport = self._client, None, None, None
         self._verifiers.clear()
         if client is not None:
             await client.aclose()
@@ -152,7 +155,8 @@ class Engine:
                     thread_limiter=self._threads,
                 )
             else:
-                verifier = EndpointVerifier(spec.ref, limits, self._client, sleep=self._sleep)
+                assert self._transport is not None  # set with the client
+                verifier = EndpointVerifier(spec.ref, limits, self._transport, sleep=self._sleep)
             self._verifiers[key] = verifier
         return verifier
 

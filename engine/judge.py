@@ -29,11 +29,11 @@ import anyio
 import httpx
 import orjson
 import tenacity
-from aiolimiter import AsyncLimiter
 
 from .errors import ConfigError, VerificationError, describe, excerpt
 from .retry import RETRY_STATUSES, Sleep, TransientStatus, make_retrying
 from .rubric import Rubric, normalise
+from .scheduler import rate_limiter
 from .trajectory import flatten
 
 __all__ = [
@@ -337,7 +337,7 @@ class Judge:
         self._client = client
         self._sleep = sleep
         self._slots = anyio.Semaphore(config.max_concurrency)
-        self._rate = AsyncLimiter(config.max_rate, 1.0) if config.max_rate is not None else None
+        self._rate = rate_limiter(config.max_rate) if config.max_rate is not None else None
         self._usage = Usage()
 
     @property

@@ -1,28 +1,24 @@
 """Plugin verifiers: ``module:callable`` inside a digest-pinned environment directory.
 
 The module is imported lazily, on the first item that needs it, once however many items ask at
-the same time, and never before the directory's digest matches its pin. It is imported as a
-submodule of a package private to this environment (``_engine_env_<n>_<name>``), so two
-environments that both ship ``verify.py`` each get their own, and a plugin's sibling files are
-reached with relative imports (``from . import helpers``).
+the same time (and once even if a batch is aborted mid-import: the import finishes in its thread
+and the next batch uses it), never before the directory's digest matches its pin, and only from
+source (``engine.importer``).
 
 Sync callables run in the engine's bounded thread pool, so they never block the event loop;
-``async def`` callables are awaited on the loop. An overrun of the call timeout abandons the
-thread (Python cannot kill it) and fails the item.
+``async def`` callables are awaited on the loop. The call timeout covers the first item's import
+too. An overrun abandons the thread (Python cannot kill it) and fails the item.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import functools
-import importlib
-import importlib.machinery
-import importlib.util
 import inspect
-import itertools
-import re
-import sys
+import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -30,12 +26,35 @@ import anyio.to_thread
 from .config import Limits
 from .digest import digest_directory
 from .errors import VerificationError, describe
+from .importer import import_from_environment
 from .manifest import Environment
 from .verifier import check_reward
 
 __all__ = ["PluginVerifier"]
 
-_package_numbers = itertools.count()
+T = TypeVar("T")
+
+
+def _in_thread(fn: Callable[[], T], name: str) -> concurrent.futures.Future[T]:
+    """Run ``fn`` in a new daemon thread; its future outlives whoever started it."""
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def run() -> None:
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
+async def _wait(future: concurrent.futures.Future[T]) -> T:
+    """Await ``future``; cancelling the waiter leaves the future (and its thread) running."""
+    waiter = asyncio.wrap_future(future)
+    waiter.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved" log
+    return await asyncio.shield(waiter)
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:
@@ -66,7 +85,7 @@ class PluginVerifier:
         self._threads = thread_limiter
         self._fn: Callable[..., Any] | None = None
         self._is_async = False
-        self._lock = anyio.Lock()
+        self._import_future: concurrent.futures.Future[tuple[Callable[..., Any], str]] | None = None
         self.digest: str | None = None  # the digest the module was imported at
         self.retries = 0  # plugins are never retried: a failure is the plugin's answer
 
@@ -93,19 +112,12 @@ class PluginVerifier:
         return digest
 
     def _import(self) -> tuple[Callable[..., Any], str]:
-        """Check the digest, then import the module and find the callable (runs in a thread)."""
+        """Check the digest, then import the module and find the callable (runs in its own thread)."""
         digest = self._check_digest()
         module_name, _, attr_path = self.ref.partition(":")
-        safe = re.sub(r"\W", "_", self.environment.name)
-        package = f"_engine_env_{next(_package_numbers)}_{safe}"
-        spec = importlib.machinery.ModuleSpec(package, None, is_package=True)
-        pkg = importlib.util.module_from_spec(spec)
-        pkg.__path__ = [str(self.environment.path)]
-        sys.modules[package] = pkg
         try:
-            target: Any = importlib.import_module(f"{package}.{module_name}")
+            target: Any = import_from_environment(self.environment.path, self.environment.name, module_name)
         except (Exception, SystemExit) as exc:
-            sys.modules.pop(package, None)
             raise self._fail(f"cannot import module {module_name!r}: {describe(exc)}") from exc
         for part in attr_path.split("."):
             try:
@@ -117,13 +129,26 @@ class PluginVerifier:
         return target, digest
 
     async def load(self) -> Callable[..., Any]:
-        """The callable, imported on the first call (after the digest check) and cached."""
-        if self._fn is None:
-            async with self._lock:
-                if self._fn is None:
-                    fn, digest = await anyio.to_thread.run_sync(self._import, abandon_on_cancel=True)
-                    self._is_async, self.digest, self._fn = _is_async(fn), digest, fn
-        return self._fn
+        """The callable, imported on the first call (after the digest check) and cached.
+
+        The import runs in a thread of its own whose result outlives the caller: every caller,
+        in this batch or the next, waits for the same import, and an abort while it runs does
+        not make the next batch import the module a second time. A failed import is tried
+        again by the next caller (the file may have been fixed, and re-vetted).
+        """
+        if self._fn is not None:
+            return self._fn
+        future = self._import_future
+        if future is None:
+            future = self._import_future = _in_thread(self._import, f"engine-import-{self.environment.name}")
+        try:
+            fn, digest = await _wait(future)
+        except Exception:
+            if self._import_future is future:
+                self._import_future = None
+            raise
+        self._is_async, self.digest, self._fn = _is_async(fn), digest, fn
+        return fn
 
     async def _call(self, fn: Callable[..., Any], task: Mapping[str, Any], trajectory: Any) -> Any:
         if self._is_async:
@@ -133,14 +158,17 @@ class PluginVerifier:
         )
 
     async def verify(self, task: Mapping[str, Any], trajectory: Any) -> float:
-        fn = await self.load()
-        try:
-            with anyio.move_on_after(self.limits.timeout) as deadline:
+        importing = self._fn is None
+        with anyio.move_on_after(self.limits.timeout) as deadline:
+            fn = await self.load()
+            importing = False
+            try:
                 value = await self._call(fn, task, trajectory)
-        except (Exception, SystemExit) as exc:  # a plugin's sys.exit() must not end the trainer
-            raise self._fail(f"raised {describe(exc)}") from exc
+            except (Exception, SystemExit) as exc:  # a plugin's sys.exit() must not end the trainer
+                raise self._fail(f"raised {describe(exc)}") from exc
         if deadline.cancelled_caught:
-            raise self._fail(f"timed out after {self.limits.timeout:g} s")
+            doing = " importing the module" if importing else ""
+            raise self._fail(f"timed out after {self.limits.timeout:g} s{doing}")
         try:
             return check_reward(value)
         except (TypeError, ValueError) as exc:

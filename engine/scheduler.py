@@ -18,14 +18,17 @@ import math
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
+from typing import TYPE_CHECKING
 
 import anyio
 from aiolimiter import AsyncLimiter
 
-from .config import Limits
 from .verifier import Verifier
 
-__all__ = ["Gate", "Lane", "in_flight_cap", "run_lanes"]
+if TYPE_CHECKING:  # config imports the judge, which takes its rate limiter from here
+    from .config import Limits
+
+__all__ = ["Gate", "Lane", "in_flight_cap", "rate_limiter", "run_lanes"]
 
 logger = logging.getLogger("engine")
 
@@ -33,6 +36,17 @@ logger = logging.getLogger("engine")
 def _semaphore(size: int) -> anyio.Semaphore:
     # fast_acquire: an uncontended acquire does not yield to the event loop (cheap per item)
     return anyio.Semaphore(size, max_value=size, fast_acquire=True)
+
+
+def rate_limiter(per_second: float) -> AsyncLimiter:
+    """A limiter of ``per_second`` calls a second: bursts of up to one second's worth.
+
+    aiolimiter's bucket holds ``max_rate`` tokens, so a rate below one a second is written as one
+    call per ``1 / per_second`` seconds (a bucket of less than one token would never grant any).
+    """
+    if per_second >= 1:
+        return AsyncLimiter(per_second, 1.0)
+    return AsyncLimiter(1, 1 / per_second)
 
 
 @dataclass(eq=False)
@@ -44,7 +58,7 @@ class Gate:
 
     @classmethod
     def from_limits(cls, limits: Limits) -> Gate:
-        rate = AsyncLimiter(limits.max_rate, 1.0) if limits.max_rate is not None else None
+        rate = rate_limiter(limits.max_rate) if limits.max_rate is not None else None
         return cls(_semaphore(limits.max_concurrency), rate)
 
 
