@@ -253,15 +253,12 @@ async def test_rewards_are_floats(config: EngineConfig) -> None:
     assert all(type(r) is float and math.isfinite(r) for r in rewards)
 
 
-# --- known bugs in engine/plugin.py (reported; strict xfail until fixed) ---
+# --- the import gate against what slipped past it once ---
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine/plugin.py: the import reads bytecode from __pycache__, which the digest ignores, so a planted "
-    ".pyc (source mtime and size in its header) runs code nobody pinned; import plugins from source only",
-)
 async def test_planted_bytecode_does_not_run_under_a_pin(envs: Path) -> None:
+    """The digest ignores __pycache__, so the import must never read it: a planted .pyc whose header
+    matches the source's mtime and size would otherwise run code nobody pinned."""
     source = envs / "twin_a" / "verify.py"
     pin = digest_directory(envs / "twin_a")
     stat = source.stat()
@@ -278,12 +275,8 @@ async def test_planted_bytecode_does_not_run_under_a_pin(envs: Path) -> None:
         assert await eng.score([item("twin_a")]) == [0.25]  # what the vetted source says
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine/plugin.py _load: an import abandoned by an aborted batch is not remembered, so the next batch "
-    "imports the module a second time (its top-level code runs twice)",
-)
 async def test_an_import_cut_short_by_an_abort_is_not_run_again(config: EngineConfig, import_log: Path) -> None:
+    """An aborted batch abandons the import thread, not the import: the next batch waits for it."""
     async with engine.Engine(config) as eng:
         with pytest.raises(VerificationError, match="Boom"):
             # the faulty item fails while import_log's module is still importing (it takes 0.2 s)
@@ -292,12 +285,8 @@ async def test_an_import_cut_short_by_an_abort_is_not_run_again(config: EngineCo
     assert import_count(import_log) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine/plugin.py verify: _load() runs outside the call's timeout, so a plugin whose import hangs "
-    "hangs the batch with no error",
-)
 async def test_a_slow_import_is_bounded_by_the_timeout(envs: Path) -> None:
+    """A module whose import hangs fails its item like a call that hangs, instead of hanging the batch."""
     config = EngineConfig(
         environments=envs, allow_unpinned=True, refs={"slow_import/verify:score": Limits(timeout=0.2)}
     )

@@ -243,13 +243,8 @@ async def test_rate_limit_spaces_the_calls_after_the_burst(envs: Path) -> None:
         assert elapsed >= 0.2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine/scheduler.py Gate.from_limits: AsyncLimiter(max_rate, 1.0) holds max_rate tokens, so a rate "
-    "below 1/s can never grant one and aiolimiter's ValueError escapes score(); use AsyncLimiter(1, 1 / max_rate) "
-    "for rates below 1",
-)
 async def test_a_rate_below_one_per_second_is_allowed(envs: Path) -> None:
+    """A leaky bucket of max_rate tokens would never hold one token at a rate below 1/s."""
     config = EngineConfig(environments=envs, allow_unpinned=True, refs={"twin_a/verify:score": Limits(max_rate=0.5)})
     async with engine.Engine(config) as eng:
         assert await eng.score([item("twin_a")]) == [0.25]
