@@ -16,6 +16,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from .config import EngineConfig, load_config
 from .engine import Engine
+from .report import BatchResult
 
 __all__ = ["BlockingEngine"]
 
@@ -50,8 +51,16 @@ class BlockingEngine:
         if stack is not None:
             stack.__exit__(exc_type, exc, tb)
 
-    def score(self, items: Iterable[Mapping[str, Any]]) -> list[float]:
-        """Like :meth:`Engine.score`, blocking until the batch is scored or has failed."""
+    def _open_portal(self) -> BlockingPortal:
         if self._portal is None:
             raise RuntimeError("the engine is not open: use 'with BlockingEngine(...) as eng'")
-        return self._portal.call(self._engine.score, items)
+        return self._portal
+
+    def score(self, items: Iterable[Mapping[str, Any]]) -> list[float]:
+        """Like :meth:`Engine.score`, blocking until the batch is scored or has failed."""
+        return self._open_portal().call(self._engine.score, items)
+
+    def run(self, items: Iterable[Mapping[str, Any]]) -> BatchResult:
+        """Like :meth:`Engine.run`: the rewards with per-verifier reports, usage and provenance."""
+        result: BatchResult = self._open_portal().call(self._engine.run, items)
+        return result

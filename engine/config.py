@@ -47,6 +47,12 @@ DEFAULT_ENVIRONMENTS = "envs"
 DEFAULT_RUBRICS = "rubrics"
 
 DIGEST_PATTERN = re.compile(r"sha256:[0-9a-f]{64}")
+_JUDGE_CALL_KEYS = ("timeout", "max_attempts", "retry_deadline")
+
+
+def _is_rubric_key(key: str) -> bool:
+    """A refs key naming a rubric (``owner/name``), not a plugin (``env/mod:fn``) or an endpoint (a URL)."""
+    return ":" not in key
 
 
 def _fail(source: Path | None, key: str, message: str) -> ConfigError:
@@ -139,6 +145,15 @@ class EngineConfig:
         for key, limits in self.refs.items():
             if not isinstance(limits, Limits):
                 raise _fail(src, f"refs.{key!r}", "must be a Limits")
+            if _is_rubric_key(key):
+                for name in _JUDGE_CALL_KEYS:
+                    if getattr(limits, name) != getattr(self.defaults, name):
+                        raise _fail(
+                            src,
+                            f"refs.{key!r}.{name}",
+                            "a rubric's calls are the judge's: set timeout, max_attempts and retry_deadline "
+                            "under [judge]; a rubric's refs table takes max_concurrency and max_rate",
+                        )
         _positive_int(self.max_in_flight, "max_in_flight", src)
         _positive_int(self.threads, "threads", src)
         object.__setattr__(self, "pins", MappingProxyType(dict(self.pins)))

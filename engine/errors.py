@@ -92,13 +92,18 @@ def describe(exc: BaseException) -> str:
     """A reason for ``VerificationError`` that says what happened, in words, for any exception.
 
     This is the single translation table from third-party exceptions (httpx, orjson, tenacity) to
-    readable reasons; everything else is described by its type and message.
+    readable reasons; an exception with a ``reason`` string of its own (ours) is described by it,
+    and everything else by its type and message.
     """
     if isinstance(exc, tenacity.RetryError):
         attempt = exc.last_attempt
         last = attempt.exception()
         why = describe(last) if last is not None else "no exception"
-        return f"gave up after {attempt.attempt_number} attempts; last: {why}"
+        tries = attempt.attempt_number
+        return f"gave up after {tries} attempt{'s' if tries != 1 else ''}; last: {why}"
+    reason = getattr(exc, "reason", None)
+    if isinstance(reason, str):
+        return reason
     if isinstance(exc, httpx.TimeoutException):
         phase = {
             httpx.ConnectTimeout: "connecting",

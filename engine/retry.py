@@ -33,7 +33,8 @@ class TransientStatus(Exception):
     def __init__(self, response: httpx.Response) -> None:
         self.status = response.status_code
         self.retry_after = parse_retry_after(response.headers.get("retry-after"))
-        super().__init__(f"HTTP {self.status}: {excerpt(response.content)}")
+        self.reason = f"HTTP {self.status}: {excerpt(response.content) or '(empty body)'}"
+        super().__init__(self.reason)
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -39,7 +39,7 @@ timeout = 5
 
 [refs."alice/arithmetic-correctness"]
 max_concurrency = 2
-max_attempts = 1
+max_rate = 5.0
 """
 
 
@@ -78,7 +78,7 @@ def test_per_ref_overrides_merge_over_defaults(tmp_path: Path) -> None:
         max_concurrency=32, timeout=5.0, max_attempts=4, retry_deadline=20.0
     )
     assert config.limits_for("alice/arithmetic-correctness") == Limits(
-        max_concurrency=2, timeout=30.0, max_attempts=1, retry_deadline=20.0
+        max_concurrency=2, max_rate=5.0, timeout=30.0, max_attempts=4, retry_deadline=20.0
     )
     assert config.limits_for("someone/else") == config.defaults
 
@@ -173,9 +173,17 @@ def test_direct_construction_is_validated_too() -> None:
         EngineConfig(refs=[Limits()])  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("key", ["timeout", "max_attempts", "retry_deadline"])
+def test_a_rubric_refs_table_refuses_the_judges_call_settings(tmp_path: Path, key: str) -> None:
+    # a rubric's calls are the judge's, whose budget is set under [judge]: refusing beats ignoring
+    path = write(tmp_path, f'[refs."alice/arithmetic-correctness"]\n{key} = 3\n')
+    with pytest.raises(ConfigError, match=rf"refs.'alice/arithmetic-correctness'.{key}: .*under \[judge\]"):
+        load_config(path)
+
+
 def test_config_is_frozen_and_its_tables_read_only() -> None:
     pins = {"arith": PIN}
-    config = EngineConfig(pins=pins, refs={"a/b": Limits(timeout=1)})
+    config = EngineConfig(pins=pins, refs={"a/b": Limits(max_concurrency=1)})
     pins["arith"] = "tampered"  # the config took a copy
     assert config.pins["arith"] == PIN
     with pytest.raises(TypeError):

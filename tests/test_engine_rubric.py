@@ -444,12 +444,6 @@ async def test_an_unset_key_variable_aborts_the_batch_before_any_request(
     assert server.requests[0].headers["authorization"] == "Bearer sk-set-later"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="engine/judge.py: a rubric's [refs.\"owner/name\"] max_attempts/timeout/retry_deadline are silently "
-    "ignored (only the [judge] budget applies), though engine/config.py documents rubric refs",
-)
 async def test_a_retry_budget_under_a_rubric_refs_table_is_not_silently_ignored(
     serve: Any, envs: Path, rubrics: Path, sleeps: SleepRecorder
 ) -> None:
@@ -537,17 +531,11 @@ def test_a_toml_config_with_a_judge_works_from_blocking_code(serve: Any, envs: P
     check_requests(server, ["1", "0", "0"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AttributeError,
-    reason="engine/blocking.py: BlockingEngine has score() but no run(), so a synchronous trainer cannot see "
-    "a batch's judge usage or the rubric version and digest that scored each item",
-)
 def test_blocking_callers_get_usage_and_provenance(serve: Any, envs: Path, rubrics: Path) -> None:
     server = serve()
     add_rubric_env(envs, "latest", ARITH)
     with BlockingEngine(engine_config(envs, rubrics, judge_config(server.base_url))) as eng:
-        result = eng.run([judged("latest", "2"), judged("latest", "3")])  # type: ignore[attr-defined]
+        result = eng.run([judged("latest", "2"), judged("latest", "3")])
     assert result.rewards == [0.2, 0.3]
     assert dict(result.provenance(1)) == provenance(rubrics, ARITH, 2)
     assert result.usage["total_tokens"] == 105 + 106

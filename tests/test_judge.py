@@ -387,7 +387,7 @@ async def test_a_retry_after_past_the_deadline_is_not_waited_for(
 ) -> None:
     server = serve(default=status(429, retry_after="3600"))
     err = await failure(make_judge(server, client, sleeps, retry_deadline=60.0), registry.resolve(ARITH))
-    assert "gave up after 1 attempts" in err.reason and "HTTP 429" in err.reason, err.reason
+    assert "gave up after 1 attempt;" in err.reason and "HTTP 429" in err.reason, err.reason
     assert len(server.requests) == 1 and sleeps.calls == []
 
 

@@ -205,4 +205,4 @@ def test_describe(exc: BaseException, reason: str) -> None:
 async def test_describe_a_retry_that_gave_up(sleeps: SleepRecorder) -> None:
     with pytest.raises(tenacity.RetryError) as info:
         await run(make_retrying(2, 60.0, sleeps), Flaky(status(503), status(502, body=b"bad gateway")))
-    assert describe(info.value) == "gave up after 2 attempts; last: TransientStatus: HTTP 502: bad gateway"
+    assert describe(info.value) == "gave up after 2 attempts; last: HTTP 502: bad gateway"
