@@ -1,0 +1,198 @@
+"""Helpers of the command-line tests (test_cli.py, test_backfill.py): workspaces, inputs, and running ``engine``.
+
+The CLI is run as a user runs it: ``python -m engine ...`` in a subprocess, in a workspace under
+``tmp_path`` holding ``engine.toml``, an ``envs/`` directory with copies of real environments from
+``tests/envs/``, and the input files. The ``backfill`` environment's plugin is also loaded here,
+directly from its file, so a test can compare the rewards the CLI wrote with what the plugin computes.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import itertools
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from engine.output import RewardRecord, partial_path, read_rewards, state_path
+
+ROOT = Path(__file__).resolve().parent.parent
+ENVS = Path(__file__).resolve().parent / "envs"
+RUBRICS = Path(__file__).resolve().parent / "rubrics"
+PLUGIN_ENV = "backfill"  # tests/envs/backfill: the deterministic plugin these tests score with
+RUN_TIMEOUT = 30.0  # seconds for one engine command
+KNOBS = ("ENGINE_TEST_CALL_LOG", "ENGINE_TEST_SLEEP", "ENGINE_TEST_FIXED")
+
+_packages = itertools.count()
+
+
+def copy_env(name: str, envs: Path, *, source: Path = ENVS) -> Path:
+    """Copy environment ``name`` from ``source`` into ``envs``; returns the copy."""
+    target = envs / name
+    shutil.copytree(source / name, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return target
+
+
+def add_endpoint_env(envs: Path, name: str, url: str) -> Path:
+    """Create environment ``name`` whose verifier is the endpoint at ``url``."""
+    directory = envs / name
+    directory.mkdir(parents=True)
+    manifest = {"kind": "environment", "verifier": {"kind": "endpoint", "ref": url}}
+    (directory / "manifest.json").write_bytes(orjson.dumps(manifest))
+    return directory
+
+
+def add_rubric_env(envs: Path, name: str, ref: str) -> Path:
+    """Create environment ``name`` whose verifier is rubric ``ref``."""
+    directory = envs / name
+    directory.mkdir(parents=True)
+    manifest = {"kind": "environment", "verifier": {"kind": "rubric", "ref": ref}}
+    (directory / "manifest.json").write_bytes(orjson.dumps(manifest))
+    return directory
+
+
+@dataclass
+class Workspace:
+    """A directory to run ``engine`` in: its config, its environments, and the files of one test."""
+
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        return self.root / "engine.toml"
+
+    @property
+    def envs(self) -> Path:
+        return self.root / "envs"
+
+    def write_config(self, text: str = "") -> Path:
+        """``engine.toml`` with unpinned plugins allowed, plus ``text`` (more keys and tables)."""
+        self.config.write_text('environments = "envs"\nallow_unpinned = true\n' + text)
+        return self.config
+
+    def run(self, *args: str | Path, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        """``engine ARGS`` with this workspace as the working directory; never raises on a failure."""
+        return subprocess.run(
+            engine_command(*args),
+            cwd=self.root,
+            env=child_env(env),
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT,
+            check=False,
+        )
+
+    def start(self, *args: str | Path, env: Mapping[str, str] | None = None) -> subprocess.Popen[str]:
+        """``engine ARGS`` started in the background, its output captured."""
+        return subprocess.Popen(
+            engine_command(*args),
+            cwd=self.root,
+            env=child_env(env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def score(
+        self, input_path: Path, output: Path, *extra: str, env: Mapping[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """``engine score INPUT -o OUTPUT --config engine.toml EXTRA``."""
+        return self.run("score", input_path, "-o", output, "--config", self.config, *extra, env=env)
+
+
+def make_workspace(root: Path, *plugin_envs: str, config: str = "") -> Workspace:
+    """A workspace at ``root`` with copies of ``plugin_envs`` from tests/envs and a config."""
+    space = Workspace(root)
+    space.envs.mkdir(parents=True)
+    for name in plugin_envs:
+        copy_env(name, space.envs)
+    space.write_config(config)
+    return space
+
+
+def engine_command(*args: str | Path) -> list[str]:
+    return [sys.executable, "-m", "engine", *map(str, args)]
+
+
+def child_env(extra: Mapping[str, str] | None) -> dict[str, str]:
+    """The environment of an ``engine`` process: this one's, without stray test knobs, plus ``extra``."""
+    env = {key: value for key, value in os.environ.items() if key not in KNOBS}
+    env["PYTHONPATH"] = str(ROOT)  # the engine of this checkout, whatever is installed
+    env["PYTHONIOENCODING"] = "utf-8"  # rich draws its tables with box characters
+    env.update(extra or {})
+    return env
+
+
+def row(n: int, environment: str = PLUGIN_ENV, **task: Any) -> dict[str, Any]:
+    """Input row number ``n`` (from 0): id ``row-NNNN``, the task ``{"n": n, **task}``."""
+    return {"id": f"row-{n:04d}", "environment": environment, "task": {"n": n, **task}, "trajectory": f"answer {n}"}
+
+
+def rows(count: int, *, environment: str = PLUGIN_ENV, poison: Iterable[int] = ()) -> list[dict[str, Any]]:
+    """``count`` rows of ``environment``; for the ``backfill`` plugin, those in ``poison`` fail until it is fixed."""
+    bad = set(poison)
+    return [row(n, environment, poison=True) if n in bad else row(n, environment) for n in range(count)]
+
+
+def write_rows(path: Path, items: Sequence[Mapping[str, Any]]) -> Path:
+    """Write ``items`` as JSON Lines or, for ``.parquet``, as Parquet with ``task`` stored as JSON text."""
+    if path.suffix == ".parquet":
+        table = pa.table(
+            {
+                "id": [item["id"] for item in items],
+                "environment": [item["environment"] for item in items],
+                "task": [orjson.dumps(item["task"]).decode() for item in items],
+                "trajectory": [item["trajectory"] for item in items],
+            }
+        )
+        pq.write_table(table, path)
+    else:
+        path.write_bytes(b"".join(orjson.dumps(item) + b"\n" for item in items))
+    return path
+
+
+def records(path: Path) -> list[RewardRecord]:
+    return list(read_rewards(path))
+
+
+def partial_records(output: Path) -> list[dict[str, Any]]:
+    """The records of an unfinished run (its partial file is JSON Lines whatever the output's format)."""
+    return [orjson.loads(line) for line in partial_path(output).read_bytes().splitlines()]
+
+
+def state_of(output: Path) -> dict[str, Any]:
+    data: dict[str, Any] = orjson.loads(state_path(output).read_bytes())
+    return data
+
+
+def read_log(path: Path) -> list[int]:
+    """The task numbers a ``backfill`` plugin call log holds, in call order."""
+    return [int(line) for line in path.read_text().split()] if path.exists() else []
+
+
+def load_plugin(environment: Path, module: str, attr: str) -> Callable[..., Any]:
+    """``module:attr`` of an environment directory, imported as a private package (relative imports work)."""
+    package = f"_cli_test_{environment.name}_{next(_packages)}"
+    pkg = importlib.util.module_from_spec(importlib.machinery.ModuleSpec(package, None, is_package=True))
+    pkg.__path__ = [str(environment)]
+    sys.modules[package] = pkg
+    target: Any = importlib.import_module(f"{package}.{module}")
+    for part in attr.split("."):
+        target = getattr(target, part)
+    fn: Callable[..., Any] = target
+    return fn
+
+
+def plugin_score() -> Callable[..., Any]:
+    """The ``backfill`` plugin's callable, to compute the rewards a run must have written."""
+    return load_plugin(ENVS / PLUGIN_ENV, "verify", "score")
