@@ -78,6 +78,9 @@ class EndpointVerifier:
         self._extensions = {"timeout": {"connect": seconds, "read": seconds, "write": seconds, "pool": seconds}}
         self.retries = 0  # transient failures retried, over the engine's life
 
+    def chunk_size(self) -> int:
+        return 1  # one HTTP request per item
+
     def provenance(self) -> Mapping[str, Any]:
         return {"kind": self.kind, "ref": self.ref}
 

@@ -443,6 +443,9 @@ class RubricVerifier:
     def retries(self) -> int:
         return self.usage.retries
 
+    def chunk_size(self) -> int:
+        return 1  # one HTTP request per item
+
     def provenance(self) -> Mapping[str, Any]:
         rubric = self.rubric
         return {"kind": self.kind, "ref": self.ref, "version": rubric.version, "digest": rubric.digest}

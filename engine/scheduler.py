@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import TYPE_CHECKING
@@ -69,9 +69,11 @@ class Lane:
     verifier: Verifier
     gate: Gate
     width: int  # workers: the verifier's max concurrency
-    indices: list[int] = field(default_factory=list)
-    latencies: list[float] = field(default_factory=list)  # seconds per call
+    indices: Sequence[int] = field(default_factory=list)  # a range when the lane is the whole batch
+    latencies: list[float] = field(default_factory=list)  # seconds per call (per item, within a chunk)
     waited: float = 0.0  # seconds items spent waiting for a limit
+    busy: float = 0.0  # seconds spent in calls
+    reward_sum: float = 0.0
     running: int = 0
     peak: int = 0
 
@@ -81,17 +83,40 @@ def in_flight_cap(size: int) -> anyio.Semaphore:
     return _semaphore(size)
 
 
-Call = Callable[[Lane, int], Awaitable[float]]
+Call = Callable[[Lane, Sequence[int]], Awaitable[list[float]]]
+
+
+class _Todo:
+    """A lane's indices not yet taken, shared by its workers; ``take`` slices, so a range stays a range."""
+
+    def __init__(self, indices: Sequence[int]) -> None:
+        self._indices = indices
+        self._next = 0
+
+    def take(self, count: int) -> Sequence[int]:
+        start = self._next
+        self._next = min(start + count, len(self._indices))
+        return self._indices[start : self._next]
+
+
+def _one() -> int:
+    return 1
 
 
 async def run_lanes(size: int, lanes: Sequence[Lane], call: Call, in_flight: anyio.Semaphore) -> list[float]:
-    """``call(lane, i)`` for every index of every lane; the rewards by index, or the first error."""
+    """``call(lane, chunk)`` over every index of every lane; the rewards by index, or the first error.
+
+    A worker takes as many indices at a time as its verifier asks for (``chunk_size()``): cheap sync
+    plugins run a chunk per thread hop, everything else one item per call. A chunk holds one slot of
+    each limit, as one call in flight; a rate-limited verifier is called one item at a time.
+    """
     results = [math.nan] * size
     failure: Exception | None = None
 
-    async def worker(lane: Lane, todo: Iterator[int]) -> None:
+    async def worker(lane: Lane, todo: _Todo) -> None:
         gate = lane.gate
-        for index in todo:
+        chunk_size = _one if gate.rate is not None else lane.verifier.chunk_size
+        while chunk := todo.take(chunk_size()):
             queued = perf_counter()
             async with gate.slots:
                 if gate.rate is not None:
@@ -102,12 +127,20 @@ async def run_lanes(size: int, lanes: Sequence[Lane], call: Call, in_flight: any
                     lane.running += 1
                     lane.peak = max(lane.peak, lane.running)
                     try:
-                        results[index] = await call(lane, index)
+                        rewards = await call(lane, chunk)
                     finally:
                         lane.running -= 1
-                    lane.latencies.append(perf_counter() - started)
+                    seconds = perf_counter() - started
+                    lane.busy += seconds
+                    lane.latencies.append(seconds / len(chunk))
+            if isinstance(chunk, range):  # contiguous: one slice assignment
+                results[chunk[0] : chunk[-1] + 1] = rewards
+            else:
+                for index, reward in zip(chunk, rewards, strict=True):
+                    results[index] = reward
+            lane.reward_sum += math.fsum(rewards)
 
-    async def guarded(lane: Lane, todo: Iterator[int]) -> None:
+    async def guarded(lane: Lane, todo: _Todo) -> None:
         nonlocal failure
         try:
             await worker(lane, todo)
@@ -118,7 +151,7 @@ async def run_lanes(size: int, lanes: Sequence[Lane], call: Call, in_flight: any
 
     async with anyio.create_task_group() as tg:
         for lane in lanes:
-            todo = iter(lane.indices)
+            todo = _Todo(lane.indices)
             for _ in range(min(lane.width, len(lane.indices), in_flight.max_value or 1)):
                 tg.start_soon(guarded, lane, todo)
     if failure is not None:

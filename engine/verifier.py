@@ -8,10 +8,10 @@ of that same shape, so the scheduler never needs to know which kind it is drivin
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["AsyncVerifyFn", "Verifier", "VerifyFn", "check_reward"]
+__all__ = ["AsyncVerifyFn", "ChunkedVerifier", "MalformedItem", "Verifier", "VerifyFn", "check_reward", "task_of"]
 
 VerifyFn = Callable[[Mapping[str, Any], Any], float]
 AsyncVerifyFn = Callable[[Mapping[str, Any], Any], Awaitable[float]]
@@ -40,9 +40,47 @@ class Verifier(Protocol):
         """What scores the items: kind, ref, and the environment digest or rubric version."""
         ...
 
+    def chunk_size(self) -> int:
+        """How many items it wants per call: more than 1 only for a :class:`ChunkedVerifier`."""
+        ...
+
     async def verify(self, task: Mapping[str, Any], trajectory: Any) -> float:
         """The reward for one item; raises on any failure (the scheduler names the item)."""
         ...
+
+
+@runtime_checkable
+class ChunkedVerifier(Verifier, Protocol):
+    """A verifier that can score several items in one call (a sync plugin: one thread hop a chunk)."""
+
+    async def verify_chunk(self, items: Sequence[Mapping[str, Any]]) -> list[float]:
+        """The rewards of whole items (mappings with ``task`` and ``trajectory``), in order.
+
+        A failure raises ``VerificationError`` whose ``index`` is the failing item's position in
+        ``items``, or :class:`MalformedItem` for an item without a task or trajectory.
+        """
+        ...
+
+
+class MalformedItem(Exception):
+    """The item at ``position`` of a chunk has no task or trajectory (the engine says which)."""
+
+    def __init__(self, position: int) -> None:
+        self.position = position
+        super().__init__(position)
+
+
+def task_of(index: int, item: Mapping[str, Any]) -> tuple[Mapping[str, Any], Any]:
+    """An item's ``(task, trajectory)``; ``ValueError``/``TypeError`` naming item ``index`` if malformed."""
+    try:
+        task, trajectory = item["task"], item["trajectory"]
+    except KeyError as exc:
+        raise ValueError(
+            f"item {index} has no {exc.args[0]!r} (an item needs 'environment', 'task', 'trajectory')"
+        ) from None
+    if type(task) is not dict and not isinstance(task, Mapping):
+        raise TypeError(f"item {index}: 'task' is a {type(task).__name__}, not a mapping")
+    return task, trajectory
 
 
 def check_reward(value: Any) -> float:
