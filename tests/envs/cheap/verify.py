@@ -1,0 +1,34 @@
+"""Cheap enough to be called in chunks; a task's "mode" makes one call misbehave."""
+
+import math
+import threading
+import time
+
+calls = 0
+running = 0
+max_running = 0  # the most calls in progress at once
+_lock = threading.Lock()
+
+
+def score(task, trajectory):
+    global calls, running, max_running
+    with _lock:
+        calls += 1
+        running += 1
+        max_running = max(max_running, running)
+    try:
+        return _score(task)
+    finally:
+        with _lock:
+            running -= 1
+
+
+def _score(task):
+    mode = task.get("mode")
+    if mode is None:
+        return float(task["n"] % 7) / 7
+    if mode == "raise":
+        raise ArithmeticError(f"cannot score item {task['n']}")
+    if mode == "hang":
+        time.sleep(task.get("seconds", 30))
+    return {"nan": math.nan, "none": None, "text": "high", "hang": 1.0, "numeric_text": "0.5", "int": 1}[mode]

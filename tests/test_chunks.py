@@ -1,0 +1,118 @@
+"""Cheap sync plugins are called a chunk of items per thread hop: the same answers, the same errors.
+
+Each test scores a batch large enough for chunks to form (the first calls measure the plugin's
+cost; later ones take thousands of items at a time) and checks that what comes out is exactly what
+item-by-item calls would give: rewards in order, and a failure pinned to the right item.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import item, plugin_module
+
+import engine
+from engine import EngineConfig, Limits, VerificationError
+
+SIZE = 20_000
+KEY = "cheap/verify:score"
+
+
+def batch(size: int = SIZE, **special: dict[str, Any]) -> list[dict[str, Any]]:
+    """Items n = 0..size-1; ``special`` maps an index (as "at<N>") to extra task fields."""
+    items = [item("cheap", f"answer {n}", item_id=f"row-{n}", n=n) for n in range(size)]
+    for key, fields in special.items():
+        items[int(key.removeprefix("at"))]["task"].update(fields)
+    return items
+
+
+async def warm(eng: engine.Engine) -> None:
+    """One batch to import the plugin and measure its cost, so the next batch runs in chunks."""
+    assert len(await eng.score(batch(2_000))) == 2_000
+
+
+async def test_chunks_form_and_rewards_stay_in_order(config: EngineConfig, envs: Path) -> None:
+    async with engine.Engine(config) as eng:
+        await warm(eng)
+        result = await eng.run(batch())
+    assert result.rewards == [(n % 7) / 7 for n in range(SIZE)]
+    report = result.verifiers[0]
+    assert report.items == SIZE
+    assert len(report.latencies) < SIZE / 10  # one latency per call: the calls were chunks
+    assert report.reward_sum == pytest.approx(sum((n % 7) / 7 for n in range(SIZE)))
+    assert plugin_module(envs, "cheap", "verify.py").calls == 2_000 + SIZE  # every item called once
+
+
+async def test_a_chunk_holds_items_of_several_lanes_apart(config: EngineConfig) -> None:
+    # items of two environments interleaved: each lane's chunks are index lists, not slices
+    items = [item("cheap", "x", n=n) if n % 3 else item("twin_a", "x") for n in range(6_000)]
+    async with engine.Engine(config) as eng:
+        await warm(eng)
+        rewards = await eng.score(items)
+    assert rewards == [(n % 7) / 7 if n % 3 else 0.25 for n in range(6_000)]
+
+
+@pytest.mark.parametrize(
+    ("mode", "reason"),
+    [
+        ("raise", "raised ArithmeticError: cannot score item 13577"),
+        ("nan", "returned nan, which is not a finite number"),
+        ("none", "returned None (NoneType), which float() refuses"),
+        ("text", "returned 'high' (str), which float() refuses"),
+    ],
+)
+async def test_a_failure_inside_a_chunk_names_its_item(config: EngineConfig, mode: str, reason: str) -> None:
+    async with engine.Engine(config) as eng:
+        await warm(eng)
+        with pytest.raises(VerificationError) as info:
+            await eng.score(batch(at13577={"mode": mode}))
+        err = info.value
+        assert (err.kind, err.ref, err.environment) == ("plugin", "verify:score", "cheap")
+        assert (err.index, err.item_id) == (13577, "row-13577")
+        assert err.reason == reason
+        if mode == "raise":
+            assert isinstance(err.__cause__, ArithmeticError)
+        assert await eng.score(batch(3_000)) == [(n % 7) / 7 for n in range(3_000)]  # usable afterwards
+
+
+async def test_values_float_accepts_are_accepted_inside_a_chunk(config: EngineConfig) -> None:
+    async with engine.Engine(config) as eng:
+        await warm(eng)
+        rewards = await eng.score(batch(at10={"mode": "numeric_text"}, at11={"mode": "int"}))
+    assert rewards[10:12] == [0.5, 1.0]
+    assert all(type(r) is float for r in rewards)
+
+
+async def test_a_malformed_item_inside_a_chunk_is_the_callers_error(config: EngineConfig) -> None:
+    items = batch()
+    del items[9_001]["trajectory"]
+    items[9_002]["task"] = "not a mapping"
+    async with engine.Engine(config) as eng:
+        await warm(eng)
+        with pytest.raises(ValueError, match=r"item 9001 has no 'trajectory'"):
+            await eng.score(items)
+        items[9_001]["trajectory"] = "back"
+        with pytest.raises(TypeError, match=r"item 9002: 'task' is a str, not a mapping"):
+            await eng.score(items)
+
+
+async def test_a_hanging_call_inside_a_chunk_times_out_naming_its_item(envs: Path) -> None:
+    config = EngineConfig(environments=envs, allow_unpinned=True, refs={KEY: Limits(timeout=0.5)})
+    async with engine.Engine(config) as eng:
+        await warm(eng)
+        with pytest.raises(VerificationError) as info:
+            await eng.score(batch(at15000={"mode": "hang", "seconds": 3}))
+    assert (info.value.index, info.value.reason) == (15000, "timed out after 0.5 s")
+
+
+async def test_chunks_of_one_plugin_never_run_at_once(config: EngineConfig, envs: Path) -> None:
+    async with engine.Engine(config) as eng:
+        await warm(eng)  # single calls, up to 64 at once, while the cost is measured
+        module = plugin_module(envs, "cheap", "verify.py")
+        module.max_running = 0
+        result = await eng.run(batch(40_000))
+    assert result.verifiers[0].peak_in_flight >= 2  # several workers held chunks...
+    assert module.max_running == 1  # ...but under the GIL a second thread only slows the first down
+    assert module.calls == 42_000
