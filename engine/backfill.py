@@ -134,8 +134,9 @@ async def score_file(
                 try:
                     result = await engine.run([row.as_item() for row in chunk])
                 except VerificationError as exc:
-                    if exc.index is not None:
+                    if exc.index is not None:  # from the chunk's position to the input's (0-based) row
                         exc.add_note(f"input: {rows.path}, {rows.unit} {chunk[exc.index].number}")
+                        exc.index += rows.rows_read - len(chunk)
                     raise
                 for position, (row, reward) in enumerate(zip(chunk, result.rewards, strict=True)):
                     writer.write(row.id, reward, {**result.provenance(position), "environment": row.environment})

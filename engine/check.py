@@ -34,6 +34,8 @@ class EnvironmentCheck:
     manifest: str
     digest: str
     verifier: str
+    digest_now: str | None = None  # the directory's digest, when its pin is missing or stale
+
 
     @property
     def ok(self) -> bool:
@@ -49,9 +51,23 @@ async def _reachable(url: str) -> str:
     except TimeoutError:
         return f"no answer from {parts.hostname}:{port} within {CONNECT_TIMEOUT:g} s"
     except OSError as exc:
-        return f"cannot connect to {parts.hostname}:{port}: {exc.strerror or exc}"
+        # anyio sums up every address it tried as "All connection attempts failed"; the cause says why
+        cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
+        return f"cannot connect to {parts.hostname}:{port}: {cause.strerror or cause}"
     await stream.aclose()
     return "ok"
+
+
+def _rubric_verdict(engine: Engine, ref: str) -> str:
+    """Both things a rubric needs, each reported: the rubric itself, and a judge to grade with it."""
+    problems = []
+    try:
+        engine.rubrics.resolve(ref)
+    except EngineError as exc:
+        problems.append(getattr(exc, "reason", str(exc)))
+    if engine.config.judge is None:
+        problems.append("no [judge] is configured to grade rubrics")
+    return "; ".join(problems) or "ok"
 
 
 async def check_environments(*, config: EngineConfig) -> list[EnvironmentCheck]:
@@ -87,8 +103,11 @@ async def check_environments(*, config: EngineConfig) -> list[EnvironmentCheck]:
                 elif env.verifier.kind == "endpoint":
                     verdict = await _reachable(env.verifier.ref)
                 else:
-                    engine.verifier_for(env)
+                    verdict = _rubric_verdict(engine, env.verifier.ref)
             except EngineError as exc:
                 verdict = getattr(exc, "reason", str(exc))
-            checks.append(EnvironmentCheck(env.name, env.verifier.kind, env.verifier.ref, "ok", digest_status, verdict))
+            stale = digest_status not in ("ok", "-")
+            spec = env.verifier
+            now = digest if stale else None
+            checks.append(EnvironmentCheck(env.name, spec.kind, spec.ref, "ok", digest_status, verdict, now))
     return checks

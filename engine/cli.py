@@ -10,6 +10,7 @@ Exit codes (also in ``engine --help``):
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -138,12 +139,12 @@ def _progress(total: int | None) -> Iterator[Callable[[int], None]]:
 
 def _summary_table(summary: RunSummary) -> Table:
     table = Table(title="per verifier", title_justify="left")
-    for name in ("kind", "ref", "items", "mean reward", "p50 ms", "p99 ms", "retries"):
-        table.add_column(name, justify="left" if name in ("kind", "ref") else "right", overflow="fold")
-    for totals in summary.verifiers.values():
+    for name in ("kind", "verifier", "items", "mean reward", "p50 ms", "p99 ms", "retries"):
+        table.add_column(name, justify="left" if name in ("kind", "verifier") else "right", overflow="fold")
+    for key, totals in summary.verifiers.items():
         table.add_row(
             Text(totals.kind),
-            Text(totals.ref),
+            Text(key if totals.kind == "plugin" else totals.ref),  # a plugin's ref alone is ambiguous
             f"{totals.items:,}",
             f"{totals.mean_reward:.4f}",
             f"{totals.latency.percentile(50) * 1e3:.2f}",
@@ -197,6 +198,9 @@ def check(config_path: Path) -> None:
         mark = Text("yes", style="green") if row.ok else Text("NO", style="bold red")
         table.add_row(*map(Text, cells), mark)
     stdout.print(table)
+    pins = [f'{row.environment} = "{row.digest_now}"' for row in checks if row.digest_now]
+    if pins:  # whole lines, to copy under [pins] once the code is vetted (the table folds them)
+        stdout.print("digests to pin under [pins], after vetting:\n" + "\n".join(pins), markup=False, soft_wrap=True)
     failed = [row.environment for row in checks if not row.ok]
     if failed:
         _fail(EXIT_VERIFICATION, f"{len(failed)} of {len(checks)} environments cannot score: {', '.join(failed)}")
@@ -242,4 +246,7 @@ def rubrics_show(registry: RubricRegistry, ref: str) -> None:
 
 def main() -> None:
     """Entry point of the ``engine`` command."""
+    # The CLI reports an abort itself, on stderr with its exit code; without a handler of its own
+    # the engine logger's ERROR record would reach Python's last-resort handler and say it twice.
+    logging.getLogger("engine").addHandler(logging.NullHandler())
     cli.main(prog_name="engine")

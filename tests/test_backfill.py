@@ -224,11 +224,6 @@ def test_a_verifier_failing_at_row_700_keeps_the_rows_before_it_and_resumes(
         assert sorted(read_log(resumed_log)) == list(range(done, ROWS))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine/backfill.py re-raises the VerificationError with .index still the item's position in its "
-    "chunk, so the message says 'on item 2' about the row on line 7 (7th row of the input)",
-)
 def test_the_error_does_not_misplace_the_failed_row(space: Workspace) -> None:
     inp = write_rows(space.root / "in.jsonl", rows(10, poison=[6]))
     failed = space.score(inp, space.root / "rewards.jsonl", *chunk_args(4))
