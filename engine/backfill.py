@@ -12,12 +12,10 @@ the checkpoints, so a resumed run reports on the whole file.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pyarrow.parquet as pq
@@ -26,46 +24,15 @@ from .config import EngineConfig
 from .engine import Engine
 from .errors import ManifestError, VerificationError
 from .output import open_run
-from .report import LatencyHistogram
+from .report import VerifierTotals, add_reports
 from .rows import JSONL_SUFFIXES, InputError, Row, RowReader
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "RunSummary", "VerifierTotals", "count_rows", "score_file"]
+__all__ = ["DEFAULT_CHUNK_SIZE", "RunSummary", "count_rows", "refuse_unknown_environments", "score_file"]
 
 DEFAULT_CHUNK_SIZE = 1024  # rows per batch and per checkpoint: at most this many are scored again on resume
 COUNT_BLOCK = 1 << 20
 
 Progress = Callable[[int], None]  # told how many rows are done, after each chunk
-
-
-@dataclass
-class VerifierTotals:
-    """One verifier's share of a whole run."""
-
-    kind: str
-    ref: str
-    items: int = 0
-    reward_sum: float = 0.0
-    retries: int = 0
-    latency: LatencyHistogram = field(default_factory=LatencyHistogram)
-
-    @property
-    def mean_reward(self) -> float:
-        return self.reward_sum / self.items if self.items else math.nan
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "ref": self.ref,
-            "items": self.items,
-            "reward_sum": self.reward_sum,
-            "retries": self.retries,
-            "latency": {str(bucket): count for bucket, count in self.latency.counts.items()},
-        }
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> VerifierTotals:
-        latency = LatencyHistogram({int(bucket): count for bucket, count in data["latency"].items()})
-        return cls(data["kind"], data["ref"], data["items"], data["reward_sum"], data["retries"], latency)
 
 
 @dataclass
@@ -93,7 +60,7 @@ def count_rows(path: Path) -> int | None:
         return None
 
 
-def _check_environments(engine: Engine, rows: RowReader, chunk: list[Row]) -> None:
+def refuse_unknown_environments(engine: Engine, rows: RowReader, chunk: list[Row]) -> None:
     """Refuse a chunk naming an unknown environment, by its line, before any of it is scored."""
     for row in chunk:
         try:
@@ -130,7 +97,7 @@ async def score_file(
             if progress is not None:
                 progress(resumed_at)
             while chunk := list(islice(rows, chunk_size)):
-                _check_environments(engine, rows, chunk)
+                refuse_unknown_environments(engine, rows, chunk)
                 try:
                     result = await engine.run([row.as_item() for row in chunk])
                 except VerificationError as exc:
@@ -140,14 +107,7 @@ async def score_file(
                     raise
                 for position, (row, reward) in enumerate(zip(chunk, result.rewards, strict=True)):
                     writer.write(row.id, reward, {**result.provenance(position), "environment": row.environment})
-                for report in result.verifiers:
-                    total = totals.get(report.key)
-                    if total is None:
-                        total = totals[report.key] = VerifierTotals(report.kind, report.ref)
-                    total.items += report.items
-                    total.reward_sum += report.reward_sum
-                    total.retries += report.retries
-                    total.latency.extend(report.latencies)
+                add_reports(totals, result)
                 meta = {"verifiers": {key: total.to_json() for key, total in totals.items()}}
                 writer.checkpoint(rows.rows_read, rows.checksum(), meta=meta)
                 if progress is not None:

@@ -20,12 +20,14 @@ from typing import NoReturn, TypeVar
 
 import anyio
 import click
+import orjson
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 from rich.table import Table
 from rich.text import Text
 
 from .backfill import DEFAULT_CHUNK_SIZE, RunSummary, count_rows, score_file
+from .bench import DEFAULT_BATCH_SIZE, bench_file, summarise
 from .check import check_environments
 from .config import EngineConfig, load_config
 from .digest import digest_directory
@@ -182,6 +184,41 @@ def score(input_path: Path, output: Path, config_path: Path, resume: bool, chunk
     stdout.print(_summary_table(summary))
     resumed = f" (resumed at row {summary.resumed_at:,})" if summary.resumed_at else ""
     stdout.print(f"{summary.rows:,} rewards written to {summary.output}{resumed}", soft_wrap=True)
+
+
+@cli.command()
+@click.argument("input_path", metavar="INPUT", type=click.Path(dir_okay=False, path_type=Path))
+@config_option
+@click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True, help="Passes over the file.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=DEFAULT_BATCH_SIZE, show_default=True,
+              help="Rows scored per batch, as a trainer's step would.")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON instead of a table.")
+def bench(input_path: Path, config_path: Path, repeat: int, batch_size: int, as_json: bool) -> None:
+    """Measure each verifier on a file of stored trajectories, writing no rewards."""
+    config = _config(config_path)
+    if not input_path.is_file():
+        _fail(EXIT_BAD_INPUT, f"{input_path}: no such input file")
+    runs = _run(lambda: bench_file(input_path=input_path, config=config, repeat=repeat, batch_size=batch_size))
+    summary = summarise(runs)
+    if as_json:
+        click.echo(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
+        return
+    table = Table(title=f"{summary['items']:,} items, median of {len(runs)} run(s)", title_justify="left")
+    columns = ("kind", "verifier", "items", "items/s", "p50 ms", "p95 ms", "p99 ms", "peak in flight", "retries",
+               "waiting", "in verifier")
+    for name in columns:
+        table.add_column(name, justify="left" if name in ("kind", "verifier") else "right", overflow="fold")
+    for v in summary["verifiers"]:
+        latency = v["latency_ms"]
+        table.add_row(
+            Text(v["kind"]), Text(v["verifier"]), f"{v['items']:,}", f"{v['items_per_s']:,.0f}",
+            f"{latency['p50']:.2f}", f"{latency['p95']:.2f}", f"{latency['p99']:.2f}", str(v["peak_in_flight"]),
+            str(v["retries"]), f"{v['waiting_s']:.2f} s ({v['waiting_share']:.0%})", f"{v['in_verifier_s']:.2f} s",
+        )
+    stdout.print(table)
+    rate = summary["items_per_s"]
+    each = ", ".join(f"{r:,.0f}" for r in rate["each"])
+    stdout.print(f"overall {rate['median']:,.0f} items/s (reading the file included); runs: {each}", soft_wrap=True)
 
 
 @cli.command()

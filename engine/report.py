@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BatchResult", "VerifierReport", "percentile"]
+__all__ = ["BatchResult", "LatencyHistogram", "VerifierReport", "VerifierTotals", "add_reports", "percentile"]
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -98,3 +98,59 @@ class LatencyHistogram:
             if seen >= rank:
                 return float(2 ** ((bucket + 0.5) / self.STEPS) / 1e6)
         raise AssertionError("unreachable: the ranks add up to the total")
+
+
+@dataclass
+class VerifierTotals:
+    """One verifier's figures added up over many batches (a backfill, a benchmark), in constant memory."""
+
+    kind: str
+    ref: str
+    items: int = 0
+    reward_sum: float = 0.0
+    retries: int = 0
+    waited: float = 0.0
+    busy: float = 0.0
+    peak_in_flight: int = 0
+    latency: LatencyHistogram = field(default_factory=LatencyHistogram)
+
+    @property
+    def mean_reward(self) -> float:
+        return self.reward_sum / self.items if self.items else math.nan
+
+    def add(self, report: VerifierReport) -> None:
+        self.items += report.items
+        self.reward_sum += report.reward_sum
+        self.retries += report.retries
+        self.waited += report.waited
+        self.busy += report.busy
+        self.peak_in_flight = max(self.peak_in_flight, report.peak_in_flight)
+        self.latency.extend(report.latencies)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "ref": self.ref,
+            "items": self.items,
+            "reward_sum": self.reward_sum,
+            "retries": self.retries,
+            "waited": self.waited,
+            "busy": self.busy,
+            "peak_in_flight": self.peak_in_flight,
+            "latency": {str(bucket): count for bucket, count in self.latency.counts.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> VerifierTotals:
+        latency = LatencyHistogram({int(bucket): count for bucket, count in data["latency"].items()})
+        fields = {key: data[key] for key in ("items", "reward_sum", "retries", "waited", "busy", "peak_in_flight")}
+        return cls(data["kind"], data["ref"], latency=latency, **fields)
+
+
+def add_reports(totals: dict[str, VerifierTotals], result: BatchResult) -> None:
+    """Add a batch's verifier reports into ``totals``, keyed by verifier key."""
+    for report in result.verifiers:
+        total = totals.get(report.key)
+        if total is None:
+            total = totals[report.key] = VerifierTotals(report.kind, report.ref)
+        total.add(report)
