@@ -78,7 +78,7 @@ class EndpointVerifier:
         self._extensions = {"timeout": {"connect": seconds, "read": seconds, "write": seconds, "pool": seconds}}
         self.retries = 0  # transient failures retried, over the engine's life
 
-    def chunk_size(self) -> int:
+    def chunk_size(self, share: int) -> int:
         return 1  # one HTTP request per item
 
     def provenance(self) -> Mapping[str, Any]:

@@ -228,7 +228,7 @@ class Engine:
 
         async def call(lane: Lane, chunk: Sequence[int]) -> list[float]:
             v = lane.verifier
-            if len(chunk) > 1 or v.chunk_size() > 1:  # in chunk mode even a lone item is a chunk
+            if len(chunk) > 1 or v.chunk_size(1) > 1:  # serial chunk mode: even a lone item is a chunk
                 assert isinstance(v, ChunkedVerifier)  # only they ask for chunks
                 items = batch[chunk[0] : chunk[-1] + 1] if isinstance(chunk, range) else [batch[i] for i in chunk]
                 try:

@@ -443,7 +443,7 @@ class RubricVerifier:
     def retries(self) -> int:
         return self.usage.retries
 
-    def chunk_size(self) -> int:
+    def chunk_size(self, share: int) -> int:
         return 1  # one HTTP request per item
 
     def provenance(self) -> Mapping[str, Any]:

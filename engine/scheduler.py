@@ -93,20 +93,24 @@ class _Todo:
         self._indices = indices
         self._next = 0
 
+    def share(self, workers: int) -> int:
+        """Indices left per worker, rounded up."""
+        return max(1, -(-(len(self._indices) - self._next) // workers))
+
     def take(self, count: int) -> Sequence[int]:
         start = self._next
         self._next = min(start + count, len(self._indices))
         return self._indices[start : self._next]
 
 
-def _one() -> int:
+def _one(share: int) -> int:
     return 1
 
 
 async def run_lanes(size: int, lanes: Sequence[Lane], call: Call, in_flight: anyio.Semaphore) -> list[float]:
     """``call(lane, chunk)`` over every index of every lane; the rewards by index, or the first error.
 
-    A worker takes as many indices at a time as its verifier asks for (``chunk_size()``): cheap sync
+    A worker takes as many indices at a time as its verifier asks for (``chunk_size``): cheap sync
     plugins run a chunk per thread hop, everything else one item per call. A chunk holds one slot of
     each limit, as one call in flight; a rate-limited verifier is called one item at a time.
     """
@@ -116,7 +120,7 @@ async def run_lanes(size: int, lanes: Sequence[Lane], call: Call, in_flight: any
     async def worker(lane: Lane, todo: _Todo) -> None:
         gate = lane.gate
         chunk_size = _one if gate.rate is not None else lane.verifier.chunk_size
-        while chunk := todo.take(chunk_size()):
+        while chunk := todo.take(chunk_size(todo.share(lane.width))):
             queued = perf_counter()
             async with gate.slots:
                 if gate.rate is not None:

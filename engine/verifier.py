@@ -40,8 +40,12 @@ class Verifier(Protocol):
         """What scores the items: kind, ref, and the environment digest or rubric version."""
         ...
 
-    def chunk_size(self) -> int:
-        """How many items it wants per call: more than 1 only for a :class:`ChunkedVerifier`."""
+    def chunk_size(self, share: int) -> int:
+        """How many items it wants per call: more than 1 only for a :class:`ChunkedVerifier`.
+
+        ``share`` is the lane's items left per worker: a chunk larger than that leaves workers idle
+        while the last chunks run, so a verifier whose chunks run in parallel stays within it.
+        """
         ...
 
     async def verify(self, task: Mapping[str, Any], trajectory: Any) -> float:

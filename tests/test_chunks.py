@@ -116,3 +116,29 @@ async def test_chunks_of_one_plugin_never_run_at_once(config: EngineConfig, envs
     assert result.verifiers[0].peak_in_flight >= 2  # several workers held chunks...
     assert module.max_running == 1  # ...but under the GIL a second thread only slows the first down
     assert module.calls == 42_000
+
+
+def calls_of(mode: str, seconds: float, count: int) -> list[dict[str, Any]]:
+    return [item("cheap", "x", n=n, mode=mode, seconds=seconds) for n in range(count)]
+
+
+async def test_calls_that_wait_run_in_parallel_chunks(config: EngineConfig, envs: Path) -> None:
+    async with engine.Engine(config) as eng:
+        assert await eng.score(calls_of("wait", 0.004, 64)) == [1.0] * 64  # measured: waiting, ~4 ms
+        module = plugin_module(envs, "cheap", "verify.py")
+        module.max_running = 0
+        result = await eng.run(calls_of("wait", 0.004, 1_000))
+    assert result.rewards == [1.0] * 1_000
+    assert module.max_running >= 32  # many threads waiting at once
+    assert len(result.verifiers[0].latencies) < 1_000  # in chunks: fewer round trips than items
+
+
+async def test_cpu_bound_calls_run_one_chunk_at_a_time(config: EngineConfig, envs: Path) -> None:
+    async with engine.Engine(config) as eng:
+        assert await eng.score(calls_of("spin", 0.0005, 64)) == [1.0] * 64  # measured: CPU-bound
+        module = plugin_module(envs, "cheap", "verify.py")
+        module.max_running = 0
+        result = await eng.run(calls_of("spin", 0.0005, 400))
+    assert result.rewards == [1.0] * 400
+    assert module.max_running == 1  # under the GIL, a second thread would only slow the first
+    assert len(result.verifiers[0].latencies) < 400

@@ -27,6 +27,14 @@ def _score(task):
     mode = task.get("mode")
     if mode is None:
         return float(task["n"] % 7) / 7
+    if mode == "spin":  # keep a CPU busy, holding the GIL, as Python code does
+        until = time.perf_counter() + task["seconds"]
+        while time.perf_counter() < until:
+            pass
+        return 1.0
+    if mode == "wait":  # wait without a CPU, as blocking I/O does
+        time.sleep(task["seconds"])
+        return 1.0
     if mode == "raise":
         raise ArithmeticError(f"cannot score item {task['n']}")
     if mode == "hang":
