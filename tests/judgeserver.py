@@ -11,7 +11,8 @@ import asyncio
 import inspect
 import threading
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import orjson
@@ -102,3 +103,21 @@ def hold_until(predicate: Callable[[], bool], reply: Response, limit: float = 5.
         return reply
 
     return held
+
+
+@contextmanager
+def judge_servers(default: Reply | None = None) -> Iterator[Callable[..., JudgeServer]]:
+    """A ``serve(*script, default=...)`` that starts judge servers, all stopped on exit (a fixture's body)."""
+    servers: list[JudgeServer] = []
+
+    def start(*script: Reply, default: Reply | None = default) -> JudgeServer:
+        server = JudgeServer(*script, default=default).__enter__()
+        servers.append(server)
+        return server
+
+    try:
+        yield start
+    finally:
+        for server in servers:
+            server.__exit__(None, None, None)
+

@@ -19,7 +19,7 @@ import orjson
 import pytest
 from conftest import SleepRecorder, import_count, item
 from httpserver import Request, Response
-from judgeserver import JudgeServer, completion, score, status
+from judgeserver import JudgeServer, completion, judge_servers, score, status
 
 from engine import (
     BatchResult,
@@ -97,16 +97,8 @@ def graded(server: JudgeServer) -> dict[str, list[str]]:
 @pytest.fixture
 def serve() -> Iterator[Any]:
     """``serve(*script, default=...)`` starts a judge server, stopped when the test ends."""
-    servers: list[JudgeServer] = []
-
-    def start(*script: Any, default: Any = by_response) -> JudgeServer:
-        server = JudgeServer(*script, default=default).__enter__()
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        server.__exit__(None, None, None)
+    with judge_servers(default=by_response) as start:
+        yield start
 
 
 @pytest.fixture
@@ -561,10 +553,12 @@ async def test_the_judge_rate_limit_holds_across_a_batch(serve: Any, envs: Path,
     assert len(times) == count
     # a full bucket lets `rate` through at once, then one every 1/rate s: 40 requests span ~1 s
     assert times[-1] - times[0] >= (count - rate) / rate * 0.8
-    # no stretch of time saw more than the bucket plus what drains in it (2 requests' slack)
+    # no stretch of time saw more than the bucket plus what drains in it, with slack for the server's
+    # arrival stamps, which a loaded machine can clump (as in test_judge's twin of this test)
+    slack = 2 + rate * 0.25
     for i in range(count):
         for j in range(i + 1, count):
-            assert j - i + 1 <= rate + rate * (times[j] - times[i]) + 2, (i, j, times[j] - times[i])
+            assert j - i + 1 <= rate + rate * (times[j] - times[i]) + slack, (i, j, times[j] - times[i])
 
 
 async def test_one_engine_scores_concurrent_batches_each_with_its_own_usage(

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from conftest import SleepRecorder
 from httpserver import Response
-from judgeserver import JudgeServer, completion, hold_until, score, status
+from judgeserver import JudgeServer, completion, hold_until, judge_servers, score, status
 
 from engine.errors import ConfigError, VerificationError
 from engine.judge import (
@@ -44,16 +44,8 @@ Serve = Callable[..., JudgeServer]
 @pytest.fixture
 def serve() -> Iterator[Serve]:
     """``serve(*script, default=...)`` starts a judge server, stopped when the test ends."""
-    servers: list[JudgeServer] = []
-
-    def start(*script: Any, default: Any = None) -> JudgeServer:
-        server = JudgeServer(*script, default=default).__enter__()
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        server.__exit__(None, None, None)
+    with judge_servers() as start:
+        yield start
 
 
 @pytest.fixture
@@ -447,10 +439,13 @@ async def test_the_rate_limit_holds_on_the_server_side(
     assert len(times) == count
     # a full bucket lets `rate` through at once, then one every 1/rate s: 40 requests span ~1 s
     assert times[-1] - times[0] >= (count - rate) / rate * 0.8
-    # and no stretch of time saw more than the bucket plus what drains in it (2 requests' slack)
+    # and no stretch of time saw more than the bucket plus what drains in it, with slack for the
+    # server's arrival times: on a loaded 2-core machine its loop can lag and stamp a clump of
+    # requests at once (seen: 23 within 33 ms); 0.25 s of such jitter is 5 requests at this rate
+    slack = 2 + rate * 0.25
     for i in range(count):
         for j in range(i + 1, count):
-            assert j - i + 1 <= rate + rate * (times[j] - times[i]) + 2, (i, j, times[j] - times[i])
+            assert j - i + 1 <= rate + rate * (times[j] - times[i]) + slack, (i, j, times[j] - times[i])
 
 
 # --- configuration -------------------------------------------------------------------------------
