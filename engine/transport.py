@@ -11,6 +11,13 @@ Scope, kept deliberately small: HTTP/1.1 over TCP or TLS, one request at a time 
 parsed by httptools (the C parser uvicorn uses). No proxies, no HTTP/2, no upgrades. A connection is
 reused only after a complete response that allows keep-alive; a request that is cancelled or fails
 closes its connection, so the server sees an abort at once.
+
+Bounds: a request may carry ``extensions["max_body"]`` (bytes). A response announcing a longer
+body is refused before its body is read, one whose body grows past the cap is cut off (the
+connection closed) as soon as it does, and a compressed one is refused (under a cap the engine asks
+for ``identity``: a small compressed body can inflate to any size). A response's head is bounded
+too (``MAX_HEAD``). Timeouts of ``None`` cost nothing: a caller that bounds the whole call with a
+deadline of its own passes ``None`` for the phases.
 """
 
 from __future__ import annotations
@@ -25,15 +32,70 @@ from typing import cast
 import httptools
 import httpx
 
-__all__ = ["PoolTransport"]
+__all__ = ["MAX_BODY", "CallTimeout", "PoolTransport", "ResponseTooLarge", "check_size", "size_text"]
 
 DEFAULT_MAX_CONNECTIONS = 1024
 CLOSE_WAIT = 1.0  # seconds aclose() waits for closed sockets to be released
+MAX_HEAD = 64 * 1024  # bytes: a response's status line and headers
+MAX_BODY = "max_body"  # the request extension that caps the response body, in bytes
+
+
+def size_text(size: int) -> str:
+    """A byte count for people: ``1 MiB``, ``64 KiB``, ``1.5 MiB``, ``1000 bytes``."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale:
+            return f"{size / scale:.4g} {unit}"
+    return f"{size} byte{'s' if size != 1 else ''}"
+
+
+class ResponseTooLarge(httpx.TransportError):
+    """A response longer than the caller's cap (``max_body``), refused without reading the rest."""
+
+    def __init__(self, limit: int, announced: int | None = None, *, head: bool = False) -> None:
+        if head:
+            self.reason = f"response headers over {size_text(limit)}"
+        elif announced is not None:
+            self.reason = f"response body of {announced} bytes is over the {size_text(limit)} limit (max_body)"
+        else:
+            self.reason = f"response body over the {size_text(limit)} limit (max_body)"
+        super().__init__(self.reason)
+
+
+class CallTimeout(httpx.TimeoutException):
+    """A call's whole deadline passed: connecting, waiting for a connection, sending and reading together."""
+
+    def __init__(self, seconds: float, request: httpx.Request | None = None) -> None:
+        self.reason = f"timed out waiting for the response (the whole call's timeout is {seconds:g} s)"
+        super().__init__(self.reason, request=request)
+
+
+def check_size(response: httpx.Response, limit: int) -> None:
+    """Refuse a read response over ``limit`` bytes: the cap for a transport that does not enforce it itself."""
+    if len(response.content) > limit:
+        raise ResponseTooLarge(limit)
 
 
 def _timeouts(request: httpx.Request) -> Mapping[str, float | None]:
     timeout: Mapping[str, float | None] = request.extensions.get("timeout", {})
     return timeout
+
+
+def _announced_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    for name, value in headers:
+        if len(name) == 14 and name.lower() == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None  # httptools refuses a malformed length itself
+    return None
+
+
+def _encoding(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    for name, value in headers:
+        if len(name) == 16 and name.lower() == b"content-encoding":
+            value = value.strip().lower()
+            return None if value in (b"", b"identity") else value
+    return None
 
 
 class _Connection(asyncio.Protocol):
@@ -47,6 +109,9 @@ class _Connection(asyncio.Protocol):
         self._headers: list[tuple[bytes, bytes]] = []
         self._body: list[bytes] = []
         self._headers_done = False
+        self._head_size = 0  # bytes received before the end of the head
+        self._body_size = 0
+        self._limit: int | None = None  # the cap on this response's body, if any
         self.reusable = False
         self.lost: asyncio.Future[None] = loop.create_future()  # done once the socket is closed
 
@@ -61,6 +126,10 @@ class _Connection(asyncio.Protocol):
             self._fail(httpx.RemoteProtocolError("the server asked for a protocol upgrade"))
         except httptools.HttpParserError as exc:
             self._fail(httpx.RemoteProtocolError(f"malformed HTTP response: {exc}"))
+        if not self._headers_done:  # httptools buffers an unfinished head: bound it
+            self._head_size += len(data)
+            if self._head_size > MAX_HEAD:
+                self._fail(ResponseTooLarge(MAX_HEAD, head=True))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.reusable = False
@@ -85,8 +154,24 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._headers_done = True
+        limit = self._limit
+        if limit is None:
+            return
+        announced = _announced_length(self._headers)
+        if announced is not None and announced > limit:
+            self._fail(ResponseTooLarge(limit, announced))
+        encoding = _encoding(self._headers)
+        if encoding is not None:
+            named = encoding.decode("latin-1")
+            self._fail(httpx.DecodingError(f"the response is compressed (Content-Encoding: {named}), not asked for"))
 
     def on_body(self, body: bytes) -> None:
+        limit = self._limit
+        if limit is not None:
+            self._body_size += len(body)
+            if self._body_size > limit:
+                self._fail(ResponseTooLarge(limit))
+                return
         self._body.append(body)
 
     def on_message_complete(self) -> None:
@@ -106,10 +191,12 @@ class _Connection(asyncio.Protocol):
     def alive(self) -> bool:
         return self._transport is not None and not self._transport.is_closing()
 
-    async def exchange(self, data: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    async def exchange(self, data: bytes, limit: int | None) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         assert self._transport is not None
         self._waiter = self._loop.create_future()
         self._headers, self._body, self._headers_done, self.reusable = [], [], False, False
+        self._head_size = self._body_size = 0
+        self._limit = limit
         self._transport.write(data)
         return await self._waiter
 
@@ -218,13 +305,18 @@ class PoolTransport(httpx.AsyncBaseTransport):
             head += [name, b": ", value, b"\r\n"]
         data = b"".join(head) + b"\r\n" + body
         connection = await self._acquire(request, pool, origin)
+        limit: int | None = request.extensions.get(MAX_BODY)
+        read = _timeouts(request).get("read")
         try:
             try:
-                async with asyncio.timeout(_timeouts(request).get("read")):
-                    status, headers, content = await connection.exchange(data)
+                if read is None:  # the caller's own deadline bounds the call (see the module docstring)
+                    status, headers, content = await connection.exchange(data, limit)
+                else:
+                    async with asyncio.timeout(read):
+                        status, headers, content = await connection.exchange(data, limit)
             except TimeoutError as exc:
                 raise httpx.ReadTimeout("timed out waiting for the response", request=request) from exc
-            except httpx.TransportError as exc:
+            except httpx.RequestError as exc:
                 exc.request = request
                 raise
         except BaseException:
