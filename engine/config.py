@@ -9,6 +9,15 @@ Per-verifier overrides live under ``[refs."<key>"]``, where the key names one ve
 * rubric: ``owner/name``, ``[refs."alice/arithmetic-correctness"]``;
 * plugin: the environment and the callable, ``[refs."arith/verify:score"]``, because two
   environments may both ship ``verify:score`` and they are different verifiers.
+
+An endpoint's refs table may also send headers, whose values name environment variables::
+
+    [refs."https://verifier.example/score"]
+    headers = { Authorization = "Bearer ${VERIFIER_TOKEN}" }
+
+Every value names at least one variable (the config itself never holds a secret); the variables
+are read at call time, and their values are scrubbed from every error message. Headers belong to
+one endpoint, never to ``[defaults]``, so a token is only sent where it is meant to go.
 """
 
 from __future__ import annotations
@@ -43,11 +52,40 @@ DEFAULT_MAX_ATTEMPTS = 5  # first try plus retries, for transient HTTP failures
 DEFAULT_RETRY_DEADLINE = 60.0  # seconds from the first try after which no retry starts
 DEFAULT_MAX_IN_FLIGHT = 1024  # items in flight at once over all verifiers, however large the batch
 DEFAULT_THREADS = 64  # worker threads shared by all sync plugins
+DEFAULT_MAX_BODY = 1 << 20  # bytes: an endpoint's response body may be at most 1 MiB
 DEFAULT_ENVIRONMENTS = "envs"
 DEFAULT_RUBRICS = "rubrics"
 
 DIGEST_PATTERN = re.compile(r"sha256:[0-9a-f]{64}")
-_JUDGE_CALL_KEYS = ("timeout", "max_attempts", "retry_deadline")
+_JUDGE_CALL_KEYS = ("timeout", "max_attempts", "retry_deadline", "max_body")
+HEADER_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")  # ${NAME} in a header's value
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+# the engine sets these itself: they frame the request, or say what the engine can read back
+_ENGINE_HEADERS = frozenset(
+    {"host", "content-length", "transfer-encoding", "connection", "upgrade", "content-type", "accept-encoding"}
+)
+
+
+def _is_endpoint_key(key: str) -> bool:
+    return key[:8].lower().startswith(("http://", "https://"))
+
+
+def _check_headers(value: Any, key: str, source: Path | None) -> Mapping[str, str]:
+    """A refs table's ``headers``, validated: names are HTTP tokens, values name environment variables."""
+    if not isinstance(value, Mapping):
+        raise _fail(source, key, 'must be a table of header name = "...${VARIABLE}..."')
+    for name, template in value.items():
+        where = f"{key}.{name}"
+        if not isinstance(name, str) or not _HEADER_NAME.fullmatch(name):
+            raise _fail(source, where, "is not a valid HTTP header name")
+        if name.lower() in _ENGINE_HEADERS:
+            raise _fail(source, where, "is set by the engine itself")
+        # never echo the value: someone may have pasted a token itself here
+        if not isinstance(template, str) or not HEADER_VARIABLE.search(template):
+            raise _fail(source, where, "must name an environment variable as ${NAME} (a secret never goes here)")
+        if "$" in HEADER_VARIABLE.sub("", template) or not template.isprintable():
+            raise _fail(source, where, "may hold text and ${NAME} variables only (no other '$', no control characters)")
+    return MappingProxyType(dict(value))
 
 
 def _is_rubric_key(key: str) -> bool:
@@ -81,6 +119,9 @@ class Limits:
     timeout: float = DEFAULT_TIMEOUT
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     retry_deadline: float = DEFAULT_RETRY_DEADLINE
+    max_body: int = DEFAULT_MAX_BODY  # bytes an endpoint's response body may have
+    # an endpoint's extra request headers (see the module docstring); not hashed, a mapping is not hashable
+    headers: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         self.validate(None, "Limits")
@@ -92,6 +133,8 @@ class Limits:
         _positive_float(self.timeout, f"{prefix}.timeout", source)
         _positive_int(self.max_attempts, f"{prefix}.max_attempts", source)
         _positive_float(self.retry_deadline, f"{prefix}.retry_deadline", source)
+        _positive_int(self.max_body, f"{prefix}.max_body", source)
+        object.__setattr__(self, "headers", _check_headers(self.headers, f"{prefix}.headers", source))
 
     @classmethod
     def parse(cls, table: Any, base: Limits, prefix: str, source: Path | None) -> Limits:
@@ -142,17 +185,21 @@ class EngineConfig:
         for name, digest in self.pins.items():
             if not isinstance(digest, str) or not DIGEST_PATTERN.fullmatch(digest):
                 raise _fail(src, f"pins.{name}", f"must look like 'sha256:<64 hex digits>', got {digest!r}")
+        if self.defaults.headers:
+            raise _fail(src, "defaults.headers", 'headers go under one endpoint\'s [refs."<url>"], not [defaults]')
         for key, limits in self.refs.items():
             if not isinstance(limits, Limits):
                 raise _fail(src, f"refs.{key!r}", "must be a Limits")
+            if limits.headers and not _is_endpoint_key(key):
+                raise _fail(src, f"refs.{key!r}.headers", "only an endpoint (a refs key that is its URL) sends headers")
             if _is_rubric_key(key):
                 for name in _JUDGE_CALL_KEYS:
                     if getattr(limits, name) != getattr(self.defaults, name):
                         raise _fail(
                             src,
                             f"refs.{key!r}.{name}",
-                            "a rubric's calls are the judge's: set timeout, max_attempts and retry_deadline "
-                            "under [judge]; a rubric's refs table takes max_concurrency and max_rate",
+                            "a rubric's calls are the judge's: set timeout, max_attempts, retry_deadline and "
+                            "max_body under [judge]; a rubric's refs table takes max_concurrency and max_rate",
                         )
         _positive_int(self.max_in_flight, "max_in_flight", src)
         _positive_int(self.threads, "threads", src)
