@@ -4,10 +4,19 @@ Every endpoint shares the engine's one ``httpx.AsyncClient``. The request body i
 ``{"task": ..., "trajectory": ...}`` serialized with orjson; the answer must be a JSON object
 whose ``reward`` is a JSON number (not a boolean, string, null or NaN). Transient failures are
 retried within the verifier's budget (``engine.retry``); anything else fails the item at once.
+
+Every call is bounded: ``timeout`` seconds for the whole of it (connecting, waiting for a pooled
+connection, sending and reading together, not each in turn), and ``max_body`` bytes of response
+body, which the engine's transport refuses to read past. Redirects are never followed (a 3xx is an
+answer like any other non-2xx: an error). Headers configured for the endpoint take their values
+from environment variables, read at each call; their values never appear in an error message.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,14 +24,19 @@ import anyio
 import httpx
 import orjson
 
-from .config import Limits
-from .errors import VerificationError, excerpt
-from .retry import RETRY_STATUSES, Sleep, TransientStatus, is_transient, make_retrying
+from .config import HEADER_VARIABLE, Limits
+from .errors import VerificationError, describe, excerpt
+from .retry import RETRY_STATUSES, Scrub, Sleep, TransientStatus, is_transient, make_retrying
+from .transport import MAX_BODY, CallTimeout, check_size
 from .verifier import check_reward
 
-__all__ = ["EndpointVerifier", "encode_item", "parse_reward"]
+__all__ = ["REDACTED", "EndpointVerifier", "encode_item", "parse_reward"]
 
-HEADERS = {"content-type": "application/json", "accept": "application/json"}
+# identity: a compressed body could inflate past max_body after the transport has checked it
+HEADERS = {"content-type": "application/json", "accept": "application/json", "accept-encoding": "identity"}
+REDACTED = "[redacted]"  # what a secret is replaced with in error messages
+# the phases of a call are not timed one by one: one deadline covers the whole call
+_NO_PHASE_TIMEOUTS = {"connect": None, "read": None, "write": None, "pool": None}
 
 
 def _default(value: Any) -> Any:
@@ -36,22 +50,51 @@ def encode_item(task: Mapping[str, Any], trajectory: Any) -> bytes:
     return orjson.dumps({"task": task, "trajectory": trajectory}, default=_default)
 
 
-def parse_reward(response: httpx.Response) -> float:
-    """The reward in a response; raises ``ValueError`` saying what is wrong with it."""
+def _show(content: bytes, scrub: Scrub | None) -> str:
+    """An excerpt of a body for a message, scrubbed before it is cut (no part of a secret survives the cut)."""
+    if scrub is None:
+        return excerpt(content) or "(empty body)"
+    return excerpt(scrub(content.decode(errors="replace"))) or "(empty body)"
+
+
+def parse_reward(response: httpx.Response, scrub: Scrub | None = None) -> float:
+    """The reward in a response; raises ``ValueError`` saying what is wrong with it.
+
+    ``scrub`` cleans every excerpt of the body that goes into the message.
+    """
+    content = response.content
     if not response.is_success:
-        raise ValueError(f"HTTP {response.status_code}: {excerpt(response.content) or '(empty body)'}")
+        raise ValueError(f"HTTP {response.status_code}: {_show(content, scrub)}")
     try:
-        data = orjson.loads(response.content)
+        data = orjson.loads(content)
     except orjson.JSONDecodeError:
-        raise ValueError(f"response is not JSON: {excerpt(response.content) or '(empty body)'}") from None
+        try:
+            content.decode()
+        except UnicodeDecodeError as exc:
+            shown = _show(content, scrub)
+            raise ValueError(f"response is not valid UTF-8 (byte {exc.start}), so not JSON: {shown}") from None
+        raise ValueError(f"response is not JSON: {_show(content, scrub)}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"response is a JSON {type(data).__name__}, not an object: {excerpt(response.content)}")
+        raise ValueError(f"response is a JSON {type(data).__name__}, not an object: {_show(content, scrub)}")
     if "reward" not in data:
-        raise ValueError(f"response has no 'reward' field: {excerpt(response.content)}")
+        raise ValueError(f"response has no 'reward' field: {_show(content, scrub)}")
     reward = data["reward"]
     if isinstance(reward, bool) or not isinstance(reward, int | float):
-        raise ValueError(f"'reward' is {orjson.dumps(reward).decode()}, not a number")
+        raise ValueError(f"'reward' is {_show(orjson.dumps(reward), scrub)}, not a number")
     return check_reward(reward)
+
+
+def _scrubber(secrets: list[str]) -> Scrub:
+    """What removes ``secrets`` from a text: each as it is, and as a JSON encoder that escapes '/' writes it."""
+    if not secrets:
+        return str
+    variants = {form for secret in secrets for form in (secret, secret.replace("/", "\\/"))}
+    pattern = re.compile("|".join(re.escape(form) for form in sorted(variants, key=len, reverse=True)))
+
+    def scrub(text: str) -> str:
+        return pattern.sub(REDACTED, text)
+
+    return scrub
 
 
 class EndpointVerifier:
@@ -72,10 +115,14 @@ class EndpointVerifier:
         self.ref = self.key = url
         self.limits = limits
         self._url = httpx.URL(url)
+        if self._url.scheme not in ("http", "https"):
+            raise ValueError(f"an endpoint's URL must be http:// or https://, got {url!r}")
         self._transport = transport
         self._sleep = sleep
-        seconds = limits.timeout
-        self._extensions = {"timeout": {"connect": seconds, "read": seconds, "write": seconds, "pool": seconds}}
+        self._timeout = limits.timeout
+        self._max_body = limits.max_body
+        self._extensions = {"timeout": _NO_PHASE_TIMEOUTS, MAX_BODY: limits.max_body}
+        self._templates = tuple(limits.headers.items())
         self.retries = 0  # transient failures retried, over the engine's life
 
     def chunk_size(self, share: int) -> int:
@@ -87,18 +134,49 @@ class EndpointVerifier:
     def _fail(self, reason: str) -> VerificationError:
         return VerificationError(self.kind, self.ref, reason)
 
-    async def _post(self, body: bytes) -> httpx.Response:
-        request = httpx.Request("POST", self._url, content=body, headers=HEADERS, extensions=self._extensions)
-        response = await self._transport.handle_async_request(request)
+    def _headers(self) -> tuple[dict[str, str], Scrub]:
+        """This call's headers, their variables read now, and what scrubs the variables' values from text."""
+        headers = dict(HEADERS)
+        secrets: list[str] = []
+        for name, template in self._templates:
+
+            def value(match: re.Match[str], name: str = name) -> str:
+                variable = match[1]
+                text = os.environ.get(variable, "")
+                if not text:
+                    raise self._fail(f"header {name}: environment variable {variable} is not set (or empty)")
+                if not (text.isascii() and text.isprintable()):  # a line break would end the header early
+                    raise self._fail(
+                        f"header {name}: environment variable {variable} holds characters a header cannot carry"
+                    )
+                secrets.append(text)
+                return text
+
+            headers[name] = HEADER_VARIABLE.sub(value, template)
+        return headers, _scrubber(secrets)
+
+    async def _post(self, body: bytes, headers: Mapping[str, str], scrub: Scrub | None) -> httpx.Response:
+        request = httpx.Request("POST", self._url, content=body, headers=headers, extensions=self._extensions)
+        deadline = asyncio.timeout(self._timeout)
         try:
-            await response.aread()
-        finally:
-            await response.aclose()
+            async with deadline:
+                response = await self._transport.handle_async_request(request)
+                try:
+                    await response.aread()
+                finally:
+                    await response.aclose()
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            raise CallTimeout(self._timeout, request) from None
+        check_size(response, self._max_body)  # the engine's transport refused it already; another may not
         if response.status_code in RETRY_STATUSES:
-            raise TransientStatus(response)
+            raise TransientStatus(response, scrub)
         return response
 
-    async def _retry(self, body: bytes, first: Exception) -> httpx.Response:
+    async def _retry(
+        self, body: bytes, headers: Mapping[str, str], scrub: Scrub | None, first: Exception
+    ) -> httpx.Response:
         """Try again after a transient failure, within the verifier's budget (counted from ``first``)."""
         limits = self.limits
         retrying = make_retrying(limits.max_attempts, limits.retry_deadline, self._sleep)
@@ -107,21 +185,32 @@ class EndpointVerifier:
                 if attempt.retry_state.attempt_number == 1:
                     raise first  # the failed first try, replayed so that tenacity counts and waits for it
                 self.retries += 1
-                response = await self._post(body)
+                response = await self._post(body, headers, scrub)
         return response
+
+    async def _call(self, body: bytes, headers: Mapping[str, str], scrub: Scrub | None) -> float:
+        try:
+            response = await self._post(body, headers, scrub)
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            response = await self._retry(body, headers, scrub, exc)
+        try:
+            return parse_reward(response, scrub)
+        except (TypeError, ValueError) as exc:
+            raise self._fail(str(exc)) from None
 
     async def verify(self, task: Mapping[str, Any], trajectory: Any) -> float:
         try:
             body = encode_item(task, trajectory)
         except TypeError as exc:
             raise self._fail(f"cannot send the item as JSON: {exc}") from exc
+        if not self._templates:
+            return await self._call(body, HEADERS, None)
+        headers, scrub = self._headers()
         try:
-            response = await self._post(body)
+            return await self._call(body, headers, scrub)
         except Exception as exc:
-            if not is_transient(exc):
-                raise
-            response = await self._retry(body, exc)
-        try:
-            return parse_reward(response)
-        except (TypeError, ValueError) as exc:
-            raise self._fail(str(exc)) from None
+            # Keep no cause: its chain holds the request, with the headers, and unscrubbed bodies.
+            reason = exc.reason if isinstance(exc, VerificationError) else describe(exc)
+            raise self._fail(scrub(reason)) from None

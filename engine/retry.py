@@ -18,22 +18,35 @@ import tenacity
 
 from .errors import excerpt
 
-__all__ = ["RETRY_STATUSES", "TransientStatus", "backoff", "is_transient", "make_retrying", "parse_retry_after"]
+__all__ = [
+    "RETRY_STATUSES",
+    "Scrub",
+    "TransientStatus",
+    "backoff",
+    "is_transient",
+    "make_retrying",
+    "parse_retry_after",
+]
 
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 BACKOFF_BASE = 0.1  # seconds before the first retry, doubled on each further one
 BACKOFF_MAX = 10.0  # seconds, the longest wait between two tries without a Retry-After
 
 Sleep = Callable[[float], Awaitable[None]]
+Scrub = Callable[[str], str]  # removes secrets from a text before it goes into a message
 
 
 class TransientStatus(Exception):
-    """A response whose status asks to try again later; carries its ``Retry-After`` in seconds."""
+    """A response whose status asks to try again later; carries its ``Retry-After`` in seconds.
 
-    def __init__(self, response: httpx.Response) -> None:
+    ``scrub`` cleans the body before it is cut to an excerpt (so no part of a secret survives the cut).
+    """
+
+    def __init__(self, response: httpx.Response, scrub: Scrub | None = None) -> None:
         self.status = response.status_code
         self.retry_after = parse_retry_after(response.headers.get("retry-after"))
-        self.reason = f"HTTP {self.status}: {excerpt(response.content) or '(empty body)'}"
+        body: str | bytes = response.content if scrub is None else scrub(response.content.decode(errors="replace"))
+        self.reason = f"HTTP {self.status}: {excerpt(body) or '(empty body)'}"
         super().__init__(self.reason)
 
 
