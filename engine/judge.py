@@ -13,10 +13,14 @@ The judge has its own concurrency and rate limits, shared by every rubric it gra
 judge APIs have request quotas of their own. Throttling (429) and server errors (5xx) are retried
 with backoff, honouring ``Retry-After``, within a bounded budget. The API key is read from the
 environment variable the config names, on every request; it is never stored or logged.
+
+Every request is bounded like an endpoint's: ``timeout`` seconds for the whole request (not per
+phase), and ``max_body`` bytes of reply (1 MiB by default), refused rather than read past.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import re
@@ -35,9 +39,11 @@ from .retry import RETRY_STATUSES, Sleep, TransientStatus, make_retrying
 from .rubric import Rubric, normalise
 from .scheduler import rate_limiter
 from .trajectory import flatten
+from .transport import MAX_BODY, CallTimeout, check_size
 
 __all__ = [
     "DEFAULT_JUDGE_MAX_ATTEMPTS",
+    "DEFAULT_JUDGE_MAX_BODY",
     "DEFAULT_JUDGE_MAX_CONCURRENCY",
     "DEFAULT_JUDGE_MAX_RATE",
     "DEFAULT_JUDGE_MAX_TOKENS",
@@ -62,6 +68,7 @@ DEFAULT_JUDGE_MAX_CONCURRENCY = 32  # requests in flight at once, over all rubri
 DEFAULT_JUDGE_MAX_RATE: float | None = None  # requests per second; None means unlimited
 DEFAULT_JUDGE_MAX_ATTEMPTS = 5  # first try plus retries
 DEFAULT_JUDGE_RETRY_DEADLINE = 300.0  # seconds from the first try; rate-limit waits can be long
+DEFAULT_JUDGE_MAX_BODY = 1 << 20  # bytes of reply: far more than max_tokens of JSON, far less than a flood
 
 # 429 and every 5xx: a judge behind a gateway answers 500 for an overloaded model as often as 503.
 JUDGE_RETRY_STATUSES = RETRY_STATUSES | frozenset(range(500, 600))
@@ -269,6 +276,7 @@ class JudgeConfig:
     timeout: float = DEFAULT_JUDGE_TIMEOUT
     max_attempts: int = DEFAULT_JUDGE_MAX_ATTEMPTS
     retry_deadline: float = DEFAULT_JUDGE_RETRY_DEADLINE
+    max_body: int = DEFAULT_JUDGE_MAX_BODY
     response_format: bool = True  # send response_format={"type": "json_object"}
     source: Path | None = None  # the file this came from, for messages
 
@@ -283,7 +291,7 @@ class JudgeConfig:
         ):
             # never echo the value: someone may have pasted the key itself here
             raise _fail(src, "api_key_env", "must be the name of an environment variable (the key itself goes there)")
-        for key in ("max_concurrency", "max_tokens", "max_attempts"):
+        for key in ("max_concurrency", "max_tokens", "max_attempts", "max_body"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise _fail(src, key, f"must be a whole number >= 1, got {value!r}")
@@ -323,7 +331,8 @@ class JudgeConfig:
         return cls(**dict(table), source=source)
 
 
-_HEADERS = {"content-type": "application/json", "accept": "application/json"}
+# identity: a compressed reply could inflate past max_body after the transport has checked it
+_HEADERS = {"content-type": "application/json", "accept": "application/json", "accept-encoding": "identity"}
 
 
 class Judge:
@@ -375,7 +384,19 @@ class Judge:
             await self._rate.acquire()  # every request counts against the quota, retries too
         for usage in accounts:
             usage.requests += 1
-        response = await self._client.post(self.config.url, content=body, headers=headers, timeout=self.config.timeout)
+        config = self.config
+        # One deadline for the whole request; httpx's own would apply to each phase in turn.
+        deadline = asyncio.timeout(config.timeout)
+        try:
+            async with deadline:
+                response = await self._client.post(
+                    config.url, content=body, headers=headers, timeout=None, extensions={MAX_BODY: config.max_body}
+                )
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            raise CallTimeout(config.timeout) from None
+        check_size(response, config.max_body)  # the engine's transport refused it already; another may not
         if response.status_code in JUDGE_RETRY_STATUSES:
             raise TransientStatus(response)
         return response
