@@ -35,6 +35,7 @@ from .errors import ConfigError
 from .judge import JudgeConfig
 
 __all__ = [
+    "DEFAULT_MAX_ABANDONED",
     "DEFAULT_MAX_ATTEMPTS",
     "DEFAULT_MAX_CONCURRENCY",
     "DEFAULT_MAX_IN_FLIGHT",
@@ -53,6 +54,7 @@ DEFAULT_RETRY_DEADLINE = 60.0  # seconds from the first try after which no retry
 DEFAULT_MAX_IN_FLIGHT = 1024  # items in flight at once over all verifiers, however large the batch
 DEFAULT_THREADS = 64  # worker threads shared by all sync plugins
 DEFAULT_MAX_BODY = 1 << 20  # bytes: an endpoint's response body may be at most 1 MiB
+DEFAULT_MAX_ABANDONED = 8  # a thread plugin's timed-out calls still running, beyond which it starts no more
 DEFAULT_ENVIRONMENTS = "envs"
 DEFAULT_RUBRICS = "rubrics"
 
@@ -120,6 +122,9 @@ class Limits:
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     retry_deadline: float = DEFAULT_RETRY_DEADLINE
     max_body: int = DEFAULT_MAX_BODY  # bytes an endpoint's response body may have
+    # a thread-executor plugin: how many of its abandoned calls (timed out, or cut short by an abort)
+    # may still run in threads; past that it fails new calls at once instead of exhausting the pool
+    max_abandoned: int = DEFAULT_MAX_ABANDONED
     # an endpoint's extra request headers (see the module docstring); not hashed, a mapping is not hashable
     headers: Mapping[str, str] = field(default_factory=dict, hash=False)
 
@@ -134,6 +139,9 @@ class Limits:
         _positive_int(self.max_attempts, f"{prefix}.max_attempts", source)
         _positive_float(self.retry_deadline, f"{prefix}.retry_deadline", source)
         _positive_int(self.max_body, f"{prefix}.max_body", source)
+        abandoned = self.max_abandoned
+        if isinstance(abandoned, bool) or not isinstance(abandoned, int) or abandoned < 0:
+            raise _fail(source, f"{prefix}.max_abandoned", f"must be a whole number >= 0, got {abandoned!r}")
         object.__setattr__(self, "headers", _check_headers(self.headers, f"{prefix}.headers", source))
 
     @classmethod

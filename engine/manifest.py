@@ -6,6 +6,17 @@ one verifier of one of three kinds; there is no fourth kind and no built-in scor
     {"kind": "environment", "verifier": {"kind": "plugin", "ref": "verify:score"}}
 
 Other top-level keys (``version``, ``description``, ...) are descriptive and allowed.
+
+A plugin may also say where its sync callable runs::
+
+    {"kind": "plugin", "ref": "verify:score", "executor": "process", "workers": 2}
+
+``executor`` is ``"thread"`` (the default: the engine's shared thread pool, in the engine's
+process) or ``"process"``: worker processes of its own, each of which imports the plugin once and
+calls it in its main thread, so a call that hangs can be killed, a crash (a segfault,
+``os._exit``) fails the item instead of the trainer, libraries that time themselves out with
+signals work, and CPU-bound code uses every core. ``workers`` (process executor only) is how many
+worker processes; by default one per CPU the engine may run on.
 """
 
 from __future__ import annotations
@@ -20,11 +31,13 @@ import orjson
 
 from .errors import ManifestError
 
-__all__ = ["KINDS", "Environment", "VerifierSpec", "load_environment", "parse_verifier"]
+__all__ = ["EXECUTORS", "KINDS", "Environment", "VerifierSpec", "load_environment", "parse_verifier"]
 
 MANIFEST = "manifest.json"
 KINDS: tuple[str, ...] = ("rubric", "plugin", "endpoint")
 Kind = Literal["rubric", "plugin", "endpoint"]
+EXECUTORS: tuple[str, ...] = ("thread", "process")
+Executor = Literal["thread", "process"]
 
 _NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
@@ -41,10 +54,17 @@ _REF_FORMS = {
 
 @dataclass(frozen=True)
 class VerifierSpec:
-    """What a manifest says about its verifier: one of the three kinds and its ref."""
+    """What a manifest says about its verifier: one of the three kinds and its ref.
+
+    ``executor`` and ``workers`` concern plugins only (see the module docstring); ``workers`` is
+    ``None`` for the thread executor, and for the process executor when the manifest leaves the
+    count to the engine (one worker per CPU).
+    """
 
     kind: Kind
     ref: str
+    executor: Executor = "thread"
+    workers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -75,9 +95,6 @@ def parse_verifier(value: Any, where: str) -> VerifierSpec:
     """Validate a manifest's ``verifier`` object; ``where`` prefixes error messages."""
     if not isinstance(value, Mapping):
         raise ManifestError(f"{where}: field 'verifier' must be an object with 'kind' and 'ref'")
-    extra = sorted(set(value) - {"kind", "ref"})
-    if extra:
-        raise ManifestError(f"{where}: field 'verifier' has unknown keys {extra} (it takes 'kind' and 'ref')")
     kind = value.get("kind")
     if kind not in KINDS:
         shown = "missing" if kind is None else f"{kind!r}"
@@ -85,11 +102,32 @@ def parse_verifier(value: Any, where: str) -> VerifierSpec:
             f"{where}: field 'verifier.kind' is {shown}; it must be one of 'rubric', 'plugin', 'endpoint' "
             "(there are exactly three kinds and no built-in scorer)"
         )
+    known = {"kind", "ref", "executor", "workers"} if kind == "plugin" else {"kind", "ref"}
+    extra = sorted(set(value) - known)
+    if extra:
+        takes = "'kind', 'ref', 'executor' and 'workers'" if kind == "plugin" else "'kind' and 'ref'"
+        only = " ('executor' and 'workers' are for plugins only)" if {"executor", "workers"} & set(extra) else ""
+        raise ManifestError(f"{where}: field 'verifier' has unknown keys {extra} (a {kind} takes {takes}){only}")
     ref = value.get("ref")
     pattern, form = _REF_FORMS[kind]
     if not isinstance(ref, str) or not pattern.fullmatch(ref):
         raise ManifestError(f"{where}: field 'verifier.ref' is {ref!r}; a {kind} ref must be {form}")
-    return VerifierSpec(kind=kind, ref=ref)
+    executor = value.get("executor", "thread")
+    if executor not in EXECUTORS:
+        raise ManifestError(
+            f"{where}: field 'verifier.executor' is {executor!r}; it must be 'thread' (the engine's thread pool, "
+            "the default) or 'process' (worker processes of the plugin's own)"
+        )
+    workers = value.get("workers")
+    if workers is not None:
+        if executor != "process":
+            raise ManifestError(
+                f"{where}: field 'verifier.workers' needs \"executor\": \"process\" (thread-executor plugins share "
+                "the engine's thread pool, sized by the config's 'threads')"
+            )
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ManifestError(f"{where}: field 'verifier.workers' must be a whole number >= 1, got {workers!r}")
+    return VerifierSpec(kind=kind, ref=ref, executor=executor, workers=workers)
 
 
 def load_environment(path: Path) -> Environment:
