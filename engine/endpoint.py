@@ -27,7 +27,7 @@ import orjson
 from .config import HEADER_VARIABLE, Limits
 from .errors import VerificationError, describe, excerpt
 from .retry import RETRY_STATUSES, Scrub, Sleep, TransientStatus, is_transient, make_retrying
-from .transport import MAX_BODY, CallTimeout, check_size
+from .transport import DEADLINE, MAX_BODY, CallTimeout, PoolTransport, check_size
 from .verifier import check_reward
 
 __all__ = ["REDACTED", "EndpointVerifier", "encode_item", "parse_reward"]
@@ -36,7 +36,7 @@ __all__ = ["REDACTED", "EndpointVerifier", "encode_item", "parse_reward"]
 HEADERS = {"content-type": "application/json", "accept": "application/json", "accept-encoding": "identity"}
 REDACTED = "[redacted]"  # what a secret is replaced with in error messages
 # the phases of a call are not timed one by one: one deadline covers the whole call
-_NO_PHASE_TIMEOUTS = {"connect": None, "read": None, "write": None, "pool": None}
+_NO_PHASE_TIMEOUTS: dict[str, float | None] = {"connect": None, "read": None, "write": None, "pool": None}
 
 
 def _default(value: Any) -> Any:
@@ -121,7 +121,9 @@ class EndpointVerifier:
         self._sleep = sleep
         self._timeout = limits.timeout
         self._max_body = limits.max_body
-        self._extensions = {"timeout": _NO_PHASE_TIMEOUTS, MAX_BODY: limits.max_body}
+        # The engine's transport keeps the call's deadline itself, each phase failing as itself (a
+        # connect that times out is retried); any other gets one timer around the whole call.
+        self._keeps_deadline = isinstance(transport, PoolTransport)
         self._templates = tuple(limits.headers.items())
         self.retries = 0  # transient failures retried, over the engine's life
 
@@ -156,7 +158,26 @@ class EndpointVerifier:
         return headers, _scrubber(secrets)
 
     async def _post(self, body: bytes, headers: Mapping[str, str], scrub: Scrub | None) -> httpx.Response:
-        request = httpx.Request("POST", self._url, content=body, headers=headers, extensions=self._extensions)
+        extensions = {
+            "timeout": _NO_PHASE_TIMEOUTS,
+            DEADLINE: asyncio.get_running_loop().time() + self._timeout,
+            MAX_BODY: self._max_body,
+        }
+        request = httpx.Request("POST", self._url, content=body, headers=headers, extensions=extensions)
+        try:
+            if self._keeps_deadline:
+                response = await self._transport.handle_async_request(request)  # read in full already
+            else:
+                response = await self._foreign(request)
+        except httpx.ReadTimeout:
+            raise CallTimeout(self._timeout, request) from None
+        check_size(response, self._max_body)  # the engine's transport refused it already; another may not
+        if response.status_code in RETRY_STATUSES:
+            raise TransientStatus(response, scrub)
+        return response
+
+    async def _foreign(self, request: httpx.Request) -> httpx.Response:
+        """A call through a transport other than the engine's, bounded by one timer (it is not on the hot path)."""
         deadline = asyncio.timeout(self._timeout)
         try:
             async with deadline:
@@ -169,9 +190,6 @@ class EndpointVerifier:
             if not deadline.expired():
                 raise
             raise CallTimeout(self._timeout, request) from None
-        check_size(response, self._max_body)  # the engine's transport refused it already; another may not
-        if response.status_code in RETRY_STATUSES:
-            raise TransientStatus(response, scrub)
         return response
 
     async def _retry(

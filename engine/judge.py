@@ -39,7 +39,7 @@ from .retry import RETRY_STATUSES, Sleep, TransientStatus, make_retrying
 from .rubric import Rubric, normalise
 from .scheduler import rate_limiter
 from .trajectory import flatten
-from .transport import MAX_BODY, CallTimeout, check_size
+from .transport import DEADLINE, MAX_BODY, CallTimeout, check_size
 
 __all__ = [
     "DEFAULT_JUDGE_MAX_ATTEMPTS",
@@ -331,6 +331,9 @@ class JudgeConfig:
         return cls(**dict(table), source=source)
 
 
+# seconds after a request's deadline when a timer of the judge's own cuts it, for a transport that
+# does not keep deadlines itself (the engine's does, and fails the phase that overran first)
+BACKSTOP = 0.05
 # identity: a compressed reply could inflate past max_body after the transport has checked it
 _HEADERS = {"content-type": "application/json", "accept": "application/json", "accept-encoding": "identity"}
 
@@ -385,15 +388,19 @@ class Judge:
         for usage in accounts:
             usage.requests += 1
         config = self.config
-        # One deadline for the whole request; httpx's own would apply to each phase in turn.
-        deadline = asyncio.timeout(config.timeout)
+        # One deadline for the whole request; httpx's timeouts would apply to each phase in turn.
+        deadline = asyncio.get_running_loop().time() + config.timeout
+        extensions = {MAX_BODY: config.max_body, DEADLINE: deadline}
+        backstop = asyncio.timeout_at(deadline + BACKSTOP)
         try:
-            async with deadline:
+            async with backstop:
                 response = await self._client.post(
-                    config.url, content=body, headers=headers, timeout=None, extensions={MAX_BODY: config.max_body}
+                    config.url, content=body, headers=headers, timeout=None, extensions=extensions
                 )
+        except httpx.ReadTimeout:
+            raise CallTimeout(config.timeout) from None
         except TimeoutError:
-            if not deadline.expired():
+            if not backstop.expired():
                 raise
             raise CallTimeout(config.timeout) from None
         check_size(response, config.max_body)  # the engine's transport refused it already; another may not

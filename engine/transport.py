@@ -16,8 +16,13 @@ Bounds: a request may carry ``extensions["max_body"]`` (bytes). A response annou
 body is refused before its body is read, one whose body grows past the cap is cut off (the
 connection closed) as soon as it does, and a compressed one is refused (under a cap the engine asks
 for ``identity``: a small compressed body can inflate to any size). A response's head is bounded
-too (``MAX_HEAD``). Timeouts of ``None`` cost nothing: a caller that bounds the whole call with a
-deadline of its own passes ``None`` for the phases.
+too (``MAX_HEAD``).
+
+Deadlines: httpx's timeouts apply to each phase in turn (waiting for a connection, connecting,
+reading), so a call can take several times its timeout. A request may also carry
+``extensions["deadline"]``, the event loop's time by which the whole call must be over; every
+phase then ends by it, and still fails as that phase's httpx timeout (a connect that times out is
+retried, a read that does is not). One timer per phase, as before: the deadline costs nothing.
 """
 
 from __future__ import annotations
@@ -32,12 +37,13 @@ from typing import cast
 import httptools
 import httpx
 
-__all__ = ["MAX_BODY", "CallTimeout", "PoolTransport", "ResponseTooLarge", "check_size", "size_text"]
+__all__ = ["DEADLINE", "MAX_BODY", "CallTimeout", "PoolTransport", "ResponseTooLarge", "check_size", "size_text"]
 
 DEFAULT_MAX_CONNECTIONS = 1024
 CLOSE_WAIT = 1.0  # seconds aclose() waits for closed sockets to be released
 MAX_HEAD = 64 * 1024  # bytes: a response's status line and headers
 MAX_BODY = "max_body"  # the request extension that caps the response body, in bytes
+DEADLINE = "deadline"  # the request extension: the loop time by which the whole call must be over
 
 
 def size_text(size: int) -> str:
@@ -62,10 +68,10 @@ class ResponseTooLarge(httpx.TransportError):
 
 
 class CallTimeout(httpx.TimeoutException):
-    """A call's whole deadline passed: connecting, waiting for a connection, sending and reading together."""
+    """No response within a call's whole timeout (waiting for a connection, connecting and reading together)."""
 
     def __init__(self, seconds: float, request: httpx.Request | None = None) -> None:
-        self.reason = f"timed out waiting for the response (the whole call's timeout is {seconds:g} s)"
+        self.reason = f"timed out waiting for the response (timeout: {seconds:g} s for the whole call)"
         super().__init__(self.reason, request=request)
 
 
@@ -75,9 +81,16 @@ def check_size(response: httpx.Response, limit: int) -> None:
         raise ResponseTooLarge(limit)
 
 
-def _timeouts(request: httpx.Request) -> Mapping[str, float | None]:
-    timeout: Mapping[str, float | None] = request.extensions.get("timeout", {})
-    return timeout
+def _ends(request: httpx.Request, phase: str) -> float | None:
+    """The loop time by which ``phase`` must end: its own timeout from now, or the call's deadline if sooner."""
+    extensions = request.extensions
+    deadline: float | None = extensions.get(DEADLINE)
+    timeout: Mapping[str, float | None] = extensions.get("timeout", {})
+    seconds = timeout.get(phase)
+    if seconds is None:
+        return deadline
+    end = asyncio.get_running_loop().time() + seconds
+    return end if deadline is None else min(end, deadline)
 
 
 def _announced_length(headers: list[tuple[bytes, bytes]]) -> int | None:
@@ -237,7 +250,7 @@ class PoolTransport(httpx.AsyncBaseTransport):
         loop = asyncio.get_running_loop()
         tls = self._ssl_context() if scheme == b"https" else None
         try:
-            async with asyncio.timeout(_timeouts(request).get("connect")):
+            async with asyncio.timeout_at(_ends(request, "connect")):
                 _, connection = await loop.create_connection(
                     lambda: _Connection(loop), host.decode("ascii"), port, ssl=tls
                 )
@@ -257,7 +270,7 @@ class PoolTransport(httpx.AsyncBaseTransport):
             waiter = asyncio.get_running_loop().create_future()
             pool.waiters.append(waiter)
             try:
-                async with asyncio.timeout(_timeouts(request).get("pool")):
+                async with asyncio.timeout_at(_ends(request, "pool")):
                     await waiter
             except TimeoutError as exc:
                 raise httpx.PoolTimeout("timed out waiting for a connection", request=request) from exc
@@ -306,13 +319,13 @@ class PoolTransport(httpx.AsyncBaseTransport):
         data = b"".join(head) + b"\r\n" + body
         connection = await self._acquire(request, pool, origin)
         limit: int | None = request.extensions.get(MAX_BODY)
-        read = _timeouts(request).get("read")
+        ends = _ends(request, "read")
         try:
             try:
-                if read is None:  # the caller's own deadline bounds the call (see the module docstring)
+                if ends is None:
                     status, headers, content = await connection.exchange(data, limit)
                 else:
-                    async with asyncio.timeout(read):
+                    async with asyncio.timeout_at(ends):
                         status, headers, content = await connection.exchange(data, limit)
             except TimeoutError as exc:
                 raise httpx.ReadTimeout("timed out waiting for the response", request=request) from exc

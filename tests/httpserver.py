@@ -4,11 +4,18 @@ It runs its own event loop in a background thread, so it never shares a loop wit
 test (the blocking engine runs yet another loop of its own). It speaks just enough HTTP/1.1 for a
 client: Content-Length bodies, keep-alive, and ``Connection: close``. While a handler holds a
 request, the server keeps reading the socket, so it sees the client hang up and counts it.
+
+A ``Response`` can also misbehave, for the fault tests: trickle its body a piece at a time, send it
+chunked (no length), reset the connection part way through the body, or be raw bytes instead of
+a well-formed response. ``body_bytes_sent`` counts the body bytes the server got onto the wire.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
+import struct
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -35,6 +42,16 @@ class Response:
     status: int = 200
     body: bytes = b""
     headers: dict[str, str] = field(default_factory=dict)
+    # faults, all off by default
+    raw: bytes | None = None  # sent instead of a formatted response; then the server closes the connection
+    chunked: bool = False  # Transfer-Encoding: chunked, one chunk per piece, and no Content-Length
+    piece: int = 65536  # bytes per write of the body, when trickled, chunked or reset
+    trickle: float | None = None  # seconds to wait before each piece of the body
+    reset_after: int | None = None  # send this many body bytes, then reset the connection (TCP RST)
+
+    @property
+    def streamed(self) -> bool:
+        return self.chunked or self.trickle is not None or self.reset_after is not None
 
     @classmethod
     def json(cls, value: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -60,6 +77,7 @@ class TestServer:
         self.closed = 0  # connections the client closed (or that ended)
         self.in_flight = 0
         self.max_in_flight = 0
+        self.body_bytes_sent = 0  # bytes of response bodies written (streamed responses only)
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -161,15 +179,47 @@ class TestServer:
         finally:
             with self._lock:
                 self.in_flight -= 1
+        if response.raw is not None:
+            writer.write(response.raw)
+            await writer.drain()
+            return False
         keep_alive = headers.get("connection", "").lower() != "close"
         reason = REASONS.get(response.status, "Status")
-        out = [f"HTTP/1.1 {response.status} {reason}", f"content-length: {len(response.body)}"]
+        length = "transfer-encoding: chunked" if response.chunked else f"content-length: {len(response.body)}"
+        out = [f"HTTP/1.1 {response.status} {reason}", length]
         out += [f"{name}: {value}" for name, value in response.headers.items()]
         if not keep_alive:
             out.append("connection: close")
-        writer.write(("\r\n".join(out) + "\r\n\r\n").encode("latin-1") + response.body)
+        head = ("\r\n".join(out) + "\r\n\r\n").encode("latin-1")
+        if not response.streamed:
+            writer.write(head + response.body)
+            await writer.drain()
+            return keep_alive
+        writer.write(head)
         await writer.drain()
-        return keep_alive
+        return await self._stream(writer, response) and keep_alive
+
+    async def _stream(self, writer: asyncio.StreamWriter, response: Response) -> bool:
+        """Write the body a piece at a time, as ``response`` says; False if the connection was reset."""
+        body, step = response.body, response.piece
+        end = len(body) if response.reset_after is None else min(response.reset_after, len(body))
+        for start in range(0, end, step):
+            if response.trickle is not None:
+                await asyncio.sleep(response.trickle)
+            piece = body[start : min(start + step, end)]
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece) if response.chunked else piece)
+            await writer.drain()  # raises once the client has gone
+            with self._lock:
+                self.body_bytes_sent += len(piece)
+        if response.reset_after is not None:
+            # SO_LINGER 0: close() sends a reset instead of a FIN
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()
+            return False
+        if response.chunked:
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+        return True
 
 
 def json_handler(reply: Callable[[Request], Any]) -> Handler:
@@ -179,3 +229,23 @@ def json_handler(reply: Callable[[Request], Any]) -> Handler:
         return Response.json(reply(request))
 
     return handle
+
+
+def open_sockets() -> set[int]:
+    """The file descriptors of this process that are sockets (Linux): to see that nothing leaked one."""
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                found.add(int(name))
+        except OSError:  # closed while we looked (the listing's own descriptor, or another thread's)
+            continue
+    return found
+
+
+async def all_closed(server: TestServer, timeout: float = 5.0) -> None:
+    """Wait, without blocking the event loop, until the server has no open connection."""
+    deadline = time.monotonic() + timeout
+    while server.open_connections:
+        assert time.monotonic() < deadline, f"{server.open_connections} connection(s) still open"
+        await asyncio.sleep(0.005)
