@@ -1,8 +1,9 @@
 """The scheduler: fan a batch out over its verifiers, under their limits, and stop at the first error.
 
 Each verifier's share of a batch is a *lane*. A lane runs as many workers as its verifier may
-have calls in flight; the workers pull item indices from one shared iterator, so a batch of a
-million items is a few hundred tasks, not a million. Every call holds, in order, a slot of its
+have calls in flight; the workers take item indices from one shared cursor, a chunk at a time
+(as many as the verifier asks for), so a batch of a million items is a few hundred tasks, not a
+million. Every call holds, in order, a slot of its
 verifier (engine-wide, so concurrent batches share it), a token of its verifier's rate limiter,
 and a slot of the engine-wide cap on items in flight. A verifier at its limit only makes its own
 workers wait: the other lanes keep going (no head-of-line blocking).
