@@ -25,16 +25,15 @@ import httpx
 import orjson
 
 from .config import HEADER_VARIABLE, Limits
-from .errors import VerificationError, describe, excerpt
+from .errors import Scrubber, VerificationError, describe, excerpt
 from .retry import RETRY_STATUSES, Scrub, Sleep, TransientStatus, is_transient, make_retrying
 from .transport import DEADLINE, MAX_BODY, CallTimeout, PoolTransport, check_size
 from .verifier import check_reward
 
-__all__ = ["REDACTED", "EndpointVerifier", "encode_item", "parse_reward"]
+__all__ = ["EndpointVerifier", "encode_item", "parse_reward"]
 
 # identity: a compressed body could inflate past max_body after the transport has checked it
 HEADERS = {"content-type": "application/json", "accept": "application/json", "accept-encoding": "identity"}
-REDACTED = "[redacted]"  # what a secret is replaced with in error messages
 # the phases of a call are not timed one by one: one deadline covers the whole call
 _NO_PHASE_TIMEOUTS: dict[str, float | None] = {"connect": None, "read": None, "write": None, "pool": None}
 
@@ -82,19 +81,6 @@ def parse_reward(response: httpx.Response, scrub: Scrub | None = None) -> float:
     if isinstance(reward, bool) or not isinstance(reward, int | float):
         raise ValueError(f"'reward' is {_show(orjson.dumps(reward), scrub)}, not a number")
     return check_reward(reward)
-
-
-def _scrubber(secrets: list[str]) -> Scrub:
-    """What removes ``secrets`` from a text: each as it is, and as a JSON encoder that escapes '/' writes it."""
-    if not secrets:
-        return str
-    variants = {form for secret in secrets for form in (secret, secret.replace("/", "\\/"))}
-    pattern = re.compile("|".join(re.escape(form) for form in sorted(variants, key=len, reverse=True)))
-
-    def scrub(text: str) -> str:
-        return pattern.sub(REDACTED, text)
-
-    return scrub
 
 
 class EndpointVerifier:
@@ -155,7 +141,7 @@ class EndpointVerifier:
                 return text
 
             headers[name] = HEADER_VARIABLE.sub(value, template)
-        return headers, _scrubber(secrets)
+        return headers, Scrubber(secrets)
 
     async def _post(self, body: bytes, headers: Mapping[str, str], scrub: Scrub | None) -> httpx.Response:
         extensions = {

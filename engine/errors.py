@@ -14,6 +14,8 @@ plain ``TypeError``/``ValueError``: those are bugs in the caller, not verifier f
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from typing import Any
 
 import httpx
@@ -21,15 +23,18 @@ import orjson
 import tenacity
 
 __all__ = [
+    "REDACTED",
     "ConfigError",
     "EngineError",
     "ManifestError",
+    "Scrubber",
     "VerificationError",
     "describe",
     "excerpt",
 ]
 
 EXCERPT_CHARS = 200
+REDACTED = "[redacted]"  # what a secret is replaced with in a message
 
 
 class EngineError(Exception):
@@ -123,3 +128,24 @@ def describe(exc: BaseException) -> str:
     message = str(exc)
     return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
+
+class Scrubber:
+    """Removes secrets (header values read from the environment) from a text or a body, for messages.
+
+    Each secret is removed as it is and as a JSON encoder that escapes '/' writes it. Scrub a body
+    before cutting it to an excerpt: a cut through a secret would leave a part of it behind.
+    """
+
+    def __init__(self, secrets: Iterable[str]) -> None:
+        forms = {form for secret in secrets if secret for form in (secret, secret.replace("/", "\\/"))}
+        self._forms = sorted(forms, key=len, reverse=True)  # the longest first, so none leaves a part behind
+        self._pattern = re.compile("|".join(map(re.escape, self._forms))) if forms else None
+
+    def __call__(self, text: str) -> str:
+        return text if self._pattern is None else self._pattern.sub(REDACTED, text)
+
+    def body(self, content: bytes) -> bytes:
+        """``content`` with every secret replaced, byte for byte the same elsewhere (it may still be parsed)."""
+        for form in self._forms:
+            content = content.replace(form.encode(), REDACTED.encode())
+        return content

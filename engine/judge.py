@@ -12,7 +12,8 @@ reasoning parser (vLLM and SGLang: ``--reasoning-parser``), which moves it to ``
 The judge has its own concurrency and rate limits, shared by every rubric it grades, because
 judge APIs have request quotas of their own. Throttling (429) and server errors (5xx) are retried
 with backoff, honouring ``Retry-After``, within a bounded budget. The API key is read from the
-environment variable the config names, on every request; it is never stored or logged.
+environment variable the config names, on every request; it is never stored or logged, and a
+reply that echoes it has it scrubbed before any of the reply goes into a message.
 
 Every request is bounded like an endpoint's: ``timeout`` seconds for the whole request (not per
 phase), and ``max_body`` bytes of reply (1 MiB by default), refused rather than read past.
@@ -34,7 +35,7 @@ import httpx
 import orjson
 import tenacity
 
-from .errors import ConfigError, VerificationError, describe, excerpt
+from .errors import ConfigError, Scrubber, VerificationError, describe, excerpt
 from .retry import RETRY_STATUSES, Sleep, TransientStatus, make_retrying
 from .rubric import Rubric, normalise
 from .scheduler import rate_limiter
@@ -357,14 +358,15 @@ class Judge:
         """A snapshot of everything judged so far; ``after - before`` is the cost in between."""
         return self._usage.copy()
 
-    def _headers(self, ref: str) -> dict[str, str]:
+    def _headers(self, ref: str) -> tuple[dict[str, str], Scrubber | None]:
+        """The request's headers, and what scrubs the API key (if there is one) from messages."""
         name = self.config.api_key_env
         if name is None:
-            return _HEADERS
+            return _HEADERS, None
         key = os.environ.get(name, "")
         if not key:
             raise VerificationError("rubric", ref, f"the judge's API key variable {name} is not set (or empty)")
-        return {**_HEADERS, "authorization": f"Bearer {key}"}
+        return {**_HEADERS, "authorization": f"Bearer {key}"}, Scrubber([key])
 
     def _body(self, rubric: Rubric, task: Mapping[str, Any], trajectory: Any) -> bytes:
         config = self.config
@@ -382,7 +384,9 @@ class Judge:
             request["response_format"] = {"type": "json_object"}
         return orjson.dumps(request)
 
-    async def _post(self, body: bytes, headers: dict[str, str], accounts: tuple[Usage, ...]) -> httpx.Response:
+    async def _post(
+        self, body: bytes, headers: dict[str, str], accounts: tuple[Usage, ...], scrub: Scrubber | None
+    ) -> httpx.Response:
         if self._rate is not None:
             await self._rate.acquire()  # every request counts against the quota, retries too
         for usage in accounts:
@@ -405,7 +409,7 @@ class Judge:
             raise CallTimeout(config.timeout) from None
         check_size(response, config.max_body)  # the engine's transport refused it already; another may not
         if response.status_code in JUDGE_RETRY_STATUSES:
-            raise TransientStatus(response)
+            raise TransientStatus(response, scrub)
         return response
 
     async def grade(
@@ -417,7 +421,7 @@ class Judge:
         """
         ref = rubric.ref
         body = self._body(rubric, task, trajectory)
-        headers = self._headers(ref)
+        headers, scrub = self._headers(ref)
         accounts = (self._usage,) if usage is None else (self._usage, usage)
         config = self.config
         async with self._slots:
@@ -428,19 +432,18 @@ class Judge:
                         if attempt.retry_state.attempt_number > 1:
                             for account in accounts:
                                 account.retries += 1
-                        response = await self._post(body, headers, accounts)
+                        response = await self._post(body, headers, accounts, scrub)
             except (tenacity.RetryError, httpx.HTTPError) as exc:
-                raise VerificationError("rubric", ref, f"judge request failed: {describe(exc)}") from exc
+                reason = f"judge request failed: {describe(exc)}"
+                raise VerificationError("rubric", ref, reason if scrub is None else scrub(reason)) from exc
+        # every message below quotes the reply: without the key in it, if it echoed the key
+        content = response.content if scrub is None else scrub.body(response.content)
         if not response.is_success:
-            raise VerificationError(
-                "rubric", ref, f"judge answered HTTP {response.status_code}: {excerpt(response.content)!r}"
-            )
+            raise VerificationError("rubric", ref, f"judge answered HTTP {response.status_code}: {excerpt(content)!r}")
         try:
-            data = orjson.loads(response.content)
+            data = orjson.loads(content)
         except orjson.JSONDecodeError:
-            raise VerificationError(
-                "rubric", ref, f"judge response is not JSON: {excerpt(response.content)!r}"
-            ) from None
+            raise VerificationError("rubric", ref, f"judge response is not JSON: {excerpt(content)!r}") from None
         if isinstance(data, dict):
             for account in accounts:
                 account.add(data.get("usage"))

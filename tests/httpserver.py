@@ -13,7 +13,6 @@ a well-formed response. ``body_bytes_sent`` counts the body bytes the server got
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import struct
 import threading
@@ -229,18 +228,6 @@ def json_handler(reply: Callable[[Request], Any]) -> Handler:
         return Response.json(reply(request))
 
     return handle
-
-
-def open_sockets() -> set[int]:
-    """The file descriptors of this process that are sockets (Linux): to see that nothing leaked one."""
-    found = set()
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                found.add(int(name))
-        except OSError:  # closed while we looked (the listing's own descriptor, or another thread's)
-            continue
-    return found
 
 
 async def all_closed(server: TestServer, timeout: float = 5.0) -> None:

@@ -24,12 +24,14 @@ from typing import Any
 import httpx
 import pytest
 from conftest import SleepRecorder, add_endpoint_env, item
-from httpserver import Request, Response, TestServer, all_closed, open_sockets
+from httpserver import Request, Response, TestServer, all_closed
 
 from engine import ConfigError, Engine, EngineConfig, Limits, ManifestError, VerificationError
 from engine.config import load_config
-from engine.endpoint import REDACTED, EndpointVerifier
+from engine.endpoint import EndpointVerifier
+from engine.errors import REDACTED
 from engine.transport import PoolTransport
+from faults.conftest import Snapshot
 
 GOOD, REMOTE = "good", "remote"
 MIB = 1 << 20
@@ -104,7 +106,7 @@ async def aborts(
     remote: Remote, config: EngineConfig, sleeps: SleepRecorder, reason: str, batch: list[dict[str, Any]] = BATCH
 ) -> VerificationError:
     """Run ``batch``, which must fail on its bad item, then the next batch; check that nothing leaked."""
-    tasks, sockets = asyncio.all_tasks(), len(open_sockets())
+    tasks, snapshot = asyncio.all_tasks(), Snapshot.take()
     outcome = None
     async with Engine(config, sleep=sleeps) as eng:
         with pytest.raises(VerificationError) as info:
@@ -112,10 +114,15 @@ async def aborts(
         check(info.value, remote.url, reason)
         assert outcome is None  # no result list, not even a partial one
         assert await eng.score(NEXT) == [0.125, 0.375, -1.5]  # the same engine carries on
-    await all_closed(remote.server)
-    assert asyncio.all_tasks() <= tasks, asyncio.all_tasks() - tasks
-    assert len(open_sockets()) <= sockets
+    await settled(remote.server, tasks, snapshot)
     return info.value
+
+
+async def settled(server: TestServer, tasks: set[asyncio.Task[Any]], snapshot: Snapshot) -> None:
+    """No connection left open on the server, no new asyncio task, thread, process, pipe or socket."""
+    await all_closed(server)
+    assert asyncio.all_tasks() <= tasks, asyncio.all_tasks() - tasks
+    snapshot.settled()
 
 
 # --- the network ---------------------------------------------------------------------------------
@@ -128,7 +135,7 @@ async def test_refused_connection_is_retried_within_the_budget_then_named(
         dead = gone.url + "/score"  # nothing listens here any more
     point_remote_at(envs, dead)
     config = EngineConfig(environments=envs, refs={dead: Limits(max_attempts=3, max_concurrency=1)})
-    tasks, sockets = asyncio.all_tasks(), len(open_sockets())
+    tasks, snapshot = asyncio.all_tasks(), Snapshot.take()
     async with Engine(config, sleep=sleeps) as eng:
         with pytest.raises(VerificationError) as info:
             await eng.run(BATCH)
@@ -136,9 +143,7 @@ async def test_refused_connection_is_retried_within_the_budget_then_named(
         check(info.value, dead, "gave up after 3 attempts; last: could not connect", index=1, item_id=None)
         assert len(sleeps.calls) == 2
         assert await eng.score([item(GOOD, r=0.5)]) == [0.5]
-    await all_closed(remote.server)
-    assert asyncio.all_tasks() <= tasks
-    assert len(open_sockets()) <= sockets
+    await settled(remote.server, tasks, snapshot)
 
 
 async def test_a_connect_that_hangs_times_out_and_is_retried(
@@ -161,7 +166,7 @@ async def test_a_connect_that_hangs_times_out_and_is_retried(
             point_remote_at(envs, full)
             limits = Limits(timeout=0.2, max_attempts=2, max_concurrency=1)
             config = EngineConfig(environments=envs, refs={full: limits})
-            tasks, sockets = asyncio.all_tasks(), len(open_sockets())
+            tasks, snapshot = asyncio.all_tasks(), Snapshot.take()
             started = time.monotonic()
             async with Engine(config, sleep=sleeps) as eng:
                 with pytest.raises(VerificationError) as info:
@@ -170,9 +175,7 @@ async def test_a_connect_that_hangs_times_out_and_is_retried(
                 assert await eng.score([item(GOOD, r=0.5)]) == [0.5]
             assert time.monotonic() - started < 2.0  # two tries of 0.2 s, not the kernel's SYN retries
             assert len(sleeps.calls) == 1
-            await all_closed(remote.server)
-            assert asyncio.all_tasks() <= tasks
-            assert len(open_sockets()) <= sockets
+            await settled(remote.server, tasks, snapshot)
         finally:
             for filler in fillers:
                 filler.close()
@@ -235,15 +238,14 @@ def storm(status: int, count: int, **headers: str) -> Callable[[Request], Awaita
 
 async def test_a_503_storm_that_ends_within_the_budget_is_ridden_out(remote: Remote, sleeps: SleepRecorder) -> None:
     remote.handler.fault = storm(503, 3)
-    tasks = asyncio.all_tasks()
+    tasks, snapshot = asyncio.all_tasks(), Snapshot.take()
     async with Engine(remote.config(max_attempts=5), sleep=sleeps) as eng:
         result = await eng.run(BATCH)
         assert result.rewards == [0.25, 0.5, 0.0625, 1.0, 0.75]
         assert sum(report.retries for report in result.verifiers) == 3
     assert remote.handler.bad_requests == 4
     assert len(sleeps.calls) == 3 and all(0 < wait <= 1 for wait in sleeps.calls)  # backoff, not real time
-    await all_closed(remote.server)
-    assert asyncio.all_tasks() <= tasks
+    await settled(remote.server, tasks, snapshot)
 
 
 async def test_a_503_storm_beyond_the_budget_gives_up(remote: Remote, sleeps: SleepRecorder) -> None:
