@@ -8,6 +8,9 @@ Only ``.py`` sources are ever read, and compiled fresh: never a ``__pycache__`` 
 ``.pyc``, which the digest does not cover (Python would otherwise run a planted ``.pyc`` whose
 header matches the source's mtime and size, code nobody vetted). Nothing is written next to the
 environment's files either.
+
+:func:`load_callable` is the whole import of a plugin, shared by the engine's own process (thread
+executor) and its worker processes (process executor), so both say the same thing when it fails.
 """
 
 from __future__ import annotations
@@ -20,12 +23,14 @@ import itertools
 import re
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import CodeType, ModuleType
 from typing import Any
 
-__all__ = ["import_from_environment"]
+from .errors import describe
+
+__all__ = ["PluginLoadError", "import_from_environment", "load_callable"]
 
 _numbers = itertools.count()
 
@@ -86,3 +91,33 @@ def import_from_environment(root: Path, name: str, module: str) -> Any:
     except BaseException:
         sys.modules.pop(package, None)
         raise
+
+
+class PluginLoadError(Exception):
+    """A plugin's module or callable cannot be loaded; ``reason`` says why (the cause is chained)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(reason)
+
+
+def load_callable(root: Path, name: str, ref: str) -> Callable[..., Any]:
+    """The callable ``ref`` (``module:attr``, both dotted) of environment ``name`` in directory ``root``.
+
+    The caller has checked the directory's digest. Raises :class:`PluginLoadError`; a module whose
+    import raises, even ``SystemExit``, is a load error, not the end of the process.
+    """
+    module_name, _, attr_path = ref.partition(":")
+    try:
+        target: Any = import_from_environment(root, name, module_name)
+    except (Exception, SystemExit) as exc:
+        raise PluginLoadError(f"cannot import module {module_name!r}: {describe(exc)}") from exc
+    for part in attr_path.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise PluginLoadError(f"module {module_name!r} has no attribute {attr_path!r}") from None
+    if not callable(target):
+        raise PluginLoadError(f"{attr_path!r} in module {module_name!r} is a {type(target).__name__}, not callable")
+    fn: Callable[..., Any] = target
+    return fn

@@ -106,8 +106,9 @@ def parse_verifier(value: Any, where: str) -> VerifierSpec:
     extra = sorted(set(value) - known)
     if extra:
         takes = "'kind', 'ref', 'executor' and 'workers'" if kind == "plugin" else "'kind' and 'ref'"
-        only = " ('executor' and 'workers' are for plugins only)" if {"executor", "workers"} & set(extra) else ""
-        raise ManifestError(f"{where}: field 'verifier' has unknown keys {extra} (a {kind} takes {takes}){only}")
+        if kind != "plugin" and {"executor", "workers"} & set(extra):
+            takes += "; 'executor' and 'workers' are for plugins only"
+        raise ManifestError(f"{where}: field 'verifier' has unknown keys {extra} (it takes {takes})")
     ref = value.get("ref")
     pattern, form = _REF_FORMS[kind]
     if not isinstance(ref, str) or not pattern.fullmatch(ref):

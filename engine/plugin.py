@@ -7,7 +7,13 @@ source (``engine.importer``).
 
 Sync callables run in the engine's bounded thread pool, so they never block the event loop;
 ``async def`` callables are awaited on the loop. The call timeout covers the first item's import
-too. An overrun abandons the thread (Python cannot kill it) and fails the item.
+too. An overrun abandons the thread (Python cannot kill it) and fails the item. Abandoned calls
+still running are counted per verifier: past ``Limits.max_abandoned`` of them, the verifier fails
+new calls at once, saying why, instead of piling up threads that never end.
+
+A plugin whose manifest says ``"executor": "process"`` runs in worker processes instead
+(``engine.process``): the engine then only vets the directory's digest, the workers import the
+module, and an overrun or a crash kills a worker, never a thread or the engine.
 
 A round trip between the event loop and a thread costs ~100 us, far more than a cheap plugin's
 call, so sync plugins are called a *chunk* of items per round trip, sized from the measured cost per
@@ -18,16 +24,18 @@ subprocess) run chunks of up to ~300 ms in parallel on the thread pool, up to th
 concurrency, split finer as a lane nears its end so no worker idles (measured: 0.90x the ideal
 rate for 10 ms calls on 64 threads, against 0.61x one item per round trip). A chunk's timeout is
 the call timeout: chunks are kept under a tenth of it, so a chunk overruns only when the item it
-was running did.
+was running did. Process-executor plugins are chunked the same way (a round trip to a worker
+costs ~100 us), their chunks always run in parallel (no GIL between processes), and their deadline
+is per item.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import functools
 import inspect
 import math
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from time import perf_counter, thread_time
@@ -39,8 +47,9 @@ import anyio.to_thread
 from .config import Limits
 from .digest import digest_directory
 from .errors import VerificationError, describe
-from .importer import import_from_environment
+from .importer import PluginLoadError, load_callable
 from .manifest import Environment
+from .process import Cost, PluginSpec, WorkerFailure, WorkerPool, default_workers, in_thread, wait_future
 from .verifier import MalformedItem, check_reward
 
 __all__ = ["PluginVerifier"]
@@ -50,10 +59,8 @@ CHEAP_CALL = 100e-6  # seconds: calls cheaper than this run in chunks one at a t
 SERIAL_CHUNK_SECONDS = 0.01  # work per hop for cheap calls: the hop (~100 us) costs ~1%
 PARALLEL_CHUNK_SECONDS = 0.3  # for waiting calls, run in parallel; a lane's last chunks are split finer
 CPU_BOUND = 0.5  # a call whose thread is on a CPU more than this share of its time is CPU-bound
+PROCESS_CHUNK_SECONDS = 0.05  # work per round trip to a worker process
 MAX_CHUNK = 1 << 16
-
-
-Cost = tuple[float, float]  # (wall seconds, CPU seconds of the thread) of some calls
 
 
 def _timed(fn: Callable[..., Any], task: Mapping[str, Any], trajectory: Any) -> tuple[Any, Cost]:
@@ -81,31 +88,68 @@ def _run_chunk(fn: Callable[..., Any], items: Sequence[Mapping[str, Any]], out: 
     return perf_counter() - started, thread_time() - cpu
 
 
-def _in_thread(fn: Callable[[], T], name: str) -> concurrent.futures.Future[T]:
-    """Run ``fn`` in a new daemon thread; its future outlives whoever started it."""
-    future: concurrent.futures.Future[T] = concurrent.futures.Future()
+class _Abandoned:
+    """A verifier's thread calls whose caller gave up (a timeout, an abort) while they still run."""
 
-    def run() -> None:
-        if future.set_running_or_notify_cancel():
-            try:
-                future.set_result(fn())
-            except BaseException as exc:
-                future.set_exception(exc)
+    def __init__(self) -> None:
+        self.count = 0
+        self._lock = threading.Lock()
 
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return future
+    def call(self) -> _ThreadCall:
+        return _ThreadCall(self)
 
 
-async def _wait(future: concurrent.futures.Future[T]) -> T:
-    """Await ``future``; cancelling the waiter leaves the future (and its thread) running."""
-    waiter = asyncio.wrap_future(future)
-    waiter.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved" log
-    return await asyncio.shield(waiter)
+class _ThreadCall:
+    """One call in a thread: counted as abandoned from when its caller gives up until it returns."""
+
+    __slots__ = ("_abandoned", "_state")
+
+    def __init__(self, abandoned: _Abandoned) -> None:
+        self._abandoned = abandoned
+        self._state = "pending"  # -> running -> done; "given up" before or while running
+
+    def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in the thread; skipped if its caller already gave up on it."""
+        lock = self._abandoned._lock
+        with lock:
+            if self._state == "given up":
+                raise RuntimeError("abandoned before it started")  # nobody waits for this
+            self._state = "running"
+        try:
+            return fn(*args)
+        finally:
+            with lock:
+                if self._state == "abandoned":
+                    self._abandoned.count -= 1
+                self._state = "done"
+
+    def give_up(self) -> None:
+        """Its caller stops waiting (no-op once it is done)."""
+        with self._abandoned._lock:
+            if self._state == "running":
+                self._state = "abandoned"
+                self._abandoned.count += 1
+            elif self._state == "pending":
+                self._state = "given up"
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:
     # an instance whose __call__ is "async def" is awaited too
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+def _pairs(items: Sequence[Mapping[str, Any]]) -> list[tuple[Mapping[str, Any], Any]]:
+    """The ``(task, trajectory)`` of each item; :class:`MalformedItem` at the first that has none."""
+    pairs = []
+    for position, item in enumerate(items):
+        try:
+            task, trajectory = item["task"], item["trajectory"]
+        except (KeyError, TypeError):
+            raise MalformedItem(position) from None
+        if type(task) is not dict and not isinstance(task, Mapping):
+            raise MalformedItem(position)
+        pairs.append((task, trajectory))
+    return pairs
 
 
 class PluginVerifier:
@@ -126,22 +170,33 @@ class PluginVerifier:
         self.ref = environment.verifier.ref
         self.key = environment.verifier_key
         self.limits = limits
+        self.executor = environment.verifier.executor
+        self._process = self.executor == "process"
+        self.workers = (environment.verifier.workers or default_workers()) if self._process else None
         self._pin = pin
         self._allow_unpinned = allow_unpinned
         self._threads = thread_limiter
         self._fn: Callable[..., Any] | None = None
         self._is_async = False
-        self._import_future: concurrent.futures.Future[tuple[Callable[..., Any], str]] | None = None
+        self._pool: WorkerPool | None = None  # process executor: created once the digest is vetted
+        self._closed = False
+        self._import_future: concurrent.futures.Future[tuple[Callable[..., Any] | None, str]] | None = None
         self._chunk = 1  # items per call, adapted to the measured cost of a call
         self._serial = False  # whether chunks run one at a time (cheap calls) or in parallel
         # Chunks of one plugin run one at a time: they are cheap Python calls by construction, and
         # under the GIL a second thread only slows the first down (measured: 1.7M vs 2.1M items/s).
         self._chunk_lock = anyio.Lock(fast_acquire=True)
-        self.digest: str | None = None  # the digest the module was imported at
+        self._abandoned = _Abandoned()
+        self.digest: str | None = None  # the digest the module was imported (or vetted) at
         self.retries = 0  # plugins are never retried: a failure is the plugin's answer
 
     def provenance(self) -> Mapping[str, Any]:
         return {"kind": self.kind, "ref": self.ref, "environment": self.environment.name, "digest": self.digest}
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The process ids of its worker processes (process executor; none before the first call)."""
+        return self._pool.pids if self._pool is not None else []
 
     def _fail(self, reason: str) -> VerificationError:
         return VerificationError(self.kind, self.ref, reason, environment=self.environment.name)
@@ -162,44 +217,70 @@ class PluginVerifier:
             )
         return digest
 
-    def _import(self) -> tuple[Callable[..., Any], str]:
-        """Check the digest, then import the module and find the callable (runs in its own thread)."""
-        digest = self._check_digest()
-        module_name, _, attr_path = self.ref.partition(":")
-        try:
-            target: Any = import_from_environment(self.environment.path, self.environment.name, module_name)
-        except (Exception, SystemExit) as exc:
-            raise self._fail(f"cannot import module {module_name!r}: {describe(exc)}") from exc
-        for part in attr_path.split("."):
-            try:
-                target = getattr(target, part)
-            except AttributeError:
-                raise self._fail(f"module {module_name!r} has no attribute {attr_path!r}") from None
-        if not callable(target):
-            raise self._fail(f"{attr_path!r} in module {module_name!r} is a {type(target).__name__}, not callable")
-        return target, digest
+    def _import(self) -> tuple[Callable[..., Any] | None, str]:
+        """Check the digest, then import the module and find the callable (runs in its own thread).
 
-    async def load(self) -> Callable[..., Any]:
-        """The callable, imported on the first call (after the digest check) and cached.
+        A process-executor plugin is not imported into the engine's process at all: each worker
+        imports it, after checking the digest again against the one vetted here.
+        """
+        digest = self._check_digest()
+        if self._process:
+            return None, digest
+        try:
+            return load_callable(self.environment.path, self.environment.name, self.ref), digest
+        except PluginLoadError as exc:
+            raise self._fail(exc.reason) from exc.__cause__
+
+    async def _loaded(self) -> None:
+        """The callable imported (or, for the process executor, the directory vetted), once.
 
         The import runs in a thread of its own whose result outlives the caller: every caller,
         in this batch or the next, waits for the same import, and an abort while it runs does
         not make the next batch import the module a second time. A failed import is tried
         again by the next caller (the file may have been fixed, and re-vetted).
         """
-        if self._fn is not None:
-            return self._fn
+        if self._closed:
+            raise RuntimeError("this plugin's engine is closed")
+        if self.digest is not None:
+            return
         future = self._import_future
         if future is None:
-            future = self._import_future = _in_thread(self._import, f"engine-import-{self.environment.name}")
+            future = self._import_future = in_thread(self._import, f"engine-import-{self.environment.name}")
         try:
-            fn, digest = await _wait(future)
+            fn, digest = await wait_future(future)
         except Exception:
             if self._import_future is future:
                 self._import_future = None
             raise
-        self._is_async, self.digest, self._fn = _is_async(fn), digest, fn
-        return fn
+        if fn is not None:
+            self._is_async, self._fn = _is_async(fn), fn
+        elif self._pool is None:
+            env = self.environment
+            spec = PluginSpec(os.path.abspath(env.path), env.name, self.ref, digest)
+            assert self.workers is not None  # set for the process executor
+            self._pool = WorkerPool(spec, self.workers, self.limits.timeout)
+        self.digest = digest
+
+    async def load(self) -> None:
+        """Make the plugin ready to call, or raise ``VerificationError`` saying why it cannot be.
+
+        Thread executor: the module is imported. Process executor: a worker process runs and has
+        imported it.
+        """
+        await self._loaded()
+        if self._pool is not None:
+            try:
+                await self._pool.warm()
+            except WorkerFailure as exc:
+                raise self._failure(exc) from exc.cause
+
+    async def aclose(self) -> None:
+        """Stop its worker processes, if it has any (threads cannot be stopped: abandoned ones end on their own)."""
+        self._closed = True
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            with anyio.CancelScope(shield=True):  # the engine may be closing because its task was cancelled
+                await pool.aclose()
 
     def chunk_size(self, share: int) -> int:
         """Items per call: more than one once calls are measured (the first calls go one at a time)."""
@@ -209,26 +290,71 @@ class PluginVerifier:
         """Size the next chunks, and choose how they run, from what the calls just cost."""
         wall, cpu = cost
         per_call = max(wall / items, 1e-9)
-        # Cheap calls, and calls that keep a CPU busy (holding the GIL, as Python code does), gain
-        # nothing from a second thread; calls that wait (I/O, a subprocess, sleep) run in parallel.
-        self._serial = per_call < CHEAP_CALL or cpu > CPU_BOUND * wall
-        budget = min(SERIAL_CHUNK_SECONDS if self._serial else PARALLEL_CHUNK_SECONDS, self.limits.timeout / 10)
+        if self._process:  # each worker has its own interpreter: chunks always run in parallel
+            budget = PROCESS_CHUNK_SECONDS
+        else:
+            # Cheap calls, and calls that keep a CPU busy (holding the GIL, as Python code does), gain
+            # nothing from a second thread; calls that wait (I/O, a subprocess, sleep) run in parallel.
+            self._serial = per_call < CHEAP_CALL or cpu > CPU_BOUND * wall
+            budget = SERIAL_CHUNK_SECONDS if self._serial else PARALLEL_CHUNK_SECONDS
+        budget = min(budget, self.limits.timeout / 10)
         self._chunk = max(1, min(MAX_CHUNK, int(budget / per_call)))
+
+    def _check_abandoned(self) -> None:
+        """Refuse to start a thread call while too many abandoned ones still run."""
+        count, most = self._abandoned.count, self.limits.max_abandoned
+        if count > most:
+            raise self._fail(
+                f"{count} of its calls that timed out or were cut short by an abort are still running in "
+                f"threads; refusing to start more until they finish (max_abandoned={most})"
+            )
+
+    async def _in_pool_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the engine's thread pool, counted as abandoned if the caller gives up on it."""
+        call = self._abandoned.call()
+        try:
+            return await anyio.to_thread.run_sync(call.run, fn, *args, abandon_on_cancel=True, limiter=self._threads)
+        finally:
+            call.give_up()
 
     async def _call(self, fn: Callable[..., Any], task: Mapping[str, Any], trajectory: Any) -> Any:
         if self._is_async:
             return await fn(task, trajectory)
-        value, cost = await anyio.to_thread.run_sync(
-            _timed, fn, task, trajectory, abandon_on_cancel=True, limiter=self._threads
-        )
+        value, cost = await self._in_pool_thread(_timed, fn, task, trajectory)
         self._measured(cost, 1)
         return value
 
+    def _failure(self, exc: WorkerFailure) -> VerificationError:
+        failure = self._fail(exc.reason)
+        failure.index = exc.position
+        return failure
+
+    async def _in_process(self, pairs: list[tuple[Mapping[str, Any], Any]]) -> list[float]:
+        """The rewards of ``pairs`` from a worker process, in one round trip."""
+        with anyio.move_on_after(self.limits.timeout) as deadline:
+            await self._loaded()
+        if deadline.cancelled_caught:
+            raise self._fail(f"timed out after {self.limits.timeout:g} s checking the environment's digest")
+        pool = self._pool
+        if pool is None:
+            raise RuntimeError("this plugin's engine is closed")
+        try:
+            rewards, cost = await pool.call(pairs)
+        except WorkerFailure as exc:
+            raise self._failure(exc) from exc.cause
+        self._measured(cost, len(pairs))
+        return rewards
+
     async def verify(self, task: Mapping[str, Any], trajectory: Any) -> float:
+        if self._process:
+            return (await self._in_process([(task, trajectory)]))[0]
         importing = self._fn is None
         with anyio.move_on_after(self.limits.timeout) as deadline:
-            fn = await self.load()
+            await self._loaded()
             importing = False
+            fn = self._fn
+            assert fn is not None  # imported
+            self._check_abandoned()
             try:
                 value = await self._call(fn, task, trajectory)
             except (Exception, SystemExit) as exc:  # a plugin's sys.exit() must not end the trainer
@@ -247,12 +373,21 @@ class PluginVerifier:
                 # A fresh thread per chunk, not anyio's pool: measured, a chunk of cheap calls ran ~2x
                 # slower on the pool's threads once 64 of them existed (GIL hand-offs), and a thread's
                 # start (~100 us) is ~1% of a chunk.
-                runner = functools.partial(_run_chunk, fn, items, out)
-                return await _wait(_in_thread(runner, f"engine-chunk-{self.environment.name}"))
-        return await anyio.to_thread.run_sync(_run_chunk, fn, items, out, abandon_on_cancel=True, limiter=self._threads)
+                call = self._abandoned.call()
+                runner = functools.partial(call.run, _run_chunk, fn, items, out)
+                try:
+                    return await wait_future(in_thread(runner, f"engine-chunk-{self.environment.name}"))
+                finally:
+                    call.give_up()
+        return await self._in_pool_thread(_run_chunk, fn, items, out)
 
     async def verify_chunk(self, items: Sequence[Mapping[str, Any]]) -> list[float]:
-        fn = await self.load()
+        if self._process:
+            return await self._in_process(_pairs(items))
+        await self._loaded()
+        fn = self._fn
+        assert fn is not None  # imported
+        self._check_abandoned()
         out: list[Any] = []
         with anyio.move_on_after(self.limits.timeout) as deadline:
             try:

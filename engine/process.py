@@ -1,0 +1,535 @@
+"""Process-isolated plugins: worker processes that each import a plugin once and call it in their main thread.
+
+A plugin whose manifest says ``"executor": "process"`` runs here instead of in the engine's
+threads. What that buys: a call that overruns its deadline is killed (Python cannot kill a
+thread), a crash (a segfault, ``os._exit``, the OOM killer) fails an item instead of the trainer,
+libraries that time themselves out with ``signal.alarm`` (math-verify) work because the plugin
+runs in its process's main thread, and CPU-bound plugins use every core instead of one GIL.
+
+Workers are started with multiprocessing's ``spawn`` context: the engine runs an event loop and
+threads, which ``fork`` would copy half-way. A worker
+
+1. says it is up, then checks the environment directory's digest against the one the engine
+   vetted (a file changed since is refused, nothing is imported), imports the plugin from its
+   source files (``engine.importer``), and says it is ready or why it cannot be;
+2. then serves *chunks*: a list of ``(task, trajectory)`` pairs in, one message out: the rewards
+   (already checked to be finite floats) and what the calls cost, or the position in the chunk of
+   the first item that failed and why. A plugin's exception travels as text (its type, message
+   and traceback): it need not be picklable.
+
+Before each call the worker writes the item's position and start time to a few bytes shared with
+the engine: the engine's deadline is per item, and when a worker overruns it (it is then killed
+with SIGKILL) or dies, the engine knows which item it was running. A killed or dead worker is
+replaced by a fresh one when next needed.
+
+The engine's side of a round trip is blocking code in a short-lived thread of its own (pickle and
+send the chunk, wait on the pipe and the process's sentinel until the deadline, receive), so a
+large chunk is never pickled on the event loop. When the caller is cancelled (its batch aborted),
+the worker is killed, which ends that thread at once.
+
+Like every spawned process, a worker imports the program's ``__main__`` module (under another
+name): a script that creates an engine must guard its entry point with
+``if __name__ == "__main__":``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import contextlib
+import functools
+import inspect
+import itertools
+import logging
+import math
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import threading
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.context import SpawnContext, SpawnProcess
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+from time import monotonic, perf_counter, thread_time
+from typing import Any, TypeVar
+
+import anyio
+
+from .digest import digest_directory
+from .errors import describe
+from .importer import PluginLoadError, load_callable
+from .verifier import check_reward
+
+__all__ = [
+    "STARTUP_TIMEOUT",
+    "Cost",
+    "PluginError",
+    "PluginSpec",
+    "WorkerFailure",
+    "WorkerPool",
+    "default_workers",
+    "in_thread",
+    "wait_future",
+]
+
+T = TypeVar("T")
+Cost = tuple[float, float]  # (wall seconds, CPU seconds of the calling thread) of some calls
+Pair = tuple[Mapping[str, Any], Any]  # (task, trajectory)
+_Call = Callable[[Mapping[str, Any], Any], Any]
+
+STARTUP_TIMEOUT = 60.0  # seconds for a worker's interpreter to start, before it imports the plugin
+CLOSE_GRACE = 2.0  # seconds an idle worker has to exit once its pipe is closed, before SIGKILL
+
+logger = logging.getLogger("engine")
+
+
+# --- threads whose result outlives whoever waits for it ---
+
+
+def in_thread(fn: Callable[[], T], name: str) -> concurrent.futures.Future[T]:
+    """Run ``fn`` in a new daemon thread; its future outlives whoever started it."""
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def run() -> None:
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
+async def wait_future(future: concurrent.futures.Future[T]) -> T:
+    """Await ``future``; cancelling the waiter leaves the future (and its thread) running."""
+    waiter = asyncio.wrap_future(future)
+    waiter.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved" log
+    return await asyncio.shield(waiter)
+
+
+def default_workers() -> int:
+    """One worker per CPU this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+# --- what crosses the pipe ---
+
+
+@dataclass(frozen=True)
+class PluginSpec:
+    """What a worker needs to import a plugin: where, under which name, and the digest it was vetted at."""
+
+    root: str  # the environment directory, absolute
+    environment: str
+    ref: str
+    digest: str
+
+
+class PluginError(Exception):
+    """A plugin's exception in a worker process, as text (chained as the ``VerificationError``'s cause)."""
+
+    def __init__(self, type_name: str, text: str) -> None:
+        self.type_name = type_name
+        super().__init__(text)
+
+
+class WorkerFailure(Exception):
+    """A chunk (or a worker's start) failed: ``reason``, and ``position``, the item's place in the chunk."""
+
+    def __init__(self, reason: str, position: int = 0, cause: BaseException | None = None) -> None:
+        self.reason = reason
+        self.position = position
+        self.cause = cause
+        super().__init__(reason)
+
+
+def _described(exc: BaseException) -> tuple[str, str, str]:
+    """(type name, what ``describe`` says, the traceback) of a plugin's exception, as plain strings."""
+    try:
+        said = describe(exc)
+    except Exception:  # an exception whose __str__ raises
+        said = type(exc).__name__
+    return type(exc).__name__, said, "".join(traceback.format_exception(exc))
+
+
+# --- the worker process ---
+
+
+def _watch_parent() -> None:
+    """Exit if the engine's process dies, even in the middle of a call that never returns."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+    sentinel = parent.sentinel
+
+    def watch() -> None:
+        multiprocessing.connection.wait([sentinel])
+        os._exit(70)
+
+    threading.Thread(target=watch, name="engine-worker-watchdog", daemon=True).start()
+
+
+def _caller(fn: Callable[..., Any]) -> _Call:
+    """``fn`` as a plain call: an ``async def`` plugin runs on an event loop of the worker's own."""
+    if not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)):
+        return fn
+    loop = asyncio.new_event_loop()
+    return lambda task, trajectory: loop.run_until_complete(fn(task, trajectory))
+
+
+def _serve_chunk(call: _Call, pairs: Sequence[Pair], progress: Any) -> tuple[Any, ...]:
+    """Call the plugin on each pair; the reply to send back."""
+    out: list[Any] = []
+    append = out.append
+    started, cpu = perf_counter(), thread_time()
+    position = 0
+    try:
+        for position, (task, trajectory) in enumerate(pairs):
+            progress[0] = position
+            progress[1] = monotonic()
+            append(call(task, trajectory))
+    except BaseException as exc:  # SystemExit and the like fail the item, not the worker
+        return ("raised", position, *_described(exc))
+    cost = (perf_counter() - started, thread_time() - cpu)
+    try:
+        rewards = list(map(float, out))
+        if math.isfinite(math.fsum(rewards)):
+            return ("done", rewards, cost)
+    except (TypeError, ValueError, OverflowError):
+        pass
+    for position, value in enumerate(out):  # name the bad value
+        try:
+            check_reward(value)
+        except (TypeError, ValueError) as exc:
+            return ("bad", position, str(exc))
+    raise AssertionError("unreachable: every value passed check_reward but their sum is not finite")
+
+
+def _worker_main(conn: Connection, progress_memory: Any, spec: PluginSpec) -> None:
+    """A worker process's whole life (its target): check, import, then serve chunks until the pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; the engine stops us
+    _watch_parent()
+    conn.send(("started",))
+    try:
+        digest = digest_directory(spec.root)
+        if digest != spec.digest:
+            conn.send((
+                "failed",
+                f"environment {spec.environment!r} changed after the engine vetted it: its digest is {digest}, "
+                f"it was vetted at {spec.digest}; the worker imported nothing",
+                None,
+            ))
+            return
+        fn = load_callable(Path(spec.root), spec.environment, spec.ref)
+    except PluginLoadError as exc:
+        cause = exc.__cause__
+        conn.send(("failed", exc.reason, _described(cause) if cause is not None else None))
+        return
+    except OSError as exc:  # the directory cannot be read
+        conn.send(("failed", f"cannot check the environment's digest: {describe(exc)}", None))
+        return
+    call = _caller(fn)
+    progress = memoryview(progress_memory).cast("B").cast("d")
+    conn.send(("ready",))
+    while True:
+        try:
+            pairs = conn.recv()
+        except EOFError:  # the engine closed the pool
+            return
+        except Exception as exc:  # the items were pickled by the engine but do not unpickle here
+            conn.send(("bad", 0, f"the worker process cannot unpickle the items: {describe(exc)}"))
+            continue
+        conn.send(_serve_chunk(call, pairs, progress))
+
+
+# --- the engine's side ---
+
+
+def _unpicklable(pairs: Sequence[Pair]) -> int:
+    """The position of the first pair that does not pickle (there is one: the whole chunk did not)."""
+    for position, pair in enumerate(pairs):
+        try:
+            ForkingPickler.dumps(pair)
+        except Exception:
+            return position
+    return 0
+
+
+class _Overran(Exception):
+    """A deadline passed while waiting for a worker's message."""
+
+
+def _how_it_ended(pid: int, code: int | None) -> str:
+    if code is None:
+        return f"its worker process (pid {pid}) stopped answering"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = str(-code)
+        hint = " (kill -9, or the kernel's out-of-memory killer)" if -code == signal.SIGKILL else ""
+        return f"its worker process (pid {pid}) died: killed by signal {name}{hint}"
+    return f"its worker process (pid {pid}) died: it exited with code {code}"
+
+
+_live: set[_Worker] = set()  # every worker not yet closed, killed at interpreter exit if still running
+
+
+@atexit.register
+def _kill_live_workers() -> None:
+    # registered after multiprocessing's own exit hook, so it runs first: that hook joins children
+    for worker in list(_live):
+        worker.kill()
+
+
+class _Worker:
+    """One worker process and the engine's end of its pipe.
+
+    ``start`` and ``call`` block: each runs in a thread of its own, one at a time, and that thread
+    owns the pipe while it runs. ``kill`` may be called from any thread at any time; the thread
+    then sees the process die and closes it.
+    """
+
+    def __init__(self, ctx: SpawnContext, spec: PluginSpec, number: int) -> None:
+        self.spec = spec
+        self.conn, child_end = ctx.Pipe()
+        self._child_end: Connection | None = child_end
+        self._progress = ctx.RawArray("d", 2)  # [position in the chunk, monotonic start] of the current call
+        self.process: SpawnProcess = ctx.Process(
+            target=_worker_main,
+            args=(child_end, self._progress, spec),
+            name=f"engine-worker-{spec.environment}-{number}",
+        )
+        self.busy = False  # taken by a caller (set and cleared on the event loop)
+        self.killed = False
+        self.closed = False
+        self.exitcode: int | None = None
+        self.done = threading.Event()  # no thread is using it
+        self.done.set()
+        self._lock = threading.Lock()  # close() runs once
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    @property
+    def usable(self) -> bool:
+        return not (self.killed or self.closed)
+
+    def alive(self) -> bool:
+        """Whether its process is running (reaps it if it is not)."""
+        return not self.closed and self.process.is_alive()
+
+    def kill(self) -> None:
+        """SIGKILL its process, if it has one and it runs; from any thread."""
+        self.killed = True
+        with contextlib.suppress(ValueError, AttributeError):  # closed, or never started
+            self.process.kill()
+
+    def close(self, grace: float = 0.0) -> int | None:
+        """Wait up to ``grace`` s for the process to exit, kill it if it has not, reap it, close the pipe."""
+        with self._lock:
+            if not self.closed:
+                if self.process.pid is not None:  # started
+                    self.process.join(grace)
+                    if self.process.exitcode is None:
+                        self.process.kill()
+                        self.process.join()
+                    self.exitcode = self.process.exitcode
+                    self.process.close()
+                self.conn.close()
+                if self._child_end is not None:
+                    self._child_end.close()
+                self.closed = True
+                _live.discard(self)
+        return self.exitcode
+
+    def _receive(self, deadline: Callable[[], float]) -> Any:
+        """The next message; ``_Overran`` once ``deadline()`` passes, ``WorkerFailure`` if the process died."""
+        conn, sentinel = self.conn, self.process.sentinel
+        while True:
+            remaining = deadline() - monotonic()
+            if remaining <= 0:
+                raise _Overran
+            ready = multiprocessing.connection.wait([conn, sentinel], remaining)
+            if conn in ready:
+                try:
+                    return conn.recv()
+                except EOFError:
+                    break
+            elif ready:  # the sentinel: it exited
+                break
+        position = int(self._progress[0])
+        raise WorkerFailure(_how_it_ended(self.pid or 0, self.close(grace=1.0)), position)
+
+    def _give_up(self, reason: str) -> WorkerFailure:
+        """Kill it (it overran a deadline) and say why."""
+        position = int(self._progress[0])
+        self.kill()
+        self.close()
+        return WorkerFailure(reason, position)
+
+    def start(self, timeout: float) -> None:
+        """Start the process and wait until it has imported the plugin (``timeout`` bounds the import)."""
+        self.done.clear()
+        try:
+            _live.add(self)
+            self.process.start()
+            if self.killed:  # killed while it was being started
+                self.process.kill()
+            assert self._child_end is not None
+            self._child_end.close()  # the child has its own copy: its death now closes the pipe
+            self._child_end = None
+            up_by = monotonic() + STARTUP_TIMEOUT
+            try:
+                self._receive(lambda: up_by)
+            except _Overran:
+                raise self._give_up(f"its worker process did not start within {STARTUP_TIMEOUT:g} s") from None
+            except WorkerFailure as exc:
+                exc.reason += " while starting"
+                raise
+            imported_by = monotonic() + timeout
+            try:
+                message = self._receive(lambda: imported_by)
+            except _Overran:
+                raise self._give_up(f"timed out after {timeout:g} s importing the module") from None
+            except WorkerFailure as exc:
+                exc.reason += " importing the module"
+                raise
+            if message[0] == "failed":
+                _, reason, error = message
+                self.close(grace=CLOSE_GRACE)
+                raise WorkerFailure(reason, 0, PluginError(error[0], error[2]) if error is not None else None)
+        finally:
+            self.done.set()
+
+    def call(self, pairs: Sequence[Pair], timeout: float) -> tuple[list[float], Cost]:
+        """Score ``pairs``: each call within ``timeout`` s, or the worker is killed and the item fails."""
+        self.done.clear()
+        try:
+            progress = self._progress
+            progress[0], progress[1] = 0, monotonic()
+            try:
+                self.conn.send(pairs)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # it died while idle, or while reading the chunk: the wait below says how
+            except Exception as exc:  # pickling fails before anything is sent: the worker is fine
+                raise WorkerFailure(
+                    f"cannot pass the item to a worker process: {describe(exc)}", _unpicklable(pairs)
+                ) from exc
+            try:
+                reply = self._receive(lambda: progress[1] + timeout)
+            except _Overran:
+                raise self._give_up(f"timed out after {timeout:g} s") from None
+        finally:
+            self.done.set()
+        if reply[0] == "done":
+            return reply[1], reply[2]
+        if reply[0] == "raised":
+            _, position, type_name, said, text = reply
+            raise WorkerFailure(f"raised {said}", position, PluginError(type_name, text))
+        _, position, reason = reply
+        raise WorkerFailure(reason, position)
+
+
+class WorkerPool:
+    """Up to ``size`` worker processes of one plugin, started when first needed and replaced when lost.
+
+    Each caller holds one worker for one chunk. ``call`` raises :class:`WorkerFailure` for every
+    way a chunk can fail, with the failing item's position in the chunk.
+    """
+
+    def __init__(self, spec: PluginSpec, size: int, timeout: float) -> None:
+        self.spec = spec
+        self.size = size
+        self.timeout = timeout
+        self._ctx: SpawnContext = multiprocessing.get_context("spawn")
+        self._slots = anyio.Semaphore(size)  # a caller holding one has a worker, or room to start one
+        self._idle: list[_Worker] = []
+        self._workers: set[_Worker] = set()  # not yet closed
+        self._numbers = itertools.count()
+        self._closed = False
+
+    @property
+    def pids(self) -> list[int]:
+        """The process ids of its workers that are not closed yet (started or starting)."""
+        return sorted(w.pid for w in self._workers if not w.closed and w.pid is not None)
+
+    async def _in_thread(self, worker: _Worker, fn: Callable[[], T]) -> T:
+        """``fn`` (a blocking method of ``worker``) in a thread; cancelling the caller kills the worker."""
+        try:
+            return await wait_future(in_thread(fn, f"engine-worker-io-{self.spec.environment}"))
+        except BaseException as exc:
+            if not isinstance(exc, Exception):  # cancelled: the call is abandoned, so is its worker
+                worker.kill()
+            raise
+
+    async def _take(self) -> _Worker:
+        """An idle worker, or a new one once it has imported the plugin (the caller holds a slot)."""
+        if self._closed:
+            raise RuntimeError("the worker pool is closed")
+        while self._idle:
+            worker = self._idle.pop()
+            if worker.alive():
+                worker.busy = True
+                return worker
+            code = worker.close()
+            logger.warning(
+                "plugin %r of environment %r: %s while idle; starting another",
+                self.spec.ref,
+                self.spec.environment,
+                _how_it_ended(worker.pid or 0, code).removeprefix("its "),
+            )
+            self._workers.discard(worker)
+        self._workers = {w for w in self._workers if not w.closed}
+        worker = _Worker(self._ctx, self.spec, next(self._numbers))
+        worker.busy = True
+        self._workers.add(worker)
+        await self._in_thread(worker, functools.partial(worker.start, self.timeout))
+        return worker
+
+    def _give_back(self, worker: _Worker) -> None:
+        # A killed worker stays busy until its thread has closed it: nobody else may touch its pipe.
+        if worker.usable and not self._closed:
+            worker.busy = False
+            self._idle.append(worker)
+
+    async def call(self, pairs: Sequence[Pair]) -> tuple[list[float], Cost]:
+        """The rewards of ``pairs`` and what the calls cost, from one worker in one round trip."""
+        async with self._slots:
+            worker = await self._take()
+            try:
+                return await self._in_thread(worker, functools.partial(worker.call, pairs, self.timeout))
+            finally:
+                self._give_back(worker)
+
+    async def warm(self) -> None:
+        """Start a worker if none runs: the plugin imports (or the reason it does not is raised)."""
+        async with self._slots:
+            self._give_back(await self._take())
+
+    async def aclose(self) -> None:
+        """Stop every worker: idle ones exit when their pipe closes, busy ones are killed; all are reaped."""
+        self._closed = True
+        workers, self._workers, self._idle = list(self._workers), set(), []
+        for worker in workers:
+            if worker.busy:
+                worker.kill()
+            elif not worker.closed:
+                worker.conn.close()  # no thread uses it: the worker reads EOF and exits
+
+        def finish() -> None:
+            for worker in workers:
+                worker.done.wait(CLOSE_GRACE)  # a killed worker's thread ends as soon as it sees it die
+                worker.close(grace=CLOSE_GRACE)
+
+        await wait_future(in_thread(finish, f"engine-worker-close-{self.spec.environment}"))
