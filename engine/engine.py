@@ -132,7 +132,12 @@ class Engine:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         client, self._client, self._judge, self._transport = self._client, None, None, None
+        verifiers = list(self._verifiers.values())
         self._verifiers.clear()
+        for verifier in verifiers:  # plugins with worker processes stop them
+            aclose = getattr(verifier, "aclose", None)
+            if aclose is not None:
+                await aclose()
         if client is not None:
             await client.aclose()
 
