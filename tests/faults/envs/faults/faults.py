@@ -1,0 +1,63 @@
+"""The fault-injection suite's plugin: each task's "mode" says how the call misbehaves.
+
+The suite runs it as it is (thread executor) and as a copy whose manifest asks for worker
+processes. Waits are bounded, so nothing this plugin does outlives a test run.
+"""
+
+import asyncio
+import ctypes
+import math
+import os
+import sys
+import threading
+import time
+
+
+class Boom(RuntimeError):
+    """Under the process executor this class exists only in the worker: the exception travels as text."""
+
+
+def _wait_for(path, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def _write_pid(path):
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with open(temporary, "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(temporary, path)  # whoever waits for the file never reads half of it
+
+
+def by_task(task, trajectory):
+    mode = task.get("mode", "ok")
+    if "pidfile" in task:
+        _write_pid(task["pidfile"])
+    if mode == "ok":
+        return 0.5
+    if mode == "raise":
+        raise Boom("the plugin blew up")
+    if mode == "exit":
+        sys.exit(3)
+    if mode == "os_exit":
+        os._exit(7)
+    if mode == "segfault":
+        ctypes.string_at(0)
+    if mode == "block":  # a hang that the test ends by creating task["release"] (or never, for a worker it kills)
+        _wait_for(task["release"])
+        return 1.0
+    if mode == "raise_when":  # fail once task["when"] exists: an abort while other calls are in flight
+        _wait_for(task["when"])
+        raise Boom(f"cue {os.path.basename(task['when'])} seen")
+    if mode == "pid":
+        return float(os.getpid())
+    if mode == "main_thread":
+        return 1.0 if threading.current_thread() is threading.main_thread() else 0.0
+    return {"none": None, "text": "high", "nan": math.nan, "inf": math.inf}[mode]
+
+
+async def async_by_task(task, trajectory):
+    """The same faults from an ``async def`` plugin."""
+    await asyncio.sleep(0)
+    return by_task(task, trajectory)

@@ -1,0 +1,486 @@
+"""Plugin faults, in the engine's threads and in worker processes, driven through the public API.
+
+Every fault must end as one ``VerificationError`` naming the plugin, the environment and the item,
+with a reason a person can act on; never as a result list, a hung batch or a dead trainer. After
+each one the same engine scores the next batch, and once the engine is closed nothing it started
+is left: no thread, no child process, no pipe or socket (``no_leaks``).
+
+The plugin is ``envs/faults`` (real files, copied per test); its ``_process`` twin is the same code
+with ``"executor": "process"`` in its manifest.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import orjson
+import pytest
+from conftest import item
+
+from engine import (
+    BlockingEngine,
+    ConfigError,
+    Engine,
+    EngineConfig,
+    Limits,
+    ManifestError,
+    VerificationError,
+    digest_directory,
+    load_config,
+    load_environment,
+)
+from engine.plugin import PluginVerifier
+from engine.process import PluginError
+
+from .conftest import Snapshot, process_gone
+
+FAULT_ENVS = Path(__file__).parent / "envs"
+THREAD, PROCESS = "faults", "faults_process"
+REF = "faults:by_task"
+TIMEOUT = 0.5  # seconds per call in these tests
+EXECUTORS = {"thread": THREAD, "process": PROCESS}
+
+
+def process_twin(envs: Path, name: str, twin: str, **verifier: Any) -> str:
+    """Copy environment ``name`` to ``twin`` with ``verifier`` merged into its manifest's verifier."""
+    shutil.copytree(envs / name, envs / twin)
+    path = envs / twin / "manifest.json"
+    manifest = orjson.loads(path.read_bytes())
+    manifest["verifier"].update(verifier)
+    path.write_bytes(orjson.dumps(manifest))
+    return twin
+
+
+@pytest.fixture
+def fault_envs(tmp_path: Path) -> Path:
+    target = tmp_path / "envs"
+    shutil.copytree(FAULT_ENVS, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    process_twin(target, THREAD, PROCESS, executor="process", workers=2)
+    process_twin(target, "math_verify", "math_verify_process", executor="process", workers=1)
+    return target
+
+
+def config(envs: Path, timeout: float = TIMEOUT, **limits: Any) -> EngineConfig:
+    return EngineConfig(environments=envs, allow_unpinned=True, defaults=Limits(timeout=timeout, **limits))
+
+
+def fails(eng: BlockingEngine, items: list[dict[str, Any]]) -> VerificationError:
+    """The ``VerificationError`` that scoring ``items`` raises: alone, and instead of any result list."""
+    with pytest.raises(VerificationError) as info:
+        eng.score(items)
+    assert type(info.value) is VerificationError  # not wrapped in an ExceptionGroup
+    return info.value
+
+
+def check(err: VerificationError, environment: str, index: int, item_id: Any, reason: str, ref: str = REF) -> None:
+    """``err`` names the plugin, the environment and the item, and its reason matches the regex ``reason``."""
+    assert (err.kind, err.ref, err.environment, err.index, err.item_id) == ("plugin", ref, environment, index, item_id)
+    assert re.fullmatch(reason, err.reason), err.reason
+    assert str(err).startswith(f"plugin verifier {ref!r} (environment {environment!r}) failed on item {index}")
+
+
+def ok(environment: str, count: int = 1) -> list[dict[str, Any]]:
+    return [item(environment, mode="ok") for _ in range(count)]
+
+
+def wait_for_file(path: Path, seconds: float = 10.0) -> str:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear within {seconds:g} s"
+        time.sleep(0.005)
+    return path.read_text()
+
+
+def wait_until_gone(pid: int, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not process_gone(pid):
+        assert time.monotonic() < deadline, f"process {pid} still exists after {seconds:g} s"
+        time.sleep(0.005)
+
+
+def plugin(eng: BlockingEngine | Engine, environment: str) -> PluginVerifier:
+    inner = eng._engine if isinstance(eng, BlockingEngine) else eng
+    verifier = inner.verifier_for(inner.environment(environment))
+    assert isinstance(verifier, PluginVerifier)
+    return verifier
+
+
+# --- a call that fails: the same outcome in a thread and in a worker process ---
+
+BAD_CALLS = [
+    ("raise", re.escape("raised Boom: the plugin blew up")),
+    ("none", re.escape("returned None (NoneType), which float() refuses")),
+    ("text", re.escape("returned 'high' (str), which float() refuses")),
+    ("nan", re.escape("returned nan, which is not a finite number")),
+    ("inf", re.escape("returned inf, which is not a finite number")),
+    ("exit", re.escape("raised SystemExit: 3")),
+]
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+@pytest.mark.parametrize(("mode", "reason"), BAD_CALLS, ids=[mode for mode, _ in BAD_CALLS])
+def test_a_bad_call_fails_its_item_and_the_engine_goes_on(
+    fault_envs: Path, no_leaks: Snapshot, executor: str, mode: str, reason: str
+) -> None:
+    env = EXECUTORS[executor]
+    with BlockingEngine(config(fault_envs)) as eng:
+        err = fails(eng, [*ok(env, 2), item(env, item_id=f"bad-{mode}", mode=mode), *ok(env)])
+        check(err, env, 2, f"bad-{mode}", reason)
+        assert eng.score(ok(env, 3)) == [0.5] * 3
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_the_plugins_exception_is_the_cause(fault_envs: Path, no_leaks: Snapshot, executor: str) -> None:
+    """In a thread the exception itself; from a worker, its type, message and traceback as text
+    (the class ``Boom`` exists only in the worker: nothing needs to be picklable)."""
+    env = EXECUTORS[executor]
+    with BlockingEngine(config(fault_envs)) as eng:
+        err = fails(eng, [item(env, mode="raise")])
+    cause = err.__cause__
+    if executor == "thread":
+        assert type(cause).__name__ == "Boom"
+        assert str(cause) == "the plugin blew up"
+    else:
+        assert isinstance(cause, PluginError)
+        assert cause.type_name == "Boom"
+        assert 'raise Boom("the plugin blew up")' in str(cause)  # the traceback shows the line
+        assert str(cause).rstrip().endswith("Boom: the plugin blew up")
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_a_hanging_call_times_out(fault_envs: Path, tmp_path: Path, no_leaks: Snapshot, executor: str) -> None:
+    env = EXECUTORS[executor]
+    release, pidfile = tmp_path / "release", tmp_path / "pid"
+    with BlockingEngine(config(fault_envs)) as eng:
+        assert eng.score(ok(env)) == [0.5]  # a worker is up: the time below is the call's alone
+        started = time.monotonic()
+        err = fails(eng, [*ok(env), item(env, item_id="h", mode="block", release=str(release), pidfile=str(pidfile))])
+        assert time.monotonic() - started < 4 * TIMEOUT
+        check(err, env, 1, "h", re.escape(f"timed out after {TIMEOUT:g} s"))
+        pid = int(pidfile.read_text())
+        if executor == "process":  # killed, and replaced for the next batch
+            wait_until_gone(pid)
+            assert pid not in eng.score([item(env, mode="pid") for _ in range(4)])
+        else:  # a thread cannot be killed: it is abandoned, and ends when the test lets it
+            assert pid == os.getpid()
+            release.touch()
+        assert eng.score(ok(env, 3)) == [0.5] * 3
+
+
+# --- faults only a worker process survives ---
+
+CRASHES = [
+    ("os_exit", "it exited with code 7"),
+    ("segfault", "killed by signal SIGSEGV"),
+]
+
+
+@pytest.mark.parametrize(("mode", "how"), CRASHES, ids=[mode for mode, _ in CRASHES])
+def test_a_worker_that_dies_fails_its_item_and_is_replaced(
+    fault_envs: Path, tmp_path: Path, no_leaks: Snapshot, mode: str, how: str
+) -> None:
+    pidfile = tmp_path / "pid"
+    with BlockingEngine(config(fault_envs)) as eng:
+        err = fails(eng, [*ok(PROCESS, 3), item(PROCESS, item_id="crash", mode=mode, pidfile=str(pidfile))])
+        pid = int(pidfile.read_text())
+        check(err, PROCESS, 3, "crash", re.escape(f"its worker process (pid {pid}) died: {how}"))
+        assert process_gone(pid)  # reaped, not a zombie
+        assert eng.score(ok(PROCESS, 3)) == [0.5] * 3
+
+
+def test_a_worker_killed_from_outside(fault_envs: Path, tmp_path: Path, no_leaks: Snapshot) -> None:
+    """What the kernel's OOM killer does: SIGKILL, while the worker is busy with an item."""
+    pidfile = tmp_path / "pid"
+    killed: list[int] = []
+
+    def kill_it() -> None:
+        killed.append(int(wait_for_file(pidfile)))
+        os.kill(killed[0], signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_it)
+    killer.start()
+    try:
+        with BlockingEngine(config(fault_envs, timeout=10)) as eng:
+            block = item(PROCESS, item_id="k", mode="block", release=str(tmp_path / "never"), pidfile=str(pidfile))
+            err = fails(eng, [*ok(PROCESS), block, *ok(PROCESS)])
+            killer.join()
+            reason = f"its worker process (pid {killed[0]}) died: killed by signal SIGKILL (kill -9, or the kernel's "
+            check(err, PROCESS, 1, "k", re.escape(reason + "out-of-memory killer)"))
+            assert eng.score(ok(PROCESS, 3)) == [0.5] * 3
+    finally:
+        killer.join()
+
+
+def test_an_abort_kills_the_worker_calls_in_flight(fault_envs: Path, tmp_path: Path, no_leaks: Snapshot) -> None:
+    """A thread plugin fails while a worker is busy: the batch aborts, and the worker's call is killed."""
+    pidfile = tmp_path / "pid"
+    busy = item(PROCESS, mode="block", release=str(tmp_path / "never"), pidfile=str(pidfile))
+    cue = item(THREAD, item_id="cue", mode="raise_when", when=str(pidfile))
+    with BlockingEngine(config(fault_envs, timeout=10)) as eng:
+        err = fails(eng, [busy, cue])
+        check(err, THREAD, 1, "cue", re.escape("raised Boom: cue pid seen"))
+        wait_until_gone(int(pidfile.read_text()))  # not left running for its 10 s
+        assert eng.score(ok(PROCESS, 2)) == [0.5] * 2
+
+
+async def test_closing_the_engine_mid_call_leaves_no_worker(fault_envs: Path, tmp_path: Path) -> None:
+    snapshot = Snapshot.take()
+    pidfile = tmp_path / "pid"
+    busy = item(PROCESS, mode="block", release=str(tmp_path / "never"), pidfile=str(pidfile))
+    async with Engine(config(fault_envs, timeout=10)) as eng, anyio.create_task_group() as tg:
+        tg.start_soon(eng.score, [busy, *ok(PROCESS)])
+        for _ in range(2000):  # bounded: the worker writes its pid within a few seconds
+            if pidfile.exists():
+                break
+            await anyio.sleep(0.005)
+        pids = plugin(eng, PROCESS).worker_pids
+        assert int(pidfile.read_text()) in pids
+        tg.cancel_scope.cancel()  # the caller gives up on the batch, then closes the engine
+    assert all(process_gone(pid) for pid in pids)  # closing waited for them: none is left, not even a zombie
+    snapshot.settled()
+
+
+# --- what a worker does, and what it refuses ---
+
+
+def test_workers_call_the_plugin_in_their_main_thread_on_every_core(fault_envs: Path, no_leaks: Snapshot) -> None:
+    with BlockingEngine(config(fault_envs)) as eng:
+        assert eng.score([item(PROCESS, mode="main_thread") for _ in range(8)]) == [1.0] * 8
+        assert eng.score([item(THREAD, mode="main_thread")]) == [0.0]
+        pids = {int(reward) for reward in eng.score([item(PROCESS, mode="pid") for _ in range(64)])}
+        assert len(pids) == 2  # "workers": 2, both busy
+        assert pids == set(plugin(eng, PROCESS).worker_pids)
+        assert os.getpid() not in pids
+
+
+def test_an_async_plugin_runs_in_a_worker_too(fault_envs: Path, no_leaks: Snapshot) -> None:
+    env = process_twin(fault_envs, THREAD, "async_process", ref="faults:async_by_task", executor="process")
+    with BlockingEngine(config(fault_envs)) as eng:
+        assert eng.score([item(env, mode="ok"), item(env, mode="main_thread")]) == [0.5, 1.0]
+        err = fails(eng, [item(env, item_id="a", mode="raise")])
+        check(err, env, 0, "a", re.escape("raised Boom: the plugin blew up"), ref="faults:async_by_task")
+
+
+def test_chunks_go_to_workers_and_a_failure_inside_names_its_item(fault_envs: Path, no_leaks: Snapshot) -> None:
+    with BlockingEngine(config(fault_envs)) as eng:
+        assert eng.score(ok(PROCESS, 200)) == [0.5] * 200  # measures the plugin's cost
+        result = eng.run(ok(PROCESS, 3000))
+        assert result.rewards == [0.5] * 3000
+        assert len(result.verifiers[0].latencies) < 3000 / 4  # one round trip per chunk, not per item
+
+        batch = ok(PROCESS, 3000)
+        batch[1777] = item(PROCESS, item_id="nan", mode="nan")
+        check(fails(eng, batch), PROCESS, 1777, "nan", re.escape("returned nan, which is not a finite number"))
+        batch[1777] = item(PROCESS, item_id="h", mode="block", release="/nonexistent")
+        check(fails(eng, batch), PROCESS, 1777, "h", re.escape(f"timed out after {TIMEOUT:g} s"))
+        batch[1777] = item(PROCESS, threading.Lock(), item_id="lock")
+        err = fails(eng, batch)
+        unpicklable = re.escape("cannot pass the item to a worker process: TypeError: ") + ".*lock.*"
+        check(err, PROCESS, 1777, "lock", unpicklable)
+        assert eng.score(ok(PROCESS, 500)) == [0.5] * 500
+
+
+def test_a_worker_refuses_a_file_changed_after_vetting(fault_envs: Path, no_leaks: Snapshot) -> None:
+    """The engine vets the digest once; every worker it starts later checks it again before importing."""
+    pin = digest_directory(fault_envs / PROCESS)
+    pinned = EngineConfig(environments=fault_envs, pins={PROCESS: pin}, defaults=Limits(timeout=TIMEOUT))
+    with BlockingEngine(pinned) as eng:
+        assert eng.score(ok(PROCESS)) == [0.5]  # one worker, running the vetted code
+        with (fault_envs / PROCESS / "faults.py").open("a") as f:
+            f.write("\nraise SystemExit('code nobody vetted ran')\n")
+        fails(eng, [item(PROCESS, mode="os_exit")])  # that worker is gone; its replacement checks the files
+        err = fails(eng, ok(PROCESS))
+    changed = digest_directory(fault_envs / PROCESS)
+    check(
+        err,
+        PROCESS,
+        0,
+        None,
+        re.escape(
+            f"environment {PROCESS!r} changed after the engine vetted it: its digest is {changed}, "
+            f"it was vetted at {pin}; the worker imported nothing"
+        ),
+    )
+
+
+def test_an_import_error_in_a_worker(fault_envs: Path, no_leaks: Snapshot) -> None:
+    env = process_twin(fault_envs, THREAD, "broken_process", executor="process")
+    (fault_envs / env / "faults.py").write_text("import a_module_that_does_not_exist_anywhere\n")
+    with BlockingEngine(config(fault_envs)) as eng:
+        err = fails(eng, [*ok(PROCESS), item(env, item_id="b")])
+        check(
+            err,
+            env,
+            1,
+            "b",
+            re.escape("cannot import module 'faults': ModuleNotFoundError: No module named ")
+            + "'a_module_that_does_not_exist_anywhere'",
+        )
+        assert isinstance(err.__cause__, PluginError)
+        assert err.__cause__.type_name == "ModuleNotFoundError"
+        assert plugin(eng, env).worker_pids == []  # the worker that failed to import has exited
+        assert eng.score(ok(PROCESS, 2)) == [0.5] * 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(40)
+def test_workers_exit_when_the_trainer_is_killed(fault_envs: Path, tmp_path: Path) -> None:
+    """kill -9 of the engine's process leaves no orphan: a worker busy with a call exits too."""
+    pidfile = tmp_path / "pid"
+    busy = item(PROCESS, mode="block", release=str(tmp_path / "never"), pidfile=str(pidfile))
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(
+        "import orjson\n"
+        "from engine import BlockingEngine, EngineConfig, Limits\n"
+        "if __name__ == '__main__':\n"
+        f"    config = EngineConfig(environments={str(fault_envs)!r}, allow_unpinned=True,\n"
+        "                          defaults=Limits(timeout=60))\n"
+        "    with BlockingEngine(config) as eng:\n"
+        f"        eng.score([orjson.loads({orjson.dumps(busy)!r})])\n"
+    )
+    process = subprocess.Popen([sys.executable, str(trainer)])
+    try:
+        worker = int(wait_for_file(pidfile, seconds=30))
+    finally:
+        process.kill()
+        process.wait()
+    deadline = time.monotonic() + 3  # the plugin itself would wait 10 s
+    while Path(f"/proc/{worker}").exists() and Path(f"/proc/{worker}/stat").read_text().split(") ")[-1][0] != "Z":
+        assert time.monotonic() < deadline, f"worker {worker} outlived its engine's process"
+        time.sleep(0.01)
+
+
+# --- threads that cannot be killed are counted ---
+
+
+def test_too_many_abandoned_threads_refuse_new_calls(fault_envs: Path, tmp_path: Path, no_leaks: Snapshot) -> None:
+    release = tmp_path / "release"
+    block = {"mode": "block", "release": str(release)}
+    with BlockingEngine(config(fault_envs, timeout=0.2, max_abandoned=1)) as eng:
+        for n in range(2):  # the first leaves one abandoned thread (not more than 1): the second still runs
+            check(fails(eng, [item(THREAD, item_id=n, **block)]), THREAD, 0, n, re.escape("timed out after 0.2 s"))
+        started = time.monotonic()
+        err = fails(eng, [item(THREAD, item_id="next", mode="ok")])
+        assert time.monotonic() - started < 0.2  # refused at once, not timed out
+        reason = (
+            "2 of its calls that timed out or were cut short by an abort are still running in threads; "
+            "refusing to start more until they finish (max_abandoned=1)"
+        )
+        check(err, THREAD, 0, "next", re.escape(reason))
+        assert eng.score(ok(PROCESS)) == [0.5]  # other verifiers are not concerned
+
+        release.touch()  # the abandoned calls return; then they stop counting
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                assert eng.score(ok(THREAD, 3)) == [0.5] * 3
+                break
+            except VerificationError as exc:
+                assert "refusing to start more" in exc.reason and time.monotonic() < deadline
+                time.sleep(0.01)
+
+
+def test_max_abandoned_is_validated() -> None:
+    assert Limits(max_abandoned=0).max_abandoned == 0
+    with pytest.raises(ConfigError, match=r"max_abandoned: must be a whole number >= 0, got -1"):
+        Limits(max_abandoned=-1)
+
+
+def test_max_abandoned_from_toml(tmp_path: Path) -> None:
+    path = tmp_path / "engine.toml"
+    path.write_text('[defaults]\nmax_abandoned = 3\n[refs."faults/faults:by_task"]\nmax_abandoned = 0\n')
+    loaded = load_config(path)
+    assert loaded.defaults.max_abandoned == 3
+    assert loaded.limits_for("faults/faults:by_task").max_abandoned == 0
+
+
+# --- a real third-party verifier whose timeouts use signals ---
+
+HALF = "0.5"
+
+
+def answer(environment: str, gold: str, trajectory: str, item_id: Any = None) -> dict[str, Any]:
+    return item(environment, trajectory, item_id=item_id, answer=gold)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(30)
+def test_math_verify_in_a_thread_is_an_error_never_a_zero(fault_envs: Path, no_leaks: Snapshot) -> None:
+    """math-verify's signal.alarm fails in a thread; math-verify raises, and the engine says so."""
+    with BlockingEngine(config(fault_envs, timeout=20)) as eng:
+        err = fails(eng, [answer("math_verify", HALF, "\\boxed{1/2}", item_id="m")])
+    check(
+        err,
+        "math_verify",
+        0,
+        "m",
+        re.escape("raised ValueError: Math-Verify 'parse' function doesn't support threaded environment") + ".*",
+        ref="verify:score",
+    )
+    assert isinstance(err.__cause__, ValueError)
+    assert str(err.__cause__.__cause__) == "signal only works in main thread of the main interpreter"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_math_verify_in_a_worker_process_scores(fault_envs: Path, no_leaks: Snapshot) -> None:
+    env = "math_verify_process"
+    cases = [
+        (HALF, "\\boxed{1/2}", 1.0),
+        (HALF, "\\boxed{1/3}", 0.0),
+        (HALF, "So the answer is $\\frac{1}{2}$.", 1.0),
+        ("$\\frac{\\sqrt{8}}{2}$", "\\boxed{\\sqrt{2}}", 1.0),
+        ("2", "\\boxed{3}", 0.0),
+    ]
+    with BlockingEngine(config(fault_envs, timeout=30)) as eng:
+        assert eng.score([answer(env, gold, said) for gold, said, _ in cases]) == [r for _, _, r in cases]
+
+
+# --- manifests that ask for an executor wrongly ---
+
+
+@pytest.mark.parametrize(
+    ("verifier", "message"),
+    [
+        ({"executor": "fork"}, "field 'verifier.executor' is 'fork'; it must be 'thread' (the engine's thread pool"),
+        ({"workers": 2}, "field 'verifier.workers' needs \"executor\": \"process\""),
+        ({"executor": "thread", "workers": 2}, "field 'verifier.workers' needs \"executor\": \"process\""),
+        ({"executor": "process", "workers": 0}, "field 'verifier.workers' must be a whole number >= 1, got 0"),
+        ({"executor": "process", "workers": True}, "field 'verifier.workers' must be a whole number >= 1, got True"),
+        ({"executor": "process", "workers": 1.5}, "field 'verifier.workers' must be a whole number >= 1, got 1.5"),
+        ({"executor": "process", "threads": 2}, "unknown keys ['threads'] (it takes 'kind', 'ref', 'executor' and"),
+    ],
+)
+def test_a_bad_executor_in_a_manifest_is_refused(tmp_path: Path, verifier: dict[str, Any], message: str) -> None:
+    (tmp_path / "manifest.json").write_bytes(
+        orjson.dumps({"kind": "environment", "verifier": {"kind": "plugin", "ref": "v:score", **verifier}})
+    )
+    with pytest.raises(ManifestError) as info:
+        load_environment(tmp_path)
+    assert message in str(info.value)
+
+
+def test_executor_is_for_plugins_only(tmp_path: Path) -> None:
+    verifier = {"kind": "endpoint", "ref": "http://127.0.0.1:9/score", "executor": "process"}
+    (tmp_path / "manifest.json").write_bytes(orjson.dumps({"kind": "environment", "verifier": verifier}))
+    with pytest.raises(ManifestError, match=r"'executor' and 'workers' are for plugins only"):
+        load_environment(tmp_path)
+
+
+def test_executor_defaults(fault_envs: Path) -> None:
+    spec = load_environment(fault_envs / THREAD).verifier
+    assert (spec.executor, spec.workers) == ("thread", None)
+    spec = load_environment(fault_envs / PROCESS).verifier
+    assert (spec.executor, spec.workers) == ("process", 2)
+    twin = process_twin(fault_envs, THREAD, "cores", executor="process")
+    assert load_environment(fault_envs / twin).verifier.workers is None  # one worker per CPU, decided by the engine
