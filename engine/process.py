@@ -268,17 +268,18 @@ class _Overran(Exception):
     """A deadline passed while waiting for a worker's message."""
 
 
-def _how_it_ended(pid: int, code: int | None) -> str:
+def _how_it_ended(pid: int, code: int | None, doing: str = "") -> str:
+    """Why a worker is gone, from its exit code; ``doing`` (" importing the module") says when."""
     if code is None:
-        return f"its worker process (pid {pid}) stopped answering"
+        return f"its worker process (pid {pid}) stopped answering{doing}"
     if code < 0:
         try:
             name = signal.Signals(-code).name
         except ValueError:
             name = str(-code)
         hint = " (kill -9, or the kernel's out-of-memory killer)" if -code == signal.SIGKILL else ""
-        return f"its worker process (pid {pid}) died: killed by signal {name}{hint}"
-    return f"its worker process (pid {pid}) died: it exited with code {code}"
+        return f"its worker process (pid {pid}) died{doing}: killed by signal {name}{hint}"
+    return f"its worker process (pid {pid}) died{doing}: it exited with code {code}"
 
 
 _live: set[_Worker] = set()  # every worker not yet closed, killed at interpreter exit if still running
@@ -353,7 +354,7 @@ class _Worker:
                 _live.discard(self)
         return self.exitcode
 
-    def _receive(self, deadline: Callable[[], float]) -> Any:
+    def _receive(self, deadline: Callable[[], float], doing: str = "") -> Any:
         """The next message; ``_Overran`` once ``deadline()`` passes, ``WorkerFailure`` if the process died."""
         conn, sentinel = self.conn, self.process.sentinel
         while True:
@@ -369,10 +370,10 @@ class _Worker:
             elif ready:  # the sentinel: it exited
                 break
         position = int(self._progress[0])
-        raise WorkerFailure(_how_it_ended(self.pid or 0, self.close(grace=1.0)), position)
+        raise WorkerFailure(_how_it_ended(self.pid or 0, self.close(grace=1.0), doing), position)
 
     def _give_up(self, reason: str) -> WorkerFailure:
-        """Kill it (it overran a deadline) and say why."""
+        """Kill and close it (it overran a deadline, or its pipe broke), and say why."""
         position = int(self._progress[0])
         self.kill()
         self.close()
@@ -391,24 +392,22 @@ class _Worker:
             self._child_end = None
             up_by = monotonic() + STARTUP_TIMEOUT
             try:
-                self._receive(lambda: up_by)
+                self._receive(lambda: up_by, " while starting")
             except _Overran:
                 raise self._give_up(f"its worker process did not start within {STARTUP_TIMEOUT:g} s") from None
-            except WorkerFailure as exc:
-                exc.reason += " while starting"
-                raise
             imported_by = monotonic() + timeout
             try:
-                message = self._receive(lambda: imported_by)
+                message = self._receive(lambda: imported_by, " importing the module")
             except _Overran:
                 raise self._give_up(f"timed out after {timeout:g} s importing the module") from None
-            except WorkerFailure as exc:
-                exc.reason += " importing the module"
-                raise
             if message[0] == "failed":
                 _, reason, error = message
                 self.close(grace=CLOSE_GRACE)
                 raise WorkerFailure(reason, 0, PluginError(error[0], error[2]) if error is not None else None)
+        except WorkerFailure:
+            raise
+        except Exception as exc:  # the process cannot be started (no memory, no pids left, ...)
+            raise self._give_up(f"its worker process failed: {describe(exc)}") from exc
         finally:
             self.done.set()
 
@@ -430,6 +429,10 @@ class _Worker:
                 reply = self._receive(lambda: progress[1] + timeout)
             except _Overran:
                 raise self._give_up(f"timed out after {timeout:g} s") from None
+        except WorkerFailure:
+            raise
+        except Exception as exc:  # the pipe failed in a way a dead worker does not explain
+            raise self._give_up(f"its worker process failed: {describe(exc)}") from exc
         finally:
             self.done.set()
         if reply[0] == "done":

@@ -313,22 +313,31 @@ def test_a_worker_refuses_a_file_changed_after_vetting(fault_envs: Path, no_leak
     )
 
 
-def test_an_import_error_in_a_worker(fault_envs: Path, no_leaks: Snapshot) -> None:
+IMPORT_FAULTS = [
+    (
+        "import a_module_that_does_not_exist_anywhere\n",
+        re.escape("cannot import module 'faults': ModuleNotFoundError: No module named ")
+        + "'a_module_that_does_not_exist_anywhere'",
+    ),
+    (
+        "import ctypes\nctypes.string_at(0)\n",
+        r"its worker process \(pid \d+\) died importing the module: killed by signal SIGSEGV",
+    ),
+    ("import time\ntime.sleep(10)\n", re.escape(f"timed out after {TIMEOUT:g} s importing the module")),
+]
+
+
+@pytest.mark.parametrize(("source", "reason"), IMPORT_FAULTS, ids=["raises", "segfault", "hangs"])
+def test_a_worker_that_cannot_import_the_plugin(fault_envs: Path, no_leaks: Snapshot, source: str, reason: str) -> None:
     env = process_twin(fault_envs, THREAD, "broken_process", executor="process")
-    (fault_envs / env / "faults.py").write_text("import a_module_that_does_not_exist_anywhere\n")
+    (fault_envs / env / "faults.py").write_text(source)
     with BlockingEngine(config(fault_envs)) as eng:
         err = fails(eng, [*ok(PROCESS), item(env, item_id="b")])
-        check(
-            err,
-            env,
-            1,
-            "b",
-            re.escape("cannot import module 'faults': ModuleNotFoundError: No module named ")
-            + "'a_module_that_does_not_exist_anywhere'",
-        )
-        assert isinstance(err.__cause__, PluginError)
-        assert err.__cause__.type_name == "ModuleNotFoundError"
-        assert plugin(eng, env).worker_pids == []  # the worker that failed to import has exited
+        check(err, env, 1, "b", reason)
+        if "ModuleNotFoundError" in reason:
+            assert isinstance(err.__cause__, PluginError)
+            assert err.__cause__.type_name == "ModuleNotFoundError"
+        assert plugin(eng, env).worker_pids == []  # the worker that could not import is gone
         assert eng.score(ok(PROCESS, 2)) == [0.5] * 2
 
 
