@@ -319,6 +319,32 @@ async def test_an_unasked_for_compressed_body_is_refused(remote: Remote, sleeps:
     assert remote.server.requests[-1].headers["accept-encoding"] == "identity"
 
 
+async def test_an_endless_head_is_cut_off(remote: Remote, sleeps: SleepRecorder) -> None:
+    head = b"HTTP/1.1 200 OK\r\n" + b"".join(b"x-padding-%d: %s\r\n" % (n, b"p" * 1000) for n in range(200))
+    remote.handler.fault = Response(raw=head)  # 200 KB of headers, and never the blank line that ends them
+    await aborts(remote, remote.config(), sleeps, "response headers over 64 KiB")
+
+
+async def test_a_transport_of_ones_own_is_bounded_too(remote: Remote, sleeps: SleepRecorder) -> None:
+    """``Engine(transport=...)`` with httpx's own transport: one timer bounds the call, the size is checked after."""
+
+    async def hang(request: Request) -> Response:
+        await asyncio.sleep(30)
+        return Response.json({"reward": 1.0})
+
+    remote.handler.fault = hang
+    transport = httpx.AsyncHTTPTransport()
+    async with Engine(remote.config(timeout=TIMEOUT, max_body=1000), transport=transport, sleep=sleeps) as eng:
+        with pytest.raises(VerificationError) as info:
+            await eng.run(BATCH)
+        check(info.value, remote.url, "timed out waiting for the response (timeout: 0.3 s for the whole call)")
+        remote.handler.fault = Response(200, b'{"reward": 1.0}' + b" " * 2000)
+        with pytest.raises(VerificationError) as info:
+            await eng.run(BATCH)
+        check(info.value, remote.url, "response body over the 1000 bytes limit (max_body)")
+    await all_closed(remote.server)
+
+
 # --- what the body says --------------------------------------------------------------------------
 
 BAD_BODIES = {

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import orjson
 import pytest
 from conftest import SleepRecorder, item
@@ -171,6 +172,23 @@ async def test_the_judge_hanging_mid_batch_is_cut_at_its_deadline(setup: Setup, 
     reason = "judge request failed: timed out waiting for the response (timeout: 0.3 s for the whole call)"
     await aborts(setup, setup.config(timeout=TIMEOUT), sleeps, reason)
     assert setup.judge.faulted == 1 and sleeps.calls == []  # a judge that got the request is not asked twice
+
+
+async def test_a_transport_of_ones_own_is_bounded_too(setup: Setup, sleeps: SleepRecorder) -> None:
+    """Under ``Engine(transport=...)`` with httpx's own transport, the judge's own timer cuts the request."""
+
+    async def hang(request: Request) -> Response:
+        await asyncio.sleep(30)
+        return score(1)
+
+    setup.judge.fault = hang
+    started = asyncio.get_running_loop().time()
+    async with Engine(setup.config(timeout=TIMEOUT), transport=httpx.AsyncHTTPTransport(), sleep=sleeps) as eng:
+        with pytest.raises(VerificationError) as info:
+            await eng.run(BATCH)
+    check(info.value, "judge request failed: timed out waiting for the response (timeout: 0.3 s for the whole call)")
+    assert asyncio.get_running_loop().time() - started < 3 * TIMEOUT + 1.0
+    await all_closed(setup.server)
 
 
 async def test_a_reply_trickling_past_the_deadline_is_cut_off(setup: Setup, sleeps: SleepRecorder) -> None:
