@@ -44,6 +44,8 @@ from engine.process import PluginError
 
 from .conftest import Snapshot, process_gone
 
+pytestmark = pytest.mark.timeout(20)  # most tests start worker processes (~0.5 s each); slow ones say more
+
 FAULT_ENVS = Path(__file__).parent / "envs"
 THREAD, PROCESS = "faults", "faults_process"
 REF = "faults:by_task"
@@ -271,6 +273,8 @@ def test_an_async_plugin_runs_in_a_worker_too(fault_envs: Path, no_leaks: Snapsh
         check(err, env, 0, "a", re.escape("raised Boom: the plugin blew up"), ref="faults:async_by_task")
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(30)
 def test_chunks_go_to_workers_and_a_failure_inside_names_its_item(fault_envs: Path, no_leaks: Snapshot) -> None:
     with BlockingEngine(config(fault_envs)) as eng:
         assert eng.score(ok(PROCESS, 200)) == [0.5] * 200  # measures the plugin's cost
