@@ -93,21 +93,16 @@ def _ends(request: httpx.Request, phase: str) -> float | None:
     return end if deadline is None else min(end, deadline)
 
 
-def _announced_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+def _refusal(headers: list[tuple[bytes, bytes]], limit: int) -> Exception | None:
+    """Why a response must be refused on its head alone, under a body cap of ``limit`` bytes (one pass)."""
     for name, value in headers:
-        if len(name) == 14 and name.lower() == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None  # httptools refuses a malformed length itself
-    return None
-
-
-def _encoding(headers: list[tuple[bytes, bytes]]) -> bytes | None:
-    for name, value in headers:
-        if len(name) == 16 and name.lower() == b"content-encoding":
-            value = value.strip().lower()
-            return None if value in (b"", b"identity") else value
+        size = len(name)
+        if size == 14 and name.lower() == b"content-length":
+            if value.strip().isdigit() and int(value) > limit:  # httptools refuses a malformed length itself
+                return ResponseTooLarge(limit, int(value))
+        elif size == 16 and name.lower() == b"content-encoding" and value.strip().lower() not in (b"", b"identity"):
+            named = value.strip().decode("latin-1")
+            return httpx.DecodingError(f"the response is compressed (Content-Encoding: {named}), not asked for")
     return None
 
 
@@ -167,16 +162,10 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._headers_done = True
-        limit = self._limit
-        if limit is None:
-            return
-        announced = _announced_length(self._headers)
-        if announced is not None and announced > limit:
-            self._fail(ResponseTooLarge(limit, announced))
-        encoding = _encoding(self._headers)
-        if encoding is not None:
-            named = encoding.decode("latin-1")
-            self._fail(httpx.DecodingError(f"the response is compressed (Content-Encoding: {named}), not asked for"))
+        if self._limit is not None:
+            refusal = _refusal(self._headers, self._limit)
+            if refusal is not None:
+                self._fail(refusal)
 
     def on_body(self, body: bytes) -> None:
         limit = self._limit
