@@ -46,6 +46,7 @@ import math
 import multiprocessing
 import multiprocessing.connection
 import os
+import queue
 import signal
 import threading
 import traceback
@@ -293,11 +294,12 @@ def _kill_live_workers() -> None:
 
 
 class _Worker:
-    """One worker process and the engine's end of its pipe.
+    """One worker process, the engine's end of its pipe, and the thread that talks to it.
 
-    ``start`` and ``call`` block: each runs in a thread of its own, one at a time, and that thread
-    owns the pipe while it runs. ``kill`` may be called from any thread at any time; the thread
-    then sees the process die and closes it.
+    ``start`` and ``call`` block: they are submitted to the worker's own thread, which runs them
+    one at a time and owns the pipe while one runs (a thread per worker, not one per call: starting
+    a thread costs more than the round trip). ``kill`` may be called from any thread at any time;
+    the running job then sees the process die and closes it, which also ends the thread.
     """
 
     def __init__(self, ctx: SpawnContext, spec: PluginSpec, number: int) -> None:
@@ -314,9 +316,38 @@ class _Worker:
         self.killed = False
         self.closed = False
         self.exitcode: int | None = None
-        self.done = threading.Event()  # no thread is using it
+        self.done = threading.Event()  # no job is running or queued: the pipe is free
         self.done.set()
         self._lock = threading.Lock()  # close() runs once
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None]
+        self._jobs = queue.SimpleQueue()
+        self.thread = threading.Thread(
+            target=self._serve, name=f"engine-worker-io-{spec.environment}-{number}", daemon=True
+        )
+        self.thread.start()
+
+    def _serve(self) -> None:
+        """The worker's thread: run its jobs in order until it is closed."""
+        while (job := self._jobs.get()) is not None:
+            fn, future = job
+            if not future.set_running_or_notify_cancel():  # nobody wants it any more
+                self.done.set()
+                continue
+            try:
+                result = fn()
+            except BaseException as exc:
+                self.done.set()  # before the caller hears of it: it may submit the next job at once
+                future.set_exception(exc)
+            else:
+                self.done.set()
+                future.set_result(result)
+
+    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn`` (one of its blocking methods) in its thread."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self.done.clear()
+        self._jobs.put((fn, future))
+        return future
 
     @property
     def pid(self) -> int | None:
@@ -337,9 +368,15 @@ class _Worker:
             self.process.kill()
 
     def close(self, grace: float = 0.0) -> int | None:
-        """Wait up to ``grace`` s for the process to exit, kill it if it has not, reap it, close the pipe."""
+        """Close the pipe (an idle worker then exits), wait up to ``grace`` s, kill it if it runs, reap it.
+
+        Never while a job uses the pipe, except from that job. Its thread ends after the current job.
+        """
         with self._lock:
             if not self.closed:
+                self.conn.close()
+                if self._child_end is not None:
+                    self._child_end.close()
                 if self.process.pid is not None:  # started
                     self.process.join(grace)
                     if self.process.exitcode is None:
@@ -347,11 +384,9 @@ class _Worker:
                         self.process.join()
                     self.exitcode = self.process.exitcode
                     self.process.close()
-                self.conn.close()
-                if self._child_end is not None:
-                    self._child_end.close()
                 self.closed = True
                 _live.discard(self)
+                self._jobs.put(None)
         return self.exitcode
 
     def _receive(self, deadline: Callable[[], float], doing: str = "") -> Any:
@@ -381,7 +416,6 @@ class _Worker:
 
     def start(self, timeout: float) -> None:
         """Start the process and wait until it has imported the plugin (``timeout`` bounds the import)."""
-        self.done.clear()
         try:
             _live.add(self)
             self.process.start()
@@ -408,12 +442,9 @@ class _Worker:
             raise
         except Exception as exc:  # the process cannot be started (no memory, no pids left, ...)
             raise self._give_up(f"its worker process failed: {describe(exc)}") from exc
-        finally:
-            self.done.set()
 
     def call(self, pairs: Sequence[Pair], timeout: float) -> tuple[list[float], Cost]:
         """Score ``pairs``: each call within ``timeout`` s, or the worker is killed and the item fails."""
-        self.done.clear()
         try:
             progress = self._progress
             progress[0], progress[1] = 0, monotonic()
@@ -433,8 +464,6 @@ class _Worker:
             raise
         except Exception as exc:  # the pipe failed in a way a dead worker does not explain
             raise self._give_up(f"its worker process failed: {describe(exc)}") from exc
-        finally:
-            self.done.set()
         if reply[0] == "done":
             return reply[1], reply[2]
         if reply[0] == "raised":
@@ -468,9 +497,9 @@ class WorkerPool:
         return sorted(w.pid for w in self._workers if not w.closed and w.pid is not None)
 
     async def _in_thread(self, worker: _Worker, fn: Callable[[], T]) -> T:
-        """``fn`` (a blocking method of ``worker``) in a thread; cancelling the caller kills the worker."""
+        """``fn`` (a blocking method of ``worker``) in its thread; cancelling the caller kills the worker."""
         try:
-            return await wait_future(in_thread(fn, f"engine-worker-io-{self.spec.environment}"))
+            return await wait_future(worker.submit(fn))
         except BaseException as exc:
             if not isinstance(exc, Exception):  # cancelled: the call is abandoned, so is its worker
                 worker.kill()
@@ -528,11 +557,12 @@ class WorkerPool:
             if worker.busy:
                 worker.kill()
             elif not worker.closed:
-                worker.conn.close()  # no thread uses it: the worker reads EOF and exits
+                worker.conn.close()  # no job uses it: the worker reads EOF and exits (all at once)
 
         def finish() -> None:
             for worker in workers:
-                worker.done.wait(CLOSE_GRACE)  # a killed worker's thread ends as soon as it sees it die
+                worker.done.wait(CLOSE_GRACE)  # a killed worker's job ends as soon as it sees it die
                 worker.close(grace=CLOSE_GRACE)
+                worker.thread.join(CLOSE_GRACE)
 
         await wait_future(in_thread(finish, f"engine-worker-close-{self.spec.environment}"))
