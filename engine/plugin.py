@@ -93,7 +93,7 @@ class _Abandoned:
 
     def __init__(self) -> None:
         self.count = 0
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()  # guards count and every call's state
 
     def call(self) -> _ThreadCall:
         return _ThreadCall(self)
@@ -110,7 +110,7 @@ class _ThreadCall:
 
     def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in the thread; skipped if its caller already gave up on it."""
-        lock = self._abandoned._lock
+        lock = self._abandoned.lock
         with lock:
             if self._state == "given up":
                 raise RuntimeError("abandoned before it started")  # nobody waits for this
@@ -125,7 +125,7 @@ class _ThreadCall:
 
     def give_up(self) -> None:
         """Its caller stops waiting (no-op once it is done)."""
-        with self._abandoned._lock:
+        with self._abandoned.lock:
             if self._state == "running":
                 self._state = "abandoned"
                 self._abandoned.count += 1
