@@ -164,7 +164,7 @@ def test_a_hanging_call_times_out(fault_envs: Path, tmp_path: Path, no_leaks: Sn
     env = EXECUTORS[executor]
     release, pidfile = tmp_path / "release", tmp_path / "pid"
     with BlockingEngine(config(fault_envs)) as eng:
-        assert eng.score(ok(env)) == [0.5]  # a worker is up: the time below is the call's alone
+        assert eng.score(ok(env, 2)) == [0.5] * 2  # both workers are up: the time below is the call's alone
         started = time.monotonic()
         err = fails(eng, [*ok(env), item(env, item_id="h", mode="block", release=str(release), pidfile=str(pidfile))])
         assert time.monotonic() - started < 4 * TIMEOUT
