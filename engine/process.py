@@ -312,6 +312,7 @@ class _Worker:
             args=(child_end, self._progress, spec),
             name=f"engine-worker-{spec.environment}-{number}",
         )
+        self.pid: int | None = None  # once started (the process object forgets it when closed)
         self.busy = False  # taken by a caller (set and cleared on the event loop)
         self.killed = False
         self.closed = False
@@ -350,10 +351,6 @@ class _Worker:
         return future
 
     @property
-    def pid(self) -> int | None:
-        return self.process.pid
-
-    @property
     def usable(self) -> bool:
         return not (self.killed or self.closed)
 
@@ -377,7 +374,7 @@ class _Worker:
                 self.conn.close()
                 if self._child_end is not None:
                     self._child_end.close()
-                if self.process.pid is not None:  # started
+                if self.pid is not None:  # started
                     self.process.join(grace)
                     if self.process.exitcode is None:
                         self.process.kill()
@@ -419,6 +416,7 @@ class _Worker:
         try:
             _live.add(self)
             self.process.start()
+            self.pid = self.process.pid
             if self.killed:  # killed while it was being started
                 self.process.kill()
             assert self._child_end is not None
@@ -516,10 +514,10 @@ class WorkerPool:
                 return worker
             code = worker.close()
             logger.warning(
-                "plugin %r of environment %r: %s while idle; starting another",
+                "plugin %r of environment %r: %s; starting another",
                 self.spec.ref,
                 self.spec.environment,
-                _how_it_ended(worker.pid or 0, code).removeprefix("its "),
+                _how_it_ended(worker.pid or 0, code, " while idle").removeprefix("its "),
             )
             self._workers.discard(worker)
         self._workers = {w for w in self._workers if not w.closed}

@@ -223,6 +223,24 @@ def test_a_worker_killed_from_outside(fault_envs: Path, tmp_path: Path, no_leaks
         killer.join()
 
 
+def test_a_worker_killed_while_idle_is_replaced_without_failing_an_item(
+    fault_envs: Path, no_leaks: Snapshot, caplog: pytest.LogCaptureFixture
+) -> None:
+    with BlockingEngine(config(fault_envs)) as eng:
+        pids = {int(pid) for pid in eng.score([item(PROCESS, mode="pid") for _ in range(8)])}
+        assert len(pids) == 2
+        victim = min(pids)
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while not process_gone(victim) and Path(f"/proc/{victim}/stat").read_text().split(") ")[-1][0] != "Z":
+            assert time.monotonic() < deadline, f"worker {victim} did not die"
+            time.sleep(0.005)
+        after = {int(pid) for pid in eng.score([item(PROCESS, mode="pid") for _ in range(8)])}
+    assert victim not in after and len(after) == 2
+    assert process_gone(victim)  # reaped
+    assert f"worker process (pid {victim}) died while idle: killed by signal SIGKILL" in caplog.text
+
+
 def test_an_abort_kills_the_worker_calls_in_flight(fault_envs: Path, tmp_path: Path, no_leaks: Snapshot) -> None:
     """A thread plugin fails while a worker is busy: the batch aborts, and the worker's call is killed."""
     pidfile = tmp_path / "pid"
