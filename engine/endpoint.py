@@ -27,7 +27,7 @@ import orjson
 from .config import HEADER_VARIABLE, Limits
 from .errors import Scrubber, VerificationError, describe, excerpt
 from .retry import RETRY_STATUSES, Scrub, Sleep, TransientStatus, is_transient, make_retrying
-from .transport import DEADLINE, MAX_BODY, CallTimeout, PoolTransport, check_size
+from .transport import MAX_BODY, TOTAL_TIMEOUT, CallTimeout, PoolTransport, check_size
 from .verifier import check_reward
 
 __all__ = ["EndpointVerifier", "encode_item", "parse_reward"]
@@ -110,6 +110,8 @@ class EndpointVerifier:
         # The engine's transport keeps the call's deadline itself, each phase failing as itself (a
         # connect that times out is retried); any other gets one timer around the whole call.
         self._keeps_deadline = isinstance(transport, PoolTransport)
+        self._extensions = {"timeout": _NO_PHASE_TIMEOUTS, TOTAL_TIMEOUT: limits.timeout, MAX_BODY: limits.max_body}
+        self._plain_headers = httpx.Headers(HEADERS)  # built once: httpx copies a Headers without parsing it again
         self._templates = tuple(limits.headers.items())
         self.retries = 0  # transient failures retried, over the engine's life
 
@@ -144,12 +146,7 @@ class EndpointVerifier:
         return headers, Scrubber(secrets)
 
     async def _post(self, body: bytes, headers: Mapping[str, str], scrub: Scrub | None) -> httpx.Response:
-        extensions = {
-            "timeout": _NO_PHASE_TIMEOUTS,
-            DEADLINE: asyncio.get_running_loop().time() + self._timeout,
-            MAX_BODY: self._max_body,
-        }
-        request = httpx.Request("POST", self._url, content=body, headers=headers, extensions=extensions)
+        request = httpx.Request("POST", self._url, content=body, headers=headers, extensions=self._extensions)
         try:
             if self._keeps_deadline:
                 response = await self._transport.handle_async_request(request)  # read in full already
@@ -210,7 +207,7 @@ class EndpointVerifier:
         except TypeError as exc:
             raise self._fail(f"cannot send the item as JSON: {exc}") from exc
         if not self._templates:
-            return await self._call(body, HEADERS, None)
+            return await self._call(body, self._plain_headers, None)
         headers, scrub = self._headers()
         try:
             return await self._call(body, headers, scrub)

@@ -40,7 +40,7 @@ from .retry import RETRY_STATUSES, Sleep, TransientStatus, make_retrying
 from .rubric import Rubric, normalise
 from .scheduler import rate_limiter
 from .trajectory import flatten
-from .transport import DEADLINE, MAX_BODY, CallTimeout, check_size
+from .transport import MAX_BODY, TOTAL_TIMEOUT, CallTimeout, check_size
 
 __all__ = [
     "DEFAULT_JUDGE_MAX_ATTEMPTS",
@@ -392,10 +392,10 @@ class Judge:
         for usage in accounts:
             usage.requests += 1
         config = self.config
-        # One deadline for the whole request; httpx's timeouts would apply to each phase in turn.
-        deadline = asyncio.get_running_loop().time() + config.timeout
-        extensions = {MAX_BODY: config.max_body, DEADLINE: deadline}
-        backstop = asyncio.timeout_at(deadline + BACKSTOP)
+        # One deadline for the whole request (the transport keeps it); httpx's timeouts would apply
+        # to each phase in turn.
+        extensions = {MAX_BODY: config.max_body, TOTAL_TIMEOUT: config.timeout}
+        backstop = asyncio.timeout(config.timeout + BACKSTOP)
         try:
             async with backstop:
                 response = await self._client.post(

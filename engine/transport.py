@@ -20,9 +20,10 @@ too (``MAX_HEAD``).
 
 Deadlines: httpx's timeouts apply to each phase in turn (waiting for a connection, connecting,
 reading), so a call can take several times its timeout. A request may also carry
-``extensions["deadline"]``, the event loop's time by which the whole call must be over; every
-phase then ends by it, and still fails as that phase's httpx timeout (a connect that times out is
-retried, a read that does is not). One timer per phase, as before: the deadline costs nothing.
+``extensions["total_timeout"]``, the seconds the whole call may take from when it reaches the
+transport; every phase then ends by that deadline, and still fails as that phase's httpx timeout
+(a connect that times out is retried, a read that does is not). One timer per phase, as before:
+the deadline costs nothing, and a caller's extensions stay one constant dict.
 """
 
 from __future__ import annotations
@@ -37,13 +38,13 @@ from typing import cast
 import httptools
 import httpx
 
-__all__ = ["DEADLINE", "MAX_BODY", "CallTimeout", "PoolTransport", "ResponseTooLarge", "check_size", "size_text"]
+__all__ = ["MAX_BODY", "TOTAL_TIMEOUT", "CallTimeout", "PoolTransport", "ResponseTooLarge", "check_size", "size_text"]
 
 DEFAULT_MAX_CONNECTIONS = 1024
 CLOSE_WAIT = 1.0  # seconds aclose() waits for closed sockets to be released
 MAX_HEAD = 64 * 1024  # bytes: a response's status line and headers
 MAX_BODY = "max_body"  # the request extension that caps the response body, in bytes
-DEADLINE = "deadline"  # the request extension: the loop time by which the whole call must be over
+TOTAL_TIMEOUT = "total_timeout"  # the request extension: seconds the whole call may take
 
 
 def size_text(size: int) -> str:
@@ -81,11 +82,9 @@ def check_size(response: httpx.Response, limit: int) -> None:
         raise ResponseTooLarge(limit)
 
 
-def _ends(request: httpx.Request, phase: str) -> float | None:
+def _ends(request: httpx.Request, phase: str, deadline: float | None) -> float | None:
     """The loop time by which ``phase`` must end: its own timeout from now, or the call's deadline if sooner."""
-    extensions = request.extensions
-    deadline: float | None = extensions.get(DEADLINE)
-    timeout: Mapping[str, float | None] = extensions.get("timeout", {})
+    timeout: Mapping[str, float | None] = request.extensions.get("timeout", {})
     seconds = timeout.get(phase)
     if seconds is None:
         return deadline
@@ -234,12 +233,14 @@ class PoolTransport(httpx.AsyncBaseTransport):
             self._ssl = httpx.create_ssl_context()
         return self._ssl
 
-    async def _connect(self, request: httpx.Request, origin: tuple[bytes, bytes, int]) -> _Connection:
+    async def _connect(
+        self, request: httpx.Request, origin: tuple[bytes, bytes, int], deadline: float | None
+    ) -> _Connection:
         scheme, host, port = origin
         loop = asyncio.get_running_loop()
         tls = self._ssl_context() if scheme == b"https" else None
         try:
-            async with asyncio.timeout_at(_ends(request, "connect")):
+            async with asyncio.timeout_at(_ends(request, "connect", deadline)):
                 _, connection = await loop.create_connection(
                     lambda: _Connection(loop), host.decode("ascii"), port, ssl=tls
                 )
@@ -249,7 +250,9 @@ class PoolTransport(httpx.AsyncBaseTransport):
             raise httpx.ConnectError(str(exc) or type(exc).__name__, request=request) from exc
         return connection
 
-    async def _acquire(self, request: httpx.Request, pool: _Pool, origin: tuple[bytes, bytes, int]) -> _Connection:
+    async def _acquire(
+        self, request: httpx.Request, pool: _Pool, origin: tuple[bytes, bytes, int], deadline: float | None
+    ) -> _Connection:
         while pool.idle:
             connection = pool.idle.pop()
             if connection.alive:
@@ -259,7 +262,7 @@ class PoolTransport(httpx.AsyncBaseTransport):
             waiter = asyncio.get_running_loop().create_future()
             pool.waiters.append(waiter)
             try:
-                async with asyncio.timeout_at(_ends(request, "pool")):
+                async with asyncio.timeout_at(_ends(request, "pool", deadline)):
                     await waiter
             except TimeoutError as exc:
                 raise httpx.PoolTimeout("timed out waiting for a connection", request=request) from exc
@@ -268,10 +271,10 @@ class PoolTransport(httpx.AsyncBaseTransport):
                     waiter.cancel()
                 if waiter in pool.waiters:
                     pool.waiters.remove(waiter)
-            return await self._acquire(request, pool, origin)
+            return await self._acquire(request, pool, origin, deadline)
         pool.count += 1
         try:
-            return await self._connect(request, origin)
+            return await self._connect(request, origin, deadline)
         except BaseException:
             self._release(pool, None)
             raise
@@ -306,9 +309,12 @@ class PoolTransport(httpx.AsyncBaseTransport):
         for name, value in request.headers.raw:
             head += [name, b": ", value, b"\r\n"]
         data = b"".join(head) + b"\r\n" + body
-        connection = await self._acquire(request, pool, origin)
-        limit: int | None = request.extensions.get(MAX_BODY)
-        ends = _ends(request, "read")
+        extensions = request.extensions
+        total: float | None = extensions.get(TOTAL_TIMEOUT)
+        deadline = None if total is None else asyncio.get_running_loop().time() + total
+        connection = await self._acquire(request, pool, origin, deadline)
+        limit: int | None = extensions.get(MAX_BODY)
+        ends = _ends(request, "read", deadline)
         try:
             try:
                 if ends is None:
