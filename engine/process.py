@@ -397,7 +397,7 @@ class _Worker:
             if conn in ready:
                 try:
                     return conn.recv()
-                except EOFError:
+                except (EOFError, ConnectionResetError):  # it died (reset: before reading what we sent)
                     break
             elif ready:  # the sentinel: it exited
                 break

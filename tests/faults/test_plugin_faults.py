@@ -110,6 +110,27 @@ def wait_until_gone(pid: int, seconds: float = 5.0) -> None:
         time.sleep(0.005)
 
 
+def dead(pid: int) -> bool:
+    """Whether ``pid`` has exited: reaped, or a zombie none of whose threads still runs.
+
+    (A killed process's main thread shows "Z" while its other threads are still being torn down;
+    only once they are gone can its parent see that it died.)
+    """
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    return state == "Z" and threads == [str(pid)]
+
+
+def wait_until_dead(pid: int, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not dead(pid):
+        assert time.monotonic() < deadline, f"process {pid} still runs after {seconds:g} s"
+        time.sleep(0.005)
+
+
 def plugin(eng: BlockingEngine | Engine, environment: str) -> PluginVerifier:
     inner = eng._engine if isinstance(eng, BlockingEngine) else eng
     verifier = inner.verifier_for(inner.environment(environment))
@@ -231,10 +252,7 @@ def test_a_worker_killed_while_idle_is_replaced_without_failing_an_item(
         assert len(pids) == 2
         victim = min(pids)
         os.kill(victim, signal.SIGKILL)
-        deadline = time.monotonic() + 5
-        while not process_gone(victim) and Path(f"/proc/{victim}/stat").read_text().split(") ")[-1][0] != "Z":
-            assert time.monotonic() < deadline, f"worker {victim} did not die"
-            time.sleep(0.005)
+        wait_until_dead(victim)
         after = {int(pid) for pid in eng.score([item(PROCESS, mode="pid") for _ in range(8)])}
     assert victim not in after and len(after) == 2
     assert process_gone(victim)  # reaped
@@ -385,10 +403,7 @@ def test_workers_exit_when_the_trainer_is_killed(fault_envs: Path, tmp_path: Pat
     finally:
         process.kill()
         process.wait()
-    deadline = time.monotonic() + 3  # the plugin itself would wait 10 s
-    while Path(f"/proc/{worker}").exists() and Path(f"/proc/{worker}/stat").read_text().split(") ")[-1][0] != "Z":
-        assert time.monotonic() < deadline, f"worker {worker} outlived its engine's process"
-        time.sleep(0.01)
+    wait_until_dead(worker, seconds=3)  # the plugin itself would wait 10 s
 
 
 # --- threads that cannot be killed are counted ---
