@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 REWARD_BODY = '{"reward": 1.0}'
 
 
@@ -100,7 +102,8 @@ http {{
 PYTHON_SERVER = """\
 import asyncio, sys
 BODY = {body!r}.encode()
-RESPONSE = b"HTTP/1.1 200 OK\\r\\ncontent-type: application/json\\r\\ncontent-length: %d\\r\\n\\r\\n%s" % (len(BODY), BODY)
+HEAD = b"HTTP/1.1 200 OK\\r\\ncontent-type: application/json\\r\\ncontent-length: %d\\r\\n\\r\\n"
+RESPONSE = HEAD % len(BODY) + BODY
 class P(asyncio.Protocol):
     def connection_made(self, t): self.t, self.buf = t, b""
     def data_received(self, d):
@@ -167,8 +170,7 @@ def machine() -> str:
 def write_env(root: Path, name: str, kind: str, ref: str, files: dict[str, str] | None = None) -> None:
     directory = root / name
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "manifest.json").write_text(
-        '{"kind": "environment", "verifier": {"kind": "%s", "ref": "%s"}}' % (kind, ref)
-    )
+    manifest = {"kind": "environment", "verifier": {"kind": kind, "ref": ref}}
+    (directory / "manifest.json").write_bytes(orjson.dumps(manifest))
     for filename, text in (files or {}).items():
         (directory / filename).write_text(textwrap.dedent(text))

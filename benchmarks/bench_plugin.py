@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib.util
 import tempfile
 from pathlib import Path

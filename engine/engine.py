@@ -134,12 +134,14 @@ class Engine:
         client, self._client, self._judge, self._transport = self._client, None, None, None
         verifiers = list(self._verifiers.values())
         self._verifiers.clear()
-        for verifier in verifiers:  # plugins with worker processes stop them
-            aclose = getattr(verifier, "aclose", None)
-            if aclose is not None:
-                await aclose()
-        if client is not None:
-            await client.aclose()
+        try:
+            for verifier in verifiers:  # plugins with worker processes stop them
+                aclose = getattr(verifier, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+        finally:
+            if client is not None:
+                await client.aclose()
 
     def environment(self, name: str) -> Environment:
         """The environment called ``name``, loaded once; ``ValueError`` if there is none."""
@@ -243,6 +245,8 @@ class Engine:
                     raise AssertionError("unreachable: the chunk runner and task_of disagree") from exc
                 except VerificationError as exc:
                     raise failed(exc, chunk[exc.index or 0])  # noqa: B904 (it is the same error, its cause kept)
+                except Exception as exc:  # as for one item: which item it was is unknown, so the first
+                    raise failed(VerificationError(v.kind, v.ref, describe(exc)), chunk[0]) from exc
             index = chunk[0]
             task, trajectory = task_of(index, batch[index])
             try:

@@ -31,7 +31,7 @@ def coverage(task: dict[str, Any], trajectory: Any) -> float:
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as the engine's connection pool expects
 
-    def do_POST(self) -> None:  # noqa: N802 (the stdlib's name)
+    def do_POST(self) -> None:
         try:
             item = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
             status, body = 200, {"reward": coverage(item["task"], item["trajectory"])}
@@ -44,7 +44,7 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: Any) -> None:
         pass  # quiet: the engine reports what matters
 
 
