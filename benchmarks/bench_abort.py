@@ -23,8 +23,9 @@ of only 64 connections, so 960 requests wait in the transport's pool when the pl
 
 "raise" is the failure to ``score`` raising; "CPU" is the event loop thread's CPU time over that
 interval (plugin failures only), which other processes on a busy machine do not inflate; "open at
-raise" is the server's count of open connections at that instant; "all closed" is the failure to
-the server counting 0, with the engine still open (a trainer keeps its engine across batches).
+raise" is the server's count of open connections at that instant (it lags the client's closes by
+the server's own time to process them); "all closed" is the failure to the server counting 0, with
+the engine still open (a trainer keeps its engine across batches).
 Medians and max over ``--repeat`` runs.
 Then, for the record, the same through httpx's stock transport (httpcore's pool), bounded by
 ``--stock-timeout``.
@@ -332,7 +333,9 @@ async def trial(
             raise RuntimeError("the failure never happened")
         at = await control.ask(f"report {raised_at if raised_at is not None else stop!r}")
     # the engine is closed now (its idle connections too): wait for a clean server before the next run
-    await control.wait_closed(CLOSE_LIMIT)
+    left = await control.wait_closed(CLOSE_LIMIT)
+    if left["open"]:
+        raise RuntimeError(f"{left['open']} connections still open {CLOSE_LIMIT:g} s after the engine closed")
     zero_at = report["zero_at"]
     return Trial(
         raised=raised_at - failed_at if raised_at is not None else None,
