@@ -1,8 +1,10 @@
 """Which HTTP failures are retried, and how long to wait: pure functions, tested as such.
 
-Retried: failing to connect, and the statuses that mean "try again" (429, 502, 503, 504). Never
-retried: timeouts waiting for an answer (the verifier may be working; trying again doubles the
-load), other 4xx (the request is wrong), other 5xx (the verifier is broken).
+Retried: failing to connect, and the statuses that mean "try again" (429, 502, 503, 504), and 500,
+which a server under strain answers as often as 503 (a verifier that really broke on an item fails
+it anyway once the bounded budget is spent, only later). Never retried: timeouts waiting for an
+answer (the verifier may be working; trying again doubles the load), other 4xx (the request is
+wrong), other 5xx (501 and the like say the request can never work).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ __all__ = [
     "parse_retry_after",
 ]
 
-RETRY_STATUSES = frozenset({429, 502, 503, 504})
+RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 BACKOFF_BASE = 0.1  # seconds before the first retry, doubled on each further one
 BACKOFF_MAX = 10.0  # seconds, the longest wait between two tries without a Retry-After
 

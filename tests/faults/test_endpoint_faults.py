@@ -254,10 +254,24 @@ async def test_a_503_storm_beyond_the_budget_gives_up(remote: Remote, sleeps: Sl
     assert remote.handler.bad_requests == 4 and len(sleeps.calls) == 3
 
 
-async def test_a_500_is_not_retried(remote: Remote, sleeps: SleepRecorder) -> None:
-    """By design: a 500 from a verifier means it broke on this item; trying again would only repeat it."""
-    remote.handler.fault = storm(500, 1)  # would succeed on a second try, which never comes
-    await aborts(remote, remote.config(max_attempts=5), sleeps, "HTTP 500: storm 1")
+async def test_a_500_storm_that_ends_within_the_budget_is_ridden_out(remote: Remote, sleeps: SleepRecorder) -> None:
+    remote.handler.fault = storm(500, 2)
+    async with Engine(remote.config(max_attempts=5), sleep=sleeps) as eng:
+        assert (await eng.score(BATCH)) == [0.25, 0.5, 0.0625, 1.0, 0.75]
+    assert remote.handler.bad_requests == 3 and len(sleeps.calls) == 2  # two 500s, then the answer
+
+
+async def test_a_500_storm_beyond_the_budget_gives_up(remote: Remote, sleeps: SleepRecorder) -> None:
+    """A verifier that really broke on an item answers 500 every time: the item fails once the budget is spent."""
+    remote.handler.fault = storm(500, 100)
+    await aborts(remote, remote.config(max_attempts=3), sleeps, "gave up after 3 attempts; last: HTTP 500: storm 3")
+    assert remote.handler.bad_requests == 3 and len(sleeps.calls) == 2
+
+
+async def test_a_501_is_not_retried(remote: Remote, sleeps: SleepRecorder) -> None:
+    """Other 5xx (501 Not Implemented and the like) say the request can never work: no retry."""
+    remote.handler.fault = storm(501, 1)  # would succeed on a second try, which never comes
+    await aborts(remote, remote.config(max_attempts=5), sleeps, "HTTP 501: storm 1")
     assert remote.handler.bad_requests == 1 and sleeps.calls == []
 
 
