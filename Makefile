@@ -22,5 +22,13 @@ test: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/pytest -q
 
+# Not part of the two commands: the throughput benchmarks (minutes; see benchmarks/README.md).
+bench: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'
+	$(BIN)/python benchmarks/bench_plugin.py
+	$(BIN)/python benchmarks/bench_endpoint.py
+	$(BIN)/python benchmarks/bench_abort.py
+	$(BIN)/python benchmarks/bench_backfill.py
+
 clean:
 	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache
