@@ -116,9 +116,11 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_output(space: Workspace, sto
 
     out = space.root / "out" / f"rewards.{fmt}"
     killed_log, resumed_log = space.root / "killed.log", space.root / "resumed.log"
-    # Each call sleeps, so a chunk takes a while and the run is still going when it is stopped.
+    # Each call sleeps, one at a time, so the run is still going when it is stopped: calls that
+    # wait would otherwise run in parallel chunks and finish 1,000 rows in under a second.
+    space.write_config(f'[refs."{PLUGIN_ENV}/verify:score"]\nmax_concurrency = 1\n')
     process = space.start(
-        "score", inp, "-o", out, "--config", space.config, *chunk_args(), env=knobs(killed_log, sleep=0.05)
+        "score", inp, "-o", out, "--config", space.config, *chunk_args(), env=knobs(killed_log, sleep=0.02)
     )
     signum, status = STOPS[stop]
     try:
