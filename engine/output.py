@@ -108,16 +108,8 @@ def _format(path: Path) -> Format:
     raise OutputError(f"{path}: unsupported extension {path.suffix!r} (supported: {supported})")
 
 
-def _fsync_dir(directory: Path) -> None:
-    """Make a rename or unlink in ``directory`` durable."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """Make a file's bytes durable, or a directory's renames and unlinks (``path`` is either)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -187,7 +179,7 @@ class Checkpoint:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        _fsync(path.parent)
 
 
 def _state_tmp(state: Path) -> Path:
@@ -316,16 +308,16 @@ class RewardWriter:
         if self.format == "parquet":
             tmp = self.output.with_name(self.output.name + ".tmp")
             _spool_to_parquet(self.partial, tmp)
-            _fsync_file(tmp)
+            _fsync(tmp)
             os.replace(tmp, self.output)
         else:
             os.replace(self.partial, self.output)
-        _fsync_dir(self.output.parent)
+        _fsync(self.output.parent)
         # Only now is the run over: a crash before this line leaves a state that resumes to the same output.
         self.state.unlink(missing_ok=True)
         self.partial.unlink(missing_ok=True)
         _state_tmp(self.state).unlink(missing_ok=True)  # left by a crash inside a checkpoint, if any
-        _fsync_dir(self.output.parent)
+        _fsync(self.output.parent)
 
     def close(self) -> None:
         """Close the partial file, leaving it and the state for ``--resume``."""
