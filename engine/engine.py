@@ -55,6 +55,12 @@ def _check_item(index: int, item: Any) -> str:
     return name
 
 
+def _at_item(exc: VerificationError, index: int, item: Mapping[str, Any]) -> VerificationError:
+    """``exc``, naming the item it failed on: its position, its ``id`` and its environment."""
+    exc.index, exc.item_id, exc.environment = index, item.get("id"), item["environment"]
+    return exc
+
+
 def _group(items: list[Any]) -> dict[str, Sequence[int]]:
     """The positions of the items of each environment, in one pass over the batch."""
     try:
@@ -117,9 +123,8 @@ class Engine:
             raise RuntimeError("this engine is already open")
         size = self.config.max_in_flight
         self._transport = self._injected_transport or PoolTransport(size)
-        self._client = httpx.AsyncClient(
+        self._client = httpx.AsyncClient(  # httpx sizes only a pool it builds itself: ours is sized above
             transport=self._transport,
-            limits=httpx.Limits(max_connections=size, max_keepalive_connections=size),
             timeout=DEFAULT_TIMEOUT,
             follow_redirects=False,
         )
@@ -198,8 +203,7 @@ class Engine:
             try:
                 verifier = self.verifier_for(self.environment(name), rubrics)
             except VerificationError as exc:
-                exc.index, exc.item_id, exc.environment = indices[0], items[indices[0]].get("id"), name
-                logger.error("batch aborted: %s", exc)
+                logger.error("batch aborted: %s", _at_item(exc, indices[0], items[indices[0]]))
                 raise
             lane = lanes.get(verifier)
             if lane is None:
@@ -230,8 +234,7 @@ class Engine:
         lanes = self._lanes(batch)
 
         def failed(exc: VerificationError, index: int) -> VerificationError:
-            exc.index, exc.item_id, exc.environment = index, batch[index].get("id"), batch[index]["environment"]
-            return exc
+            return _at_item(exc, index, batch[index])
 
         async def call(lane: Lane, chunk: Sequence[int]) -> list[float]:
             v = lane.verifier
