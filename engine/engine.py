@@ -7,7 +7,7 @@ plugins, and the live limits of every verifier, all shared by every batch it sco
 
 from __future__ import annotations
 
-import operator
+import math
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
@@ -28,14 +28,13 @@ from .plugin import PluginVerifier
 from .report import BatchResult, VerifierReport
 from .retry import Sleep
 from .rubric import RubricRegistry
-from .scheduler import Gate, Lane, in_flight_cap, logger, run_lanes
+from .scheduler import Gate, Lane, in_flight_cap, logger, run_lanes, total
 from .transport import PoolTransport
-from .verifier import ChunkedVerifier, MalformedItem, Verifier, task_of
+from .verifier import ChunkedVerifier, Items, MalformedItem, Verifier, task_of
 
 __all__ = ["Engine"]
 
 _ENV_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
-_environment_of = operator.itemgetter("environment")
 
 
 def _check_item(index: int, item: Any) -> str:
@@ -61,24 +60,28 @@ def _at_item(exc: VerificationError, index: int, item: Mapping[str, Any]) -> Ver
     return exc
 
 
-def _group(items: list[Any]) -> dict[str, Sequence[int]]:
-    """The positions of the items of each environment, in one pass over the batch."""
+def _group(items: list[Any], positions: Iterable[int]) -> dict[str, list[int]]:
+    """The items at ``positions`` by environment, in one pass; ``TypeError``/``ValueError`` naming a malformed one."""
+    groups: defaultdict[str, list[int]] = defaultdict(list)
     try:
-        names = list(map(_environment_of, items))
-        if names and names.count(names[0]) == len(names):  # one environment: the common case
-            return {_check_item(0, items[0]): range(len(names))}
-        groups: defaultdict[str, list[int]] = defaultdict(list)
-        for index, name in enumerate(names):
-            groups[name].append(index)
+        for index in positions:
+            groups[items[index]["environment"]].append(index)
     except (KeyError, TypeError, IndexError):
-        pass
-    else:
-        for indices in groups.values():
-            _check_item(indices[0], items[indices[0]])
-        return dict(groups)
-    for index, item in enumerate(items):  # something is malformed: find it, and say what
-        _check_item(index, item)
-    raise AssertionError("unreachable: an item failed the fast path but passes the check")
+        for index in positions:  # something is malformed: find it, and say what
+            _check_item(index, items[index])
+        raise AssertionError("unreachable: an item failed the fast path but passes the check") from None
+    for indices in groups.values():
+        _check_item(indices[0], items[indices[0]])
+    return dict(groups)
+
+
+def _guess(items: list[Any]) -> str | None:
+    """The environment of a batch that looks like one environment's: its first and last items agree."""
+    if not items:
+        return None
+    first = _check_item(0, items[0])
+    last = items[-1]
+    return first if isinstance(last, Mapping) and last.get("environment") == first else None
 
 
 class Engine:
@@ -196,25 +199,44 @@ class Engine:
             self._verifiers[key] = verifier
         return verifier
 
-    def _lanes(self, items: list[Any]) -> list[Lane]:
+    def _lanes(
+        self, items: list[Any], groups: Mapping[str, Sequence[int]], rubrics: dict[str, Verifier], guess: bool = False
+    ) -> list[Lane]:
+        """A lane per verifier for ``groups`` (environment -> positions); ``guess``: the one group is a guess."""
         lanes: dict[Verifier, Lane] = {}
-        rubrics: dict[str, Verifier] = {}
-        for name, indices in _group(items).items():
+        for name, indices in groups.items():
             try:
                 verifier = self.verifier_for(self.environment(name), rubrics)
             except VerificationError as exc:
-                logger.error("batch aborted: %s", _at_item(exc, indices[0], items[indices[0]]))
-                raise
+                raise _at_item(exc, indices[0], items[indices[0]])  # noqa: B904 (it is the same error)
             lane = lanes.get(verifier)
             if lane is None:
                 limits = self.config.limits_for(verifier.key)
                 gate = self._gates.get(verifier.key)
                 if gate is None:
                     gate = self._gates[verifier.key] = Gate.from_limits(limits)
-                lanes[verifier] = Lane(verifier, gate, limits.max_concurrency, indices)
+                environment = name if guess else None
+                lanes[verifier] = Lane(verifier, gate, limits.max_concurrency, indices, environment)
             else:  # two environments with one verifier (the same endpoint URL): one lane, one limit
                 lane.indices = sorted([*lane.indices, *indices])
         return list(lanes.values())
+
+    def _first_lanes(self, batch: list[Any], rubrics: dict[str, Verifier]) -> list[Lane]:
+        """The batch's lanes: one guessed lane if it looks like one plugin environment's, else grouped.
+
+        A guess pays only for plugins, where a pass over the batch to group it costs a tenth of
+        the work; for the other kinds it costs nothing next to a call, and grouping first keeps
+        a malformed batch from sending any request (or spending any judge tokens).
+        """
+        guess = _guess(batch)
+        if guess is not None:
+            try:
+                verifier = self.verifier_for(self.environment(guess), rubrics)
+            except VerificationError as exc:
+                raise _at_item(exc, 0, batch[0])  # noqa: B904 (it is the same error)
+            if isinstance(verifier, ChunkedVerifier):
+                return self._lanes(batch, {guess: range(len(batch))}, rubrics, guess=True)
+        return self._lanes(batch, _group(batch, range(len(batch))), rubrics)
 
     async def score(self, items: Iterable[Mapping[str, Any]]) -> list[float]:
         """One reward per item, in input order; see :meth:`run` for the rules."""
@@ -231,7 +253,20 @@ class Engine:
         # A list is scored as it is (copying a large batch costs a cheap plugin ~5% of its speed):
         # it must not change while it is being scored.
         batch = items if type(items) is list else list(items)
-        lanes = self._lanes(batch)
+        rubrics: dict[str, Verifier] = {}  # one resolution of each rubric for the whole batch
+        try:
+            lanes = self._first_lanes(batch, rubrics)
+        except VerificationError as exc:
+            logger.error("batch aborted: %s", exc)
+            raise
+        retries_before = {lane.verifier: lane.verifier.retries for lane in lanes}
+
+        def regroup(left: list[int]) -> list[Lane]:
+            """Lanes for items a guessed lane gave back (the batch was not all one environment's)."""
+            more = self._lanes(batch, _group(batch, left), rubrics)
+            for lane in more:
+                retries_before.setdefault(lane.verifier, lane.verifier.retries)
+            return more
 
         def failed(exc: VerificationError, index: int) -> VerificationError:
             return _at_item(exc, index, batch[index])
@@ -240,18 +275,24 @@ class Engine:
             v = lane.verifier
             if len(chunk) > 1 or v.chunk_size(1) > 1:  # serial chunk mode: even a lone item is a chunk
                 assert isinstance(v, ChunkedVerifier)  # only they ask for chunks
-                items = batch[chunk[0] : chunk[-1] + 1] if isinstance(chunk, range) else [batch[i] for i in chunk]
                 try:
-                    return await v.verify_chunk(items)
+                    return await v.verify_chunk(Items(batch, chunk))
                 except MalformedItem as exc:
-                    task_of(chunk[exc.position], batch[chunk[exc.position]])  # raises, naming the item
+                    index = chunk[exc.position]
+                    _check_item(index, batch[index])  # raises, naming the item,
+                    task_of(index, batch[index])  # here or here
                     raise AssertionError("unreachable: the chunk runner and task_of disagree") from exc
                 except VerificationError as exc:
                     raise failed(exc, chunk[exc.index or 0])  # noqa: B904 (it is the same error, its cause kept)
                 except Exception as exc:  # as for one item: which item it was is unknown, so the first
                     raise failed(VerificationError(v.kind, v.ref, describe(exc)), chunk[0]) from exc
             index = chunk[0]
-            task, trajectory = task_of(index, batch[index])
+            item = batch[index]
+            if lane.environment is not None and (
+                not isinstance(item, Mapping) or item.get("environment") != lane.environment
+            ):
+                return []  # not the guessed environment's: the engine regroups the rest of the batch
+            task, trajectory = task_of(index, item)
             try:
                 return [await v.verify(task, trajectory)]
             except VerificationError as exc:
@@ -260,34 +301,45 @@ class Engine:
                 raise failed(VerificationError(v.kind, v.ref, describe(exc)), index) from exc
 
         started = perf_counter()
-        retries_before = [lane.verifier.retries for lane in lanes]
-        rewards = await run_lanes(len(batch), lanes, call, self._in_flight)
-        elapsed = perf_counter() - started
-        verifier_of = [0] * len(batch)
+        rewards = [math.nan] * len(batch)
+        await run_lanes(rewards, lanes, call, self._in_flight, regroup)
+        return self._result(rewards, lanes, retries_before, perf_counter() - started)
+
+    def _result(
+        self, rewards: list[float], lanes: list[Lane], retries_before: Mapping[Verifier, int], elapsed: float
+    ) -> BatchResult:
+        """The batch's result: one report per verifier (a verifier may have had a lane in each round)."""
+        by_verifier: dict[Verifier, list[Lane]] = {}
+        for lane in lanes:
+            if lane.given_back:  # a guess that was wrong: the items it scored are the others
+                given_back = set(lane.given_back)
+                lane.indices = [index for index in lane.indices if index not in given_back]
+            by_verifier.setdefault(lane.verifier, []).append(lane)
+        verifier_of = [0] * len(rewards)
         reports = []
-        for position, (lane, retries) in enumerate(zip(lanes, retries_before, strict=True)):
-            v = lane.verifier
+        for position, (v, its) in enumerate(by_verifier.items()):
             if position:
-                for index in lane.indices:
-                    verifier_of[index] = position
+                for lane in its:
+                    for index in lane.indices:
+                        verifier_of[index] = position
             reports.append(
                 VerifierReport(
                     kind=v.kind,
                     ref=v.ref,
                     key=v.key,
                     provenance=v.provenance(),
-                    items=len(lane.indices),
-                    reward_sum=lane.reward_sum,
-                    latencies=lane.latencies,
-                    waited=lane.waited,
-                    busy=lane.busy,
-                    peak_in_flight=lane.peak,
-                    retries=v.retries - retries,
+                    items=sum(len(lane.indices) for lane in its),
+                    reward_sum=total([lane.reward_sum for lane in its]),
+                    latencies=[seconds for lane in its for seconds in lane.latencies],
+                    waited=sum(lane.waited for lane in its),
+                    busy=sum(lane.busy for lane in its),
+                    peak_in_flight=max(lane.peak for lane in its),
+                    retries=v.retries - retries_before[v],
                 )
             )
         usage: dict[str, int] = {}
-        for lane in lanes:
-            if isinstance(lane.verifier, RubricVerifier):  # a fresh one per batch: its usage is this batch's
-                for name, count in lane.verifier.usage.as_dict().items():
+        for v in by_verifier:
+            if isinstance(v, RubricVerifier):  # a fresh one per batch: its usage is this batch's
+                for name, count in v.usage.as_dict().items():
                     usage[name] = usage.get(name, 0) + count
         return BatchResult(rewards=rewards, verifiers=reports, elapsed=elapsed, verifier_of=verifier_of, usage=usage)

@@ -17,16 +17,19 @@ module, and an overrun or a crash kills a worker, never a thread or the engine.
 
 A round trip between the event loop and a thread costs ~100 us, far more than a cheap plugin's
 call, so sync plugins are called a *chunk* of items per round trip, sized from the measured cost per
-call. Calls under ``CHEAP_CALL``, and CPU-bound calls (a Python math check), run ~10 ms chunks one
-at a time on one thread: under the GIL a second thread only slows the first down (for CPU-bound
-plugins, process isolation is the way to use more cores). Calls that wait (blocking I/O, a
-subprocess) run chunks of up to ~300 ms in parallel on the thread pool, up to the verifier's
-concurrency, split finer as a lane nears its end so no worker idles (measured: 0.90x the ideal
-rate for 10 ms calls on 64 threads, against 0.61x one item per round trip). A chunk's timeout is
-the call timeout: chunks are kept under a tenth of it, so a chunk overruns only when the item it
-was running did. Process-executor plugins are chunked the same way (a round trip to a worker
-costs ~150 us), their chunks always run in parallel (no GIL between processes), and their deadline
-is per item.
+call. Calls under ``CHEAP_CALL``, and CPU-bound calls (a Python math check), run chunks of up to
+~250 ms one at a time on one thread: under the GIL a second thread only slows the first down (for
+CPU-bound plugins, process isolation is the way to use more cores). Everything a chunk does to its
+items (slicing them, checking them, turning the values into rewards) happens in its thread: done
+on the event loop, on the other CPU, it cost a fifth of a cheap plugin's speed in cache misses. A
+chunk's thread checks every ~10 ms that its caller still waits, so an abort or a timeout ends it
+within that. Calls that wait (blocking I/O, a subprocess) run chunks of up to ~300 ms in parallel
+on the thread pool, up to the verifier's concurrency, split finer as a lane nears its end so no
+worker idles (measured: 0.90x the ideal rate for 10 ms calls on 64 threads, against 0.61x one item
+per round trip). A chunk's timeout is the call timeout: chunks are kept under a tenth of it, so a
+chunk overruns only when the item it was running did. Process-executor plugins are chunked the same
+way (a round trip to a worker costs ~150 us), their chunks always run in parallel (no GIL between
+processes), and their deadline is per item.
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import inspect
-import math
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -50,17 +52,18 @@ from .errors import VerificationError, describe
 from .importer import PluginLoadError, load_callable
 from .manifest import Environment
 from .process import Cost, PluginSpec, WorkerFailure, WorkerPool, default_workers, in_thread, wait_future
-from .verifier import MalformedItem, check_reward
+from .verifier import BadReward, MalformedItem, as_rewards, check_reward
 
 __all__ = ["PluginVerifier"]
 
 T = TypeVar("T")
 CHEAP_CALL = 100e-6  # seconds: calls cheaper than this run in chunks one at a time, on one thread
-SERIAL_CHUNK_SECONDS = 0.01  # work per hop for cheap calls: the hop (~100 us) costs ~1%
+SERIAL_CHUNK_SECONDS = 0.25  # work per hop for cheap calls: the hop and the chunk's setup cost ~1%
+STEP_SECONDS = 0.01  # a chunk's thread checks this often that its caller still waits for it
 PARALLEL_CHUNK_SECONDS = 0.3  # for waiting calls, run in parallel; a lane's last chunks are split finer
 CPU_BOUND = 0.5  # a call whose thread is on a CPU more than this share of its time is CPU-bound
 PROCESS_CHUNK_SECONDS = 0.05  # work per round trip to a worker process
-MAX_CHUNK = 1 << 16
+MAX_CHUNK = 1 << 18
 
 
 def _timed(fn: Callable[..., Any], task: Mapping[str, Any], trajectory: Any) -> tuple[Any, Cost]:
@@ -70,22 +73,39 @@ def _timed(fn: Callable[..., Any], task: Mapping[str, Any], trajectory: Any) -> 
     return value, (perf_counter() - started, thread_time() - cpu)
 
 
-def _run_chunk(fn: Callable[..., Any], items: Sequence[Mapping[str, Any]], out: list[Any]) -> Cost:
-    """Call ``fn`` on each item into ``out`` (runs in a worker thread); returns what it cost.
+def _run_chunk(
+    fn: Callable[..., Any],
+    items: Sequence[Mapping[str, Any]],
+    out: list[Any],
+    environment: str,
+    step: int,
+    wanted: Callable[[], bool],
+) -> tuple[list[float], Cost]:
+    """Call ``fn`` on each item into ``out`` (runs in a worker thread); the rewards, and what they cost.
 
-    On an exception, ``len(out)`` is the position of the item that raised.
+    Everything a chunk does to its items happens here, in one thread (see :class:`Items`): it slices
+    them ``step`` at a time, and between steps stops if its caller no longer waits (an abort, a
+    timeout), so an abandoned chunk ends within a step. It stops early, returning fewer rewards,
+    at an item of another environment than ``environment`` (the batch was not all one
+    environment's). On an exception, ``len(out)`` is the position of the item that raised;
+    :class:`BadReward` names a value that is not a reward.
     """
     append = out.append
     started, cpu = perf_counter(), thread_time()
-    for item in items:
-        try:
-            task, trajectory = item["task"], item["trajectory"]
-        except (KeyError, TypeError):
-            raise MalformedItem(len(out)) from None
-        if type(task) is not dict and not isinstance(task, Mapping):
-            raise MalformedItem(len(out))
-        append(fn(task, trajectory))
-    return perf_counter() - started, thread_time() - cpu
+    for start in range(0, len(items), step):
+        if not wanted():
+            raise RuntimeError("abandoned")  # nobody waits for this
+        for item in items[start : start + step]:
+            try:
+                task, trajectory, name = item["task"], item["trajectory"], item["environment"]
+            except (KeyError, TypeError):
+                raise MalformedItem(len(out)) from None
+            if name != environment:
+                return as_rewards(out), (perf_counter() - started, thread_time() - cpu)
+            if type(task) is not dict and not isinstance(task, Mapping):
+                raise MalformedItem(len(out))
+            append(fn(task, trajectory))
+    return as_rewards(out), (perf_counter() - started, thread_time() - cpu)
 
 
 class _Abandoned:
@@ -123,6 +143,10 @@ class _ThreadCall:
                     self._abandoned.count -= 1
                 self._state = "done"
 
+    def wanted(self) -> bool:
+        """Whether its caller still waits for it (read without the lock: a stale answer costs one step)."""
+        return self._state == "running"
+
     def give_up(self) -> None:
         """Its caller stops waiting (no-op once it is done)."""
         with self._abandoned.lock:
@@ -138,14 +162,19 @@ def _is_async(fn: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
-def _pairs(items: Sequence[Mapping[str, Any]]) -> list[tuple[Mapping[str, Any], Any]]:
-    """The ``(task, trajectory)`` of each item; :class:`MalformedItem` at the first that has none."""
+def _pairs(items: Sequence[Mapping[str, Any]], environment: str) -> list[tuple[Mapping[str, Any], Any]]:
+    """The ``(task, trajectory)`` of each item up to the first of another environment.
+
+    Raises :class:`MalformedItem` at the first item that has no task or trajectory.
+    """
     pairs = []
     for position, item in enumerate(items):
         try:
-            task, trajectory = item["task"], item["trajectory"]
+            task, trajectory, name = item["task"], item["trajectory"], item["environment"]
         except (KeyError, TypeError):
             raise MalformedItem(position) from None
+        if name != environment:
+            break
         if type(task) is not dict and not isinstance(task, Mapping):
             raise MalformedItem(position)
         pairs.append((task, trajectory))
@@ -182,6 +211,7 @@ class PluginVerifier:
         self._closed = False
         self._import_future: concurrent.futures.Future[tuple[Callable[..., Any] | None, str]] | None = None
         self._chunk = 1  # items per call, adapted to the measured cost of a call
+        self._step = 1  # items between a chunk's checks that it is still wanted
         self._serial = False  # whether chunks run one at a time (cheap calls) or in parallel
         # Chunks of one plugin run one at a time: they are cheap Python calls by construction, and
         # under the GIL a second thread only slows the first down (measured: 1.7M vs 2.1M items/s).
@@ -299,6 +329,7 @@ class PluginVerifier:
             budget = SERIAL_CHUNK_SECONDS if self._serial else PARALLEL_CHUNK_SECONDS
         budget = min(budget, self.limits.timeout / 10)
         self._chunk = max(1, min(MAX_CHUNK, int(budget / per_call)))
+        self._step = max(1, min(self._chunk, int(STEP_SECONDS / per_call)))
 
     def _check_abandoned(self) -> None:
         """Refuse to start a thread call while too many abandoned ones still run."""
@@ -367,23 +398,26 @@ class PluginVerifier:
         except (TypeError, ValueError) as exc:
             raise self._fail(str(exc)) from None
 
-    async def _run(self, fn: Callable[..., Any], items: Sequence[Mapping[str, Any]], out: list[Any]) -> Cost:
-        if self._serial:
-            async with self._chunk_lock:
-                # A fresh thread per chunk, not anyio's pool: measured, a chunk of cheap calls ran ~2x
-                # slower on the pool's threads once 64 of them existed (GIL hand-offs), and a thread's
-                # start (~100 us) is ~1% of a chunk.
-                call = self._abandoned.call()
-                runner = functools.partial(call.run, _run_chunk, fn, items, out)
-                try:
+    async def _run(
+        self, fn: Callable[..., Any], items: Sequence[Mapping[str, Any]], out: list[Any]
+    ) -> tuple[list[float], Cost]:
+        call = self._abandoned.call()
+        runner = functools.partial(call.run, _run_chunk, fn, items, out, self.environment.name, self._step, call.wanted)
+        try:
+            if self._serial:
+                async with self._chunk_lock:
+                    # A fresh thread per chunk, not anyio's pool: measured, a chunk of cheap calls ran
+                    # ~2x slower on the pool's threads once 64 of them existed (GIL hand-offs), and a
+                    # thread's start (~100 us) is well under 1% of a chunk.
                     return await wait_future(in_thread(runner, f"engine-chunk-{self.environment.name}"))
-                finally:
-                    call.give_up()
-        return await self._in_pool_thread(_run_chunk, fn, items, out)
+            return await anyio.to_thread.run_sync(runner, abandon_on_cancel=True, limiter=self._threads)
+        finally:
+            call.give_up()
 
     async def verify_chunk(self, items: Sequence[Mapping[str, Any]]) -> list[float]:
         if self._process:
-            return await self._in_process(_pairs(items))
+            pairs = _pairs(items, self.environment.name)
+            return await self._in_process(pairs) if pairs else []
         await self._loaded()
         fn = self._fn
         assert fn is not None  # imported
@@ -391,9 +425,13 @@ class PluginVerifier:
         out: list[Any] = []
         with anyio.move_on_after(self.limits.timeout) as deadline:
             try:
-                cost = await self._run(fn, items, out)
+                rewards, cost = await self._run(fn, items, out)
             except MalformedItem:
                 raise
+            except BadReward as exc:
+                failure = self._fail(exc.reason)
+                failure.index = exc.position
+                raise failure from None
             except (Exception, SystemExit) as exc:
                 failure = self._fail(f"raised {describe(exc)}")
                 failure.index = len(out)
@@ -402,19 +440,6 @@ class PluginVerifier:
             failure = self._fail(f"timed out after {self.limits.timeout:g} s")
             failure.index = len(out)
             raise failure
-        self._measured(cost, len(items))
-        try:
-            rewards = list(map(float, out))
-            if math.isfinite(math.fsum(rewards)):
-                return rewards
-        except (TypeError, ValueError, OverflowError):
-            pass
-        rewards = []
-        for position, value in enumerate(out):  # the slow path: check each value, to name a bad one
-            try:
-                rewards.append(check_reward(value))
-            except (TypeError, ValueError) as exc:
-                failure = self._fail(str(exc))
-                failure.index = position
-                raise failure from None
+        if rewards:
+            self._measured(cost, len(rewards))
         return rewards

@@ -42,7 +42,6 @@ import functools
 import inspect
 import itertools
 import logging
-import math
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -64,7 +63,7 @@ import anyio
 from .digest import digest_directory
 from .errors import describe
 from .importer import PluginLoadError, load_callable
-from .verifier import check_reward
+from .verifier import BadReward, as_rewards
 
 __all__ = [
     "STARTUP_TIMEOUT",
@@ -202,17 +201,9 @@ def _serve_chunk(call: _Call, pairs: Sequence[Pair], progress: Any) -> tuple[Any
         return ("raised", position, *_described(exc))
     cost = (perf_counter() - started, thread_time() - cpu)
     try:
-        rewards = list(map(float, out))
-        if math.isfinite(math.fsum(rewards)):
-            return ("done", rewards, cost)
-    except (TypeError, ValueError, OverflowError):
-        pass
-    for position, value in enumerate(out):  # name the bad value
-        try:
-            check_reward(value)
-        except (TypeError, ValueError) as exc:
-            return ("bad", position, str(exc))
-    raise AssertionError("unreachable: every value passed check_reward but their sum is not finite")
+        return ("done", as_rewards(out), cost)
+    except BadReward as exc:
+        return ("bad", exc.position, exc.reason)
 
 
 def _worker_main(conn: Connection, progress_memory: Any, spec: PluginSpec) -> None:

@@ -8,6 +8,12 @@ verifier (engine-wide, so concurrent batches share it), a token of its verifier'
 and a slot of the engine-wide cap on items in flight. A verifier at its limit only makes its own
 workers wait: the other lanes keep going (no head-of-line blocking).
 
+A batch that looks like one environment's is scored optimistically, as one lane, without a first
+pass over every item to group them (that pass cost a cheap plugin a tenth of its speed): its calls
+check each item's environment where they read it, and stop at the first of another. The lane then
+gives back the items from there on and those it has not taken, and the engine groups them into
+new lanes that start at once, in the same task group, while the lane's other calls finish.
+
 The first exception cancels the task group (HTTP requests are closed, queued items never start,
 threads are abandoned) and is raised alone, never wrapped in an ``ExceptionGroup``.
 """
@@ -29,7 +35,7 @@ from .verifier import Verifier
 if TYPE_CHECKING:  # config imports the judge, which takes its rate limiter from here
     from .config import Limits
 
-__all__ = ["Gate", "Lane", "in_flight_cap", "rate_limiter", "run_lanes"]
+__all__ = ["Gate", "Lane", "in_flight_cap", "rate_limiter", "run_lanes", "total"]
 
 logger = logging.getLogger("engine")
 
@@ -71,6 +77,8 @@ class Lane:
     gate: Gate
     width: int  # workers: the verifier's max concurrency
     indices: Sequence[int] = field(default_factory=list)  # a range when the lane is the whole batch
+    environment: str | None = None  # set when the lane is a guess: items not of it are given back
+    given_back: list[int] = field(default_factory=list)  # its indices it left to other lanes
     latencies: list[float] = field(default_factory=list)  # seconds per call (per item, within a chunk)
     waited: float = 0.0  # seconds items spent waiting for a limit
     busy: float = 0.0  # seconds spent in calls
@@ -79,12 +87,21 @@ class Lane:
     peak: int = 0
 
 
+def total(rewards: Sequence[float]) -> float:
+    """The sum of ``rewards``: exact (``math.fsum``), or as ``sum`` gives it where ``fsum`` raises (overflow)."""
+    try:
+        return math.fsum(rewards)
+    except (OverflowError, ValueError):
+        return sum(rewards)
+
+
 def in_flight_cap(size: int) -> anyio.Semaphore:
     """The engine-wide cap on items in flight."""
     return _semaphore(size)
 
 
 Call = Callable[[Lane, Sequence[int]], Awaitable[list[float]]]
+Regroup = Callable[[list[int]], list[Lane]]
 
 
 class _Todo:
@@ -98,6 +115,11 @@ class _Todo:
         """Indices left per worker, rounded up."""
         return max(1, -(-(len(self._indices) - self._next) // workers))
 
+    def rest(self) -> Sequence[int]:
+        """The indices not taken yet, which no worker will take now."""
+        rest, self._next = self._indices[self._next :], len(self._indices)
+        return rest
+
     def take(self, count: int) -> Sequence[int]:
         start = self._next
         self._next = min(start + count, len(self._indices))
@@ -108,14 +130,19 @@ def _one(share: int) -> int:
     return 1
 
 
-async def run_lanes(size: int, lanes: Sequence[Lane], call: Call, in_flight: anyio.Semaphore) -> list[float]:
-    """``call(lane, chunk)`` over every index of every lane; the rewards by index, or the first error.
+async def run_lanes(
+    results: list[float], lanes: list[Lane], call: Call, in_flight: anyio.Semaphore, regroup: Regroup
+) -> None:
+    """``call(lane, chunk)`` over every index of every lane, each reward into ``results``; or the first error.
 
     A worker takes as many indices at a time as its verifier asks for (``chunk_size``): cheap sync
     plugins run a chunk per thread hop, everything else one item per call. A chunk holds one slot of
     each limit, as one call in flight; a rate-limited verifier is called one item at a time.
+
+    A call that returns fewer rewards than its chunk has items met an item of another environment
+    there: the rest of the chunk, and every index its lane has not taken, go to ``regroup``, whose
+    lanes start at once and are appended to ``lanes``.
     """
-    results = [math.nan] * size
     failure: Exception | None = None
 
     async def worker(lane: Lane, todo: _Todo) -> None:
@@ -138,12 +165,19 @@ async def run_lanes(size: int, lanes: Sequence[Lane], call: Call, in_flight: any
                     seconds = perf_counter() - started
                     lane.busy += seconds
                     lane.latencies.append(seconds / len(chunk))
+            if len(rewards) < len(chunk):  # an item of another environment: give back the rest
+                left = [*chunk[len(rewards) :], *todo.rest()]
+                lane.given_back += left
+                chunk = chunk[: len(rewards)]
+                for more in regroup(left):
+                    lanes.append(more)
+                    start(more)
             if isinstance(chunk, range):  # contiguous: one slice assignment
-                results[chunk[0] : chunk[-1] + 1] = rewards
+                results[chunk.start : chunk.stop] = rewards
             else:
                 for index, reward in zip(chunk, rewards, strict=True):
                     results[index] = reward
-            lane.reward_sum += math.fsum(rewards)
+            lane.reward_sum += total(rewards)
 
     async def guarded(lane: Lane, todo: _Todo) -> None:
         nonlocal failure
@@ -154,12 +188,16 @@ async def run_lanes(size: int, lanes: Sequence[Lane], call: Call, in_flight: any
                 failure = exc
             tg.cancel_scope.cancel()
 
+    def start(lane: Lane) -> None:
+        todo = _Todo(lane.indices)
+        chunk = 1 if lane.gate.rate is not None else lane.verifier.chunk_size(todo.share(lane.width))
+        chunks = -(-len(lane.indices) // chunk)
+        for _ in range(min(lane.width, chunks, in_flight.max_value or 1)):  # no more workers than work
+            tg.start_soon(guarded, lane, todo)
+
     async with anyio.create_task_group() as tg:
-        for lane in lanes:
-            todo = _Todo(lane.indices)
-            for _ in range(min(lane.width, len(lane.indices), in_flight.max_value or 1)):
-                tg.start_soon(guarded, lane, todo)
+        for lane in list(lanes):
+            start(lane)
     if failure is not None:
         logger.error("batch aborted: %s", failure)
         raise failure
-    return results

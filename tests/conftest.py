@@ -60,6 +60,20 @@ def add_endpoint_env(envs: Path, name: str, url: str, **extra: Any) -> str:
     return name
 
 
+def process_twin(envs: Path, name: str, twin: str | None = None, **verifier: Any) -> str:
+    """Copy environment ``name`` to ``twin`` (``<name>_process``), its verifier run in worker processes.
+
+    ``verifier`` is merged into the copy's manifest's verifier (``workers``, say).
+    """
+    twin = twin or f"{name}_process"
+    shutil.copytree(envs / name, envs / twin)
+    path = envs / twin / "manifest.json"
+    manifest = orjson.loads(path.read_bytes())
+    manifest["verifier"].update({"executor": "process", **verifier})
+    path.write_bytes(orjson.dumps(manifest))
+    return twin
+
+
 def loaded_module(envs: Path, environment: str, filename: str) -> ModuleType | None:
     """The module an engine imported from ``envs/<environment>/<filename>``, if one did yet."""
     wanted = str(envs / environment / filename)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import item, plugin_module
+from conftest import item, plugin_module, process_twin
 
 import engine
 from engine import EngineConfig, Limits, VerificationError
@@ -85,6 +85,18 @@ async def test_values_float_accepts_are_accepted_inside_a_chunk(config: EngineCo
     assert all(type(r) is float for r in rewards)
 
 
+@pytest.mark.parametrize("executor", ["thread", "process"])
+async def test_finite_rewards_whose_sum_overflows_are_accepted(envs: Path, executor: str) -> None:
+    # a chunk's rewards are checked with one sum, which overflows here: each value is still finite
+    name = process_twin(envs, "cheap", workers=1) if executor == "process" else "cheap"
+    config = EngineConfig(environments=envs, allow_unpinned=True)
+    items = [item(name, n=n, **({"mode": "huge"} if n in (10, 11) else {})) for n in range(SIZE)]
+    async with engine.Engine(config) as eng:
+        await eng.score(items[:2_000])  # chunks form after this
+        rewards = await eng.score(items)
+    assert rewards[9:13] == [(9 % 7) / 7, 1e308, 1e308, (12 % 7) / 7]
+
+
 async def test_a_malformed_item_inside_a_chunk_is_the_callers_error(config: EngineConfig) -> None:
     items = batch()
     del items[9_001]["trajectory"]
@@ -107,7 +119,9 @@ async def test_a_hanging_call_inside_a_chunk_times_out_naming_its_item(envs: Pat
     assert (info.value.index, info.value.reason) == (15000, "timed out after 0.5 s")
 
 
-async def test_chunks_of_one_plugin_never_run_at_once(config: EngineConfig, envs: Path) -> None:
+async def test_chunks_of_one_plugin_never_run_at_once(envs: Path) -> None:
+    # a short timeout keeps chunks short (under a tenth of it), so the batch takes several
+    config = EngineConfig(environments=envs, allow_unpinned=True, refs={KEY: Limits(timeout=0.2)})
     async with engine.Engine(config) as eng:
         await warm(eng)  # single calls, up to 64 at once, while the cost is measured
         module = plugin_module(envs, "cheap", "verify.py")

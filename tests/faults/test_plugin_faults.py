@@ -25,7 +25,7 @@ from typing import Any
 import anyio
 import orjson
 import pytest
-from conftest import item
+from conftest import item, process_twin
 
 from engine import (
     BlockingEngine,
@@ -53,22 +53,12 @@ TIMEOUT = 0.5  # seconds per call in these tests
 EXECUTORS = {"thread": THREAD, "process": PROCESS}
 
 
-def process_twin(envs: Path, name: str, twin: str, **verifier: Any) -> str:
-    """Copy environment ``name`` to ``twin`` with ``verifier`` merged into its manifest's verifier."""
-    shutil.copytree(envs / name, envs / twin)
-    path = envs / twin / "manifest.json"
-    manifest = orjson.loads(path.read_bytes())
-    manifest["verifier"].update(verifier)
-    path.write_bytes(orjson.dumps(manifest))
-    return twin
-
-
 @pytest.fixture
 def fault_envs(tmp_path: Path) -> Path:
     target = tmp_path / "envs"
     shutil.copytree(FAULT_ENVS, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    process_twin(target, THREAD, PROCESS, executor="process", workers=2)
-    process_twin(target, "math_verify", "math_verify_process", executor="process", workers=1)
+    process_twin(target, THREAD, PROCESS, workers=2)
+    process_twin(target, "math_verify", workers=1)
     return target
 
 
@@ -302,7 +292,7 @@ def test_workers_call_the_plugin_in_their_main_thread_on_every_core(fault_envs: 
 
 
 def test_an_async_plugin_runs_in_a_worker_too(fault_envs: Path, no_leaks: Snapshot) -> None:
-    env = process_twin(fault_envs, THREAD, "async_process", ref="faults:async_by_task", executor="process")
+    env = process_twin(fault_envs, THREAD, "async_process", ref="faults:async_by_task")
     with BlockingEngine(config(fault_envs)) as eng:
         assert eng.score([item(env, mode="ok"), item(env, mode="main_thread")]) == [0.5, 1.0]
         err = fails(eng, [item(env, item_id="a", mode="raise")])
@@ -369,7 +359,7 @@ IMPORT_FAULTS = [
 
 @pytest.mark.parametrize(("source", "reason"), IMPORT_FAULTS, ids=["raises", "segfault", "hangs"])
 def test_a_worker_that_cannot_import_the_plugin(fault_envs: Path, no_leaks: Snapshot, source: str, reason: str) -> None:
-    env = process_twin(fault_envs, THREAD, "broken_process", executor="process")
+    env = process_twin(fault_envs, THREAD, "broken_process")
     (fault_envs / env / "faults.py").write_text(source)
     with BlockingEngine(config(fault_envs)) as eng:
         err = fails(eng, [*ok(PROCESS), item(env, item_id="b")])
@@ -528,5 +518,5 @@ def test_executor_defaults(fault_envs: Path) -> None:
     assert (spec.executor, spec.workers) == ("thread", None)
     spec = load_environment(fault_envs / PROCESS).verifier
     assert (spec.executor, spec.workers) == ("process", 2)
-    twin = process_twin(fault_envs, THREAD, "cores", executor="process")
+    twin = process_twin(fault_envs, THREAD, "cores")
     assert load_environment(fault_envs / twin).verifier.workers is None  # one worker per CPU, decided by the engine

@@ -39,4 +39,5 @@ def _score(task):
         raise ArithmeticError(f"cannot score item {task['n']}")
     if mode == "hang":
         time.sleep(task.get("seconds", 30))
-    return {"nan": math.nan, "none": None, "text": "high", "hang": 1.0, "numeric_text": "0.5", "int": 1}[mode]
+    junk = {"nan": math.nan, "none": None, "text": "high", "numeric_text": "0.5", "int": 1, "huge": 1e308}
+    return 1.0 if mode == "hang" else junk[mode]
