@@ -7,6 +7,7 @@ plugins, and the live limits of every verifier, all shared by every batch it sco
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from collections import defaultdict
@@ -302,7 +303,9 @@ class Engine:
 
         started = perf_counter()
         rewards = [math.nan] * len(batch)
-        await run_lanes(rewards, lanes, call, self._in_flight, regroup)
+        transport = self._transport
+        with transport.closes_deferred() if isinstance(transport, PoolTransport) else contextlib.nullcontext():
+            await run_lanes(rewards, lanes, call, self._in_flight, regroup)
         return self._result(rewards, lanes, retries_before, perf_counter() - started)
 
     def _result(

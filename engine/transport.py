@@ -12,6 +12,12 @@ parsed by httptools (the C parser uvicorn uses). No proxies, no HTTP/2, no upgra
 reused only after a complete response that allows keep-alive; a request that is cancelled or fails
 closes its connection, so the server sees an abort at once.
 
+Closing a socket costs ~10 us of the event loop's time, so closing 1,024 of them when a batch
+aborts held its caller ~15 ms longer. Inside :meth:`PoolTransport.closes_deferred` (the engine
+scores each batch inside it), the connections of cancelled requests are closed just after the
+block is left instead: the abort reaches the caller first, the closes follow in the next turn of
+the event loop. Their connections count against the pool's limit until then.
+
 Bounds: a request may carry ``extensions["max_body"]`` (bytes). A response announcing a longer
 body is refused before its body is read, one whose body grows past the cap is cut off (the
 connection closed) as soon as it does, and a compressed one is refused (under a cap the engine asks
@@ -29,9 +35,10 @@ the deadline costs nothing, and a caller's extensions stay one constant dict.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import cast
 
@@ -227,6 +234,24 @@ class PoolTransport(httpx.AsyncBaseTransport):
         self._ssl = ssl_context
         self._pools: dict[tuple[bytes, bytes, int], _Pool] = {}
         self._closed = False
+        self._deferring = 0  # blocks inside closes_deferred()
+        self._cut_short: list[tuple[_Pool, _Connection]] = []  # their connections, to close on leaving
+
+    @contextlib.contextmanager
+    def closes_deferred(self) -> Iterator[None]:
+        """Inside it, a cancelled request's connection is closed once the last such block is left (soon after)."""
+        self._deferring += 1
+        try:
+            yield
+        finally:
+            self._deferring -= 1
+            if self._cut_short and not self._deferring:
+                asyncio.get_running_loop().call_soon(self._close_cut_short)
+
+    def _close_cut_short(self) -> None:
+        cut_short, self._cut_short = self._cut_short, []
+        for pool, connection in cut_short:
+            self._release(pool, connection)
 
     def _ssl_context(self) -> ssl.SSLContext:
         if self._ssl is None:
@@ -327,6 +352,13 @@ class PoolTransport(httpx.AsyncBaseTransport):
             except httpx.RequestError as exc:
                 exc.request = request
                 raise
+        except asyncio.CancelledError:
+            connection.reusable = False
+            if self._deferring:  # an abort: its caller goes first, the socket is closed right after
+                self._cut_short.append((pool, connection))
+            else:
+                self._release(pool, connection)
+            raise
         except BaseException:
             connection.close()
             self._release(pool, connection)
@@ -335,11 +367,13 @@ class PoolTransport(httpx.AsyncBaseTransport):
         return httpx.Response(status, headers=headers, content=content, extensions={"http_version": b"HTTP/1.1"})
 
     async def aclose(self) -> None:
-        """Close the idle connections and wait until their sockets are closed."""
+        """Close the idle connections (and any left by cancelled requests); wait until their sockets are closed."""
         self._closed = True
-        idle = [connection for pool in self._pools.values() for connection in pool.idle]
+        closing = [connection for pool in self._pools.values() for connection in pool.idle]
+        closing += [connection for _, connection in self._cut_short]
+        self._cut_short.clear()
         self._pools.clear()
-        for connection in idle:
+        for connection in closing:
             connection.close()
-        if idle:
-            await asyncio.wait([connection.lost for connection in idle], timeout=CLOSE_WAIT)
+        if closing:
+            await asyncio.wait([connection.lost for connection in closing], timeout=CLOSE_WAIT)

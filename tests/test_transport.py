@@ -164,6 +164,50 @@ async def test_cancelled_request_closes_its_connection_and_frees_its_slot() -> N
             assert (await client.post(server.url, content=b"{}")).json() == {"again": True}
 
 
+async def cut_short(client: httpx.AsyncClient, server: TestServer, count: int) -> None:
+    """Start ``count`` requests the server holds, and cancel them once it holds them all."""
+    async with anyio.create_task_group() as tg:
+        for _ in range(count):
+            tg.start_soon(functools.partial(client.post, server.url, content=b"{}"))
+        await eventually(lambda: server.in_flight == count)
+        tg.cancel_scope.cancel()
+
+
+async def test_connections_of_cancelled_requests_close_once_the_deferring_block_is_left() -> None:
+    async def never(request: Request) -> Response:
+        await asyncio.sleep(30)
+        return Response()
+
+    with TestServer(never) as server:
+        transport = PoolTransport(2)
+        async with httpx.AsyncClient(transport=transport) as client:
+            with transport.closes_deferred():
+                with transport.closes_deferred():  # blocks nest (two batches at once): the last one out closes
+                    await cut_short(client, server, 2)
+                await anyio.sleep(0.1)  # the client had time to close them, and the server to see it
+                assert server.open_connections == 2
+            await eventually(lambda: server.open_connections == 0)
+            server.handler = json_handler(lambda r: {"again": True})
+            assert (await client.post(server.url, content=b"{}")).json() == {"again": True}  # the slots are free
+
+
+async def test_connections_held_for_closing_count_against_the_limit_and_close_with_the_transport() -> None:
+    async def never(request: Request) -> Response:
+        await asyncio.sleep(30)
+        return Response()
+
+    with TestServer(never) as server:
+        transport = PoolTransport(1)
+        async with httpx.AsyncClient(transport=transport) as client:
+            with transport.closes_deferred():
+                await cut_short(client, server, 1)
+                with pytest.raises(httpx.PoolTimeout):  # its connection still holds the only slot
+                    await client.post(server.url, content=b"{}", timeout=httpx.Timeout(5, pool=0.1))
+                await client.aclose()
+                await eventually(lambda: server.open_connections == 0)
+        assert server.opened == 1
+
+
 async def test_not_reused_after_connection_close() -> None:
     async def close_each(request: Request) -> Response:
         return Response.json({"n": len(request.body)}, headers={"connection": "close"})
