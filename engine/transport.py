@@ -126,6 +126,7 @@ class _Connection(asyncio.Protocol):
         self._head_size = 0  # bytes received before the end of the head
         self._body_size = 0
         self._limit: int | None = None  # the cap on this response's body, if any
+        self._timer: asyncio.TimerHandle | None = None  # the response's deadline
         self.reusable = False
         self.lost: asyncio.Future[None] = loop.create_future()  # done once the socket is closed
 
@@ -199,14 +200,35 @@ class _Connection(asyncio.Protocol):
     def alive(self) -> bool:
         return self._transport is not None and not self._transport.is_closing()
 
-    async def exchange(self, data: bytes, limit: int | None) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    def send(
+        self, data: bytes, limit: int | None, ends: float | None
+    ) -> asyncio.Future[tuple[int, list[tuple[bytes, bytes]], bytes]]:
+        """Write a request; the future of its response's status, headers and body.
+
+        At ``ends`` (loop time) the future fails with ``TimeoutError`` and the connection is closed.
+        A plain timer, not an ``asyncio.timeout`` block around the await: at 1,024 calls in flight
+        every object a waiting call holds is one more for the garbage collector to scan and
+        promote, and the block costs five of them.
+        """
         assert self._transport is not None
-        self._waiter = self._loop.create_future()
+        self._waiter = waiter = self._loop.create_future()
         self._headers, self._body, self._headers_done, self.reusable = [], [], False, False
         self._head_size = self._body_size = 0
         self._limit = limit
         self._transport.write(data)
-        return await self._waiter
+        if ends is not None:
+            self._timer = self._loop.call_at(ends, self._expire)
+        return waiter
+
+    def _expire(self) -> None:
+        self._timer = None
+        self._fail(TimeoutError())
+
+    def disarm(self) -> None:
+        """Stop the response's timer (it is done, or nobody waits for it)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def close(self) -> None:
         self.reusable = False
@@ -342,16 +364,14 @@ class PoolTransport(httpx.AsyncBaseTransport):
         ends = _ends(request, "read", deadline)
         try:
             try:
-                if ends is None:
-                    status, headers, content = await connection.exchange(data, limit)
-                else:
-                    async with asyncio.timeout_at(ends):
-                        status, headers, content = await connection.exchange(data, limit)
+                status, headers, content = await connection.send(data, limit, ends)
             except TimeoutError as exc:
                 raise httpx.ReadTimeout("timed out waiting for the response", request=request) from exc
             except httpx.RequestError as exc:
                 exc.request = request
                 raise
+            finally:
+                connection.disarm()
         except asyncio.CancelledError:
             connection.reusable = False
             if self._deferring:  # an abort: its caller goes first, the socket is closed right after
