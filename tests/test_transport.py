@@ -41,6 +41,12 @@ async def eventually(condition: Callable[[], bool], timeout: float = 5.0) -> Non
             await anyio.sleep(0.005)
 
 
+async def never(request: Request) -> Response:
+    """A handler that holds its request (the client gives up first)."""
+    await asyncio.sleep(30)
+    return Response()
+
+
 async def read_request(stream: anyio.abc.SocketStream) -> bytes:
     data = b""
     while b"\r\n\r\n" not in data:
@@ -139,10 +145,6 @@ async def test_refused_connection_is_a_connect_error() -> None:
 
 
 async def test_read_timeout_closes_the_connection() -> None:
-    async def never(request: Request) -> Response:
-        await asyncio.sleep(30)
-        return Response()
-
     with TestServer(never) as server:
         async with httpx.AsyncClient(transport=PoolTransport(), timeout=httpx.Timeout(5, read=0.2)) as client:
             with pytest.raises(httpx.ReadTimeout):
@@ -151,10 +153,6 @@ async def test_read_timeout_closes_the_connection() -> None:
 
 
 async def test_cancelled_request_closes_its_connection_and_frees_its_slot() -> None:
-    async def never(request: Request) -> Response:
-        await asyncio.sleep(30)
-        return Response()
-
     with TestServer(never) as server:
         async with httpx.AsyncClient(transport=PoolTransport(1)) as client:
             with anyio.move_on_after(0.2):
@@ -174,10 +172,6 @@ async def cut_short(client: httpx.AsyncClient, server: TestServer, count: int) -
 
 
 async def test_connections_of_cancelled_requests_close_once_the_deferring_block_is_left() -> None:
-    async def never(request: Request) -> Response:
-        await asyncio.sleep(30)
-        return Response()
-
     with TestServer(never) as server:
         transport = PoolTransport(2)
         async with httpx.AsyncClient(transport=transport) as client:
@@ -192,10 +186,6 @@ async def test_connections_of_cancelled_requests_close_once_the_deferring_block_
 
 
 async def test_connections_held_for_closing_count_against_the_limit_and_close_with_the_transport() -> None:
-    async def never(request: Request) -> Response:
-        await asyncio.sleep(30)
-        return Response()
-
     with TestServer(never) as server:
         transport = PoolTransport(1)
         async with httpx.AsyncClient(transport=transport) as client:
