@@ -311,7 +311,7 @@ class Engine:
     def _result(
         self, rewards: list[float], lanes: list[Lane], retries_before: Mapping[Verifier, int], elapsed: float
     ) -> BatchResult:
-        """The batch's result: one report per verifier (a verifier may have had a lane in each round)."""
+        """The batch's result: one report per verifier, whose items may have run in several lanes."""
         by_verifier: dict[Verifier, list[Lane]] = {}
         for lane in lanes:
             if lane.given_back:  # a guess that was wrong: the items it scored are the others

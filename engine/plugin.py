@@ -63,7 +63,7 @@ STEP_SECONDS = 0.01  # a chunk's thread checks this often that its caller still 
 PARALLEL_CHUNK_SECONDS = 0.3  # for waiting calls, run in parallel; a lane's last chunks are split finer
 CPU_BOUND = 0.5  # a call whose thread is on a CPU more than this share of its time is CPU-bound
 PROCESS_CHUNK_SECONDS = 0.05  # work per round trip to a worker process
-MAX_CHUNK = 1 << 18
+MAX_CHUNK = 1 << 18  # items: bounds what one chunk holds (its values and rewards, ~2 MiB of pointers each)
 
 
 def _timed(fn: Callable[..., Any], task: Mapping[str, Any], trajectory: Any) -> tuple[Any, Cost]:
