@@ -10,7 +10,10 @@ Files, for an output ``OUT``:
 * ``OUT.partial``: the records written so far, as JSON Lines whatever the output's format (for
   Parquet it is a spool, converted at the end);
 * ``OUT.state.json``: the last checkpoint (see :class:`Checkpoint`);
-* ``OUT.tmp``: for Parquet, the file being built from the spool at the end.
+* ``OUT.tmp``: for Parquet, the file being built from the spool at the end;
+* ``OUT.lock``: while a run writes ``OUT``, holding an exclusive ``flock`` and the run's pid. A
+  second run for the same output (fresh or ``--resume``) is refused while the first holds it,
+  instead of both appending to one partial file; the lock goes with the process, however it ends.
 
 ``OUT`` itself appears only when the run is complete, by ``os.replace`` after an fsync, so it is
 never half-written; a complete old ``OUT`` is replaced atomically.
@@ -39,6 +42,7 @@ columns holding JSON text; :func:`read_rewards` decodes them, so every output ro
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import math
 import os
@@ -63,6 +67,7 @@ __all__ = [
     "ResumeError",
     "RewardRecord",
     "RewardWriter",
+    "lock_path",
     "open_output",
     "open_run",
     "partial_path",
@@ -91,6 +96,51 @@ class ResumeError(OutputError):
 def partial_path(output: Path) -> Path:
     """Where the records go until the run is complete."""
     return output.with_name(output.name + ".partial")
+
+
+def lock_path(output: Path) -> Path:
+    """The lock a run writing ``output`` holds."""
+    return output.with_name(output.name + ".lock")
+
+
+@contextlib.contextmanager
+def _exclusive(output: Path) -> Iterator[None]:
+    """Hold ``OUT.lock`` while the block runs; :class:`OutputError` if another run holds it.
+
+    The file is removed on exit, while still locked. A run that opened it just before then may
+    lock the removed file: it checks, after locking, that the path still names what it locked,
+    and starts over if not.
+    """
+    path = lock_path(output)
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise OutputError(f"cannot create {path}: {exc}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+            os.close(fd)
+            raise OutputError(
+                f"{output} is being written by another run (pid {holder}, holding {path}): "
+                "wait for it to finish, or stop it and use --resume"
+            ) from None
+        try:
+            current = os.stat(path)
+        except FileNotFoundError:
+            current = None
+        if current is not None and current.st_ino == os.fstat(fd).st_ino:
+            break
+        os.close(fd)  # it was removed after we opened it: try again
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        os.close(fd)
 
 
 def state_path(output: Path) -> Path:
@@ -416,9 +466,11 @@ def open_run(
     Fresh: the reader starts at the first row. Resumed: the writer is restored from its state,
     the reader skips the rows already done, and the run is refused (:class:`ResumeError`) if
     those rows differ from the ones the interrupted run read. Both are closed on exit; the run is
-    complete only once the caller has called ``writer.finish()``.
+    complete only once the caller has called ``writer.finish()``. The run holds ``OUT.lock`` all
+    along: a second run for the same output is refused (:class:`OutputError`) while it does.
     """
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_exclusive(Path(output)))
         if resume:
             writer = stack.enter_context(open_output(output, input_path=input_path, resume=True))
             rows = stack.enter_context(open_rows(input_path, start=writer.rows_written))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import re
 import shutil
 import socket
@@ -46,7 +47,7 @@ from judgeserver import JudgeServer, score
 
 from engine import digest_directory
 from engine.cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_VERIFICATION, cli
-from engine.output import partial_path, state_path
+from engine.output import open_run, partial_path, state_path
 
 JUDGE_SCORE = 4  # what the test judge answers for every item
 HELPFUL = "bob/helpfulness"  # the rubric of the rubric environment, from tests/rubrics
@@ -320,6 +321,17 @@ def test_unusable_files_exit_2(space: Workspace, input_name: str, output_name: s
     assert message in result.stderr
     assert inp.read_bytes() == before
     assert not state_path(space.root / output_name).exists()
+
+
+def test_a_second_run_for_the_same_output_exits_2_naming_the_first(space: Workspace) -> None:
+    inp, out = write_rows(space.root / "in.jsonl", [row(0), row(1)]), space.root / "out.jsonl"
+    with open_run(inp, out):  # the first run, still writing
+        second = space.score(inp, out)
+        resumed = space.score(inp, out, "--resume")
+    for result in (second, resumed):
+        assert result.returncode == EXIT_BAD_INPUT, result.stderr
+        assert f"{out} is being written by another run (pid {os.getpid()}" in result.stderr
+    assert space.score(inp, space.root / "other.jsonl").returncode == EXIT_OK
 
 
 def test_exit_codes_of_a_run(space: Workspace) -> None:

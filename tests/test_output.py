@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from engine.output import (
     OutputError,
     ResumeError,
     RewardRecord,
+    lock_path,
     open_output,
     open_run,
     partial_path,
@@ -291,6 +293,28 @@ def test_fresh_run_refused_while_an_interrupted_run_exists(tmp_path: Path) -> No
     assert (partial_path(out).read_bytes(), state_path(out).read_bytes()) == before
 
 
+def test_a_second_run_for_the_same_output_is_refused_while_the_first_runs(tmp_path: Path) -> None:
+    inp, out = write_input(tmp_path / "in.jsonl", 10), tmp_path / "rewards.jsonl"
+    with open_run(inp, out) as (rows, writer):
+        for row in islice(rows, 4):
+            writer.write(row.id, reward_of(row), VERIFIER)
+        writer.checkpoint(4, rows.checksum())
+        before = partial_path(out).read_bytes(), state_path(out).read_bytes()
+        for resume in (False, True):
+            with pytest.raises(OutputError) as info, open_run(inp, out, resume=resume):
+                pass
+            assert f"being written by another run (pid {os.getpid()}" in str(info.value)
+        assert (partial_path(out).read_bytes(), state_path(out).read_bytes()) == before
+        for row in rows:
+            writer.write(row.id, reward_of(row), VERIFIER)
+        writer.checkpoint(10, rows.checksum())
+        writer.finish()
+    assert not lock_path(out).exists()
+    assert [record.id for record in read_rewards(out)] == [f"row-{i}" for i in range(10)]
+    with open_run(inp, tmp_path / "again.jsonl"), open_run(inp, out):  # another output, another lock; this one free
+        pass
+
+
 def test_resume_refused_without_state(tmp_path: Path) -> None:
     inp, out = write_input(tmp_path / "in.jsonl", 3), tmp_path / "rewards.jsonl"
     with pytest.raises(ResumeError, match="run without --resume"), open_run(inp, out, resume=True):
@@ -478,6 +502,9 @@ def test_kill_9_then_resume_gives_the_uninterrupted_output(tmp_path: Path, fmt: 
         if seen[-1] != wanted:
             proc.kill()
             pytest.fail(f"the script said {seen}, then: {proc.stderr.read().decode()}")
+        no_resume_while_it_runs = pytest.raises(OutputError, match=rf"another run \(pid {proc.pid}")
+        with no_resume_while_it_runs, open_run(tmp_path / "in.jsonl", out, resume=True):
+            pass
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
     assert proc.returncode == -signal.SIGKILL
