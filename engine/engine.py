@@ -334,6 +334,7 @@ class Engine:
                     items=sum(len(lane.indices) for lane in its),
                     reward_sum=total([lane.reward_sum for lane in its]),
                     latencies=[seconds for lane in its for seconds in lane.latencies],
+                    latency_items=[count for lane in its for count in lane.latency_items],
                     waited=sum(lane.waited for lane in its),
                     busy=sum(lane.busy for lane in its),
                     peak_in_flight=max(lane.peak for lane in its),

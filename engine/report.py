@@ -10,13 +10,21 @@ from typing import Any
 __all__ = ["BatchResult", "LatencyHistogram", "VerifierReport", "VerifierTotals", "add_reports", "percentile"]
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) of ``values`` by the nearest-rank method; NaN when empty."""
+def percentile(values: Sequence[float], q: float, weights: Sequence[int] | None = None) -> float:
+    """The ``q``-th percentile (0..100) of ``values`` by the nearest-rank method; NaN when empty.
+
+    ``weights``: how many items each value stands for (one each when omitted).
+    """
     if not values:
         return math.nan
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return ordered[rank - 1]
+    pairs = sorted(zip(values, weights or [1] * len(values), strict=True))
+    rank = max(1, math.ceil(q / 100 * sum(weight for _, weight in pairs)))
+    seen = 0
+    for value, weight in pairs:
+        seen += weight
+        if seen >= rank:
+            return value
+    raise AssertionError("unreachable: the ranks add up to the total")
 
 
 @dataclass
@@ -24,8 +32,10 @@ class VerifierReport:
     """One verifier's share of a batch.
 
     ``provenance`` says what scored the items (kind, ref, and the environment digest or the rubric
-    version); ``latencies`` are seconds per call; ``waited`` is the total time items spent waiting
-    for a limit (concurrency, rate, the engine-wide cap) and ``busy`` the total time in the verifier.
+    version); ``latencies`` are seconds per item, one entry per call, and ``latency_items`` how many
+    items each entry stands for (a chunk of a cheap plugin's items shares its call's average);
+    ``waited`` is the total time items spent waiting for a limit (concurrency, rate, the engine-wide
+    cap) and ``busy`` the total time in the verifier.
     """
 
     kind: str
@@ -35,6 +45,7 @@ class VerifierReport:
     items: int = 0
     reward_sum: float = 0.0
     latencies: list[float] = field(default_factory=list)
+    latency_items: list[int] = field(default_factory=list)
     waited: float = 0.0
     busy: float = 0.0
     peak_in_flight: int = 0
@@ -45,8 +56,8 @@ class VerifierReport:
         return self.reward_sum / self.items if self.items else math.nan
 
     def latency(self, q: float) -> float:
-        """The ``q``-th percentile of call latency, in seconds."""
-        return percentile(self.latencies, q)
+        """The ``q``-th percentile of the items' latency, in seconds."""
+        return percentile(self.latencies, q, self.latency_items or None)
 
 
 @dataclass
@@ -77,14 +88,15 @@ class LatencyHistogram:
     def __init__(self, counts: Mapping[int, int] | None = None) -> None:
         self.counts: dict[int, int] = dict(counts or {})
 
-    def add(self, seconds: float) -> None:
+    def add(self, seconds: float, items: int = 1) -> None:
         micros = max(seconds * 1e6, 1.0)
         bucket = int(math.log2(micros) * self.STEPS)
-        self.counts[bucket] = self.counts.get(bucket, 0) + 1
+        self.counts[bucket] = self.counts.get(bucket, 0) + items
 
-    def extend(self, latencies: Sequence[float]) -> None:
-        for seconds in latencies:
-            self.add(seconds)
+    def extend(self, latencies: Sequence[float], items: Sequence[int] | None = None) -> None:
+        """Add each latency, standing for ``items[i]`` items (one each when omitted)."""
+        for seconds, count in zip(latencies, items or [1] * len(latencies), strict=True):
+            self.add(seconds, count)
 
     def percentile(self, q: float) -> float:
         """The ``q``-th percentile (0..100) in seconds; NaN when empty."""
@@ -125,7 +137,7 @@ class VerifierTotals:
         self.waited += report.waited
         self.busy += report.busy
         self.peak_in_flight = max(self.peak_in_flight, report.peak_in_flight)
-        self.latency.extend(report.latencies)
+        self.latency.extend(report.latencies, report.latency_items or None)
 
     def to_json(self) -> dict[str, Any]:
         return {

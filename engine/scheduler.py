@@ -79,7 +79,8 @@ class Lane:
     indices: Sequence[int] = field(default_factory=list)  # a range when the lane is the whole batch
     environment: str | None = None  # set when the lane is a guess: items not of it are given back
     given_back: list[int] = field(default_factory=list)  # its indices it left to other lanes
-    latencies: list[float] = field(default_factory=list)  # seconds per call (per item, within a chunk)
+    latencies: list[float] = field(default_factory=list)  # seconds per item, one entry per call
+    latency_items: list[int] = field(default_factory=list)  # items each entry stands for (a chunk's)
     waited: float = 0.0  # seconds items spent waiting for a limit
     busy: float = 0.0  # seconds spent in calls
     reward_sum: float = 0.0
@@ -164,7 +165,9 @@ async def run_lanes(
                         lane.running -= 1
                     seconds = perf_counter() - started
                     lane.busy += seconds
-                    lane.latencies.append(seconds / len(chunk))
+                    if rewards:
+                        lane.latencies.append(seconds / len(rewards))
+                        lane.latency_items.append(len(rewards))
             if len(rewards) < len(chunk):  # an item of another environment: give back the rest
                 left = [*chunk[len(rewards) :], *todo.rest()]
                 lane.given_back += left

@@ -45,6 +45,19 @@ async def test_chunks_form_and_rewards_stay_in_order(config: EngineConfig, envs:
     assert plugin_module(envs, "cheap", "verify.py").calls == 2_000 + SIZE  # every item called once
 
 
+async def test_latency_percentiles_are_per_item(config: EngineConfig, envs: Path) -> None:
+    # A fresh engine: the first calls go one at a time and wait for the import (tens of ms); then
+    # chunks form and the rest of the items take microseconds each. Percentiles count items, so
+    # the median is a chunked item's, and the slow first calls show only at the top.
+    async with engine.Engine(config) as eng:
+        result = await eng.run(batch())
+    report = result.verifiers[0]
+    assert sum(report.latency_items) == report.items == SIZE
+    assert len(report.latencies) < SIZE / 10  # still one entry per call
+    assert report.latency(50) < 1e-3
+    assert report.latency(100) == max(report.latencies)
+
+
 async def test_a_chunk_holds_items_of_several_lanes_apart(config: EngineConfig) -> None:
     # items of two environments interleaved: each lane's chunks are index lists, not slices
     items = [item("cheap", "x", n=n) if n % 3 else item("twin_a", "x") for n in range(6_000)]

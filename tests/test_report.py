@@ -1,0 +1,35 @@
+"""Latency percentiles: nearest rank, weighted by the items each latency stands for."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from engine.report import LatencyHistogram, percentile
+
+
+def test_percentile_by_nearest_rank() -> None:
+    values = [0.5, 0.1, 0.4, 0.2, 0.3]
+    assert [percentile(values, q) for q in (0, 20, 21, 50, 100)] == [0.1, 0.1, 0.2, 0.3, 0.5]
+    assert math.isnan(percentile([], 50))
+
+
+def test_percentile_weighted_by_items() -> None:
+    # one chunk of 990 items at 1 ms each, and ten single calls of 500 ms
+    values, weights = [0.5] * 10 + [0.001], [1] * 10 + [990]
+    assert percentile(values, 50, weights) == 0.001
+    assert percentile(values, 99, weights) == 0.001  # rank 990: the chunk's last item
+    assert percentile(values, 99.1, weights) == 0.5
+    assert percentile(values, 50) == 0.5  # unweighted, the single calls would be the median
+    with pytest.raises(ValueError):
+        percentile(values, 50, weights[:-1])
+
+
+def test_histogram_counts_items() -> None:
+    histogram = LatencyHistogram()
+    histogram.extend([0.5, 0.001], [10, 990])
+    histogram.add(0.002)
+    assert sum(histogram.counts.values()) == 1001
+    assert histogram.percentile(50) == pytest.approx(0.001, rel=0.025)
+    assert histogram.percentile(99.5) == pytest.approx(0.5, rel=0.025)
