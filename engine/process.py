@@ -29,7 +29,7 @@ cancelled (its batch aborted), the worker is killed, which ends that round trip 
 
 Like every spawned process, a worker imports the program's ``__main__`` module (under another
 name): a script that creates an engine must guard its entry point with
-``if __name__ == "__main__":``.
+``if __name__ == "__main__":``, and its module-level imports run again in every worker.
 """
 
 from __future__ import annotations
