@@ -126,8 +126,8 @@ async def test_a_malformed_item_in_a_guessed_batch_is_named(
 
 
 async def test_a_failure_in_another_environment_aborts_at_once(envs: Path, caplog: pytest.LogCaptureFixture) -> None:
-    # the guessed lane's calls hold their threads for a second; the failing item must not wait for them
-    items = [item("spy", sleep=1.0) for _ in range(8)]
+    # the guessed lane's calls hold their threads for 2 s; the failing item must not wait for them
+    items = [item("spy", sleep=2.0) for _ in range(8)]
     items[4] = item("faulty", mode="raise", item_id="bad")
     async with engine.Engine(EngineConfig(environments=envs, allow_unpinned=True)) as eng:
         start = anyio.current_time()
@@ -135,6 +135,6 @@ async def test_a_failure_in_another_environment_aborts_at_once(envs: Path, caplo
             await eng.score(items)
         elapsed = anyio.current_time() - start
     assert (info.value.environment, info.value.index, info.value.item_id) == ("faulty", 4, "bad")
-    assert elapsed < 0.5
+    assert elapsed < 1.0
     records = [r for r in caplog.records if r.name == "engine" and r.levelno >= logging.ERROR]
     assert len(records) == 1
