@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from conftest import item, plugin_module, process_twin
 
@@ -143,6 +144,28 @@ async def test_chunks_of_one_plugin_never_run_at_once(envs: Path) -> None:
     assert result.verifiers[0].peak_in_flight >= 2  # several workers held chunks...
     assert module.max_running == 1  # ...but under the GIL a second thread only slows the first down
     assert module.calls == 42_000
+
+
+@pytest.mark.timeout(20)
+async def test_an_abandoned_chunk_stops_within_a_step(config: EngineConfig, envs: Path) -> None:
+    # 400,000 cheap items: after the warm-up, chunks of 250 ms of calls (~65,000 items here);
+    # another environment's item fails and aborts the batch while the first chunk runs. The
+    # chunk's thread cannot be killed, but it stops at its next check (every ~10 ms of calls,
+    # ~2,600 items) instead of running to the end of its chunk.
+    items = [item("cheap", "x", n=n) for n in range(400_000)] + [item("faulty", mode="raise")]
+    async with engine.Engine(config) as eng:
+        await warm(eng)
+        module = plugin_module(envs, "cheap", "verify.py")
+        with pytest.raises(VerificationError, match="the plugin blew up"):
+            await eng.score(items)
+        at_abort = last = module.calls
+        with anyio.fail_after(5):
+            while True:  # until the abandoned thread has stopped calling
+                await anyio.sleep(0.05)
+                if module.calls == last:
+                    break
+                last = module.calls
+    assert last - at_abort < 8_000, (at_abort, last)  # ~3 steps; to the chunk's end was 17,000 to 56,000
 
 
 def calls_of(mode: str, seconds: float, count: int) -> list[dict[str, Any]]:
