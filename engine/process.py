@@ -6,8 +6,12 @@ thread), a crash (a segfault, ``os._exit``, the OOM killer) fails an item instea
 libraries that time themselves out with ``signal.alarm`` (math-verify) work because the plugin
 runs in its process's main thread, and CPU-bound plugins use every core instead of one GIL.
 
-Workers are started with multiprocessing's ``spawn`` context: the engine runs an event loop and
-threads, which ``fork`` would copy half-way. A worker
+Workers are fresh interpreters (``python -c``, see :class:`_Child`), not ``fork``ed (the engine
+runs an event loop and threads, which ``fork`` would copy half-way) and not multiprocessing's
+``spawn`` either, which re-runs the program's ``__main__`` module in every child: each worker then
+paid for the trainer script's module-level imports (a model library: seconds, and hundreds of
+MiB), and a script without ``if __name__ == "__main__":`` could not use workers at all. A worker
+imports only the engine and the plugin. It
 
 1. says it is up, then checks the environment directory's digest against the one the engine
    vetted (a file changed since is refused, nothing is imported), imports the plugin from its
@@ -27,9 +31,10 @@ and send the chunk, wait on the pipe and the process's sentinel until the deadli
 large chunk is never pickled on the event loop; a round trip costs ~150 us. When the caller is
 cancelled (its batch aborted), the worker is killed, which ends that round trip at once.
 
-Like every spawned process, a worker imports the program's ``__main__`` module (under another
-name): a script that creates an engine must guard its entry point with
-``if __name__ == "__main__":``, and its module-level imports run again in every worker.
+A worker inherits three descriptors: its end of the pipe, the few bytes of progress (a file
+mapped by both), and the read end of a pipe whose write end only the engine's process holds, so
+the worker sees end-of-file there, and exits, when that process dies, even in the middle of a
+call (a ``kill -9`` of the trainer leaves no orphan).
 """
 
 from __future__ import annotations
@@ -38,21 +43,26 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import inspect
 import itertools
+import json
 import logging
-import multiprocessing
+import mmap
 import multiprocessing.connection
 import os
 import queue
 import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from multiprocessing.context import SpawnContext, SpawnProcess
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from time import monotonic, perf_counter, thread_time
@@ -84,6 +94,7 @@ _Call = Callable[[Mapping[str, Any], Any], Any]
 
 STARTUP_TIMEOUT = 60.0  # seconds for a worker's interpreter to start, before it imports the plugin
 CLOSE_GRACE = 2.0  # seconds an idle worker has to exit once its pipe is closed, before SIGKILL
+PROGRESS_BYTES = 16  # [position in the chunk, monotonic start] of the call a worker is running, as doubles
 
 logger = logging.getLogger("engine")
 
@@ -164,15 +175,12 @@ def _described(exc: BaseException) -> tuple[str, str, str]:
 # --- the worker process ---
 
 
-def _watch_parent() -> None:
-    """Exit if the engine's process dies, even in the middle of a call that never returns."""
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-    sentinel = parent.sentinel
+def _watch_parent(alive: int) -> None:
+    """Exit once the engine's process dies (``alive`` reads end-of-file), even in the middle of a call."""
 
     def watch() -> None:
-        multiprocessing.connection.wait([sentinel])
+        while os.read(alive, 1):  # nothing is ever written: it returns b"" when the writer is gone
+            pass
         os._exit(70)
 
     threading.Thread(target=watch, name="engine-worker-watchdog", daemon=True).start()
@@ -186,7 +194,7 @@ def _caller(fn: Callable[..., Any]) -> _Call:
     return lambda task, trajectory: loop.run_until_complete(fn(task, trajectory))
 
 
-def _serve_chunk(call: _Call, pairs: Sequence[Pair], progress: Any) -> tuple[Any, ...]:
+def _serve_chunk(call: _Call, pairs: Sequence[Pair], progress: memoryview[float]) -> tuple[Any, ...]:
     """Call the plugin on each pair; the reply to send back."""
     out: list[Any] = []
     append = out.append
@@ -206,10 +214,23 @@ def _serve_chunk(call: _Call, pairs: Sequence[Pair], progress: Any) -> tuple[Any
         return ("bad", exc.position, exc.reason)
 
 
-def _worker_main(conn: Connection, progress_memory: Any, spec: PluginSpec) -> None:
-    """A worker process's whole life (its target): check, import, then serve chunks until the pipe closes."""
+def _child_main() -> None:
+    """A worker process's entry point (see :class:`_Child`): argv holds its descriptors and its plugin's spec."""
+    conn_fd, progress_fd, alive_fd = (int(arg) for arg in sys.argv[1:4])
+    spec = PluginSpec(**json.loads(sys.argv[4]))
+    _watch_parent(alive_fd)
+    with mmap.mmap(progress_fd, PROGRESS_BYTES) as memory:
+        os.close(progress_fd)
+        progress = memoryview(memory).cast("d")
+        try:
+            _worker_main(Connection(conn_fd), progress, spec)
+        finally:
+            progress.release()
+
+
+def _worker_main(conn: Connection, progress: memoryview[float], spec: PluginSpec) -> None:
+    """A worker process's whole life: check, import, then serve chunks until the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; the engine stops us
-    _watch_parent()
     conn.send(("started",))
     try:
         digest = digest_directory(spec.root)
@@ -230,7 +251,6 @@ def _worker_main(conn: Connection, progress_memory: Any, spec: PluginSpec) -> No
         conn.send(("failed", f"cannot check the environment's digest: {describe(exc)}", None))
         return
     call = _caller(fn)
-    progress = memoryview(progress_memory).cast("B").cast("d")
     conn.send(("ready",))
     while True:
         try:
@@ -279,9 +299,71 @@ _live: set[_Worker] = set()  # every worker not yet closed, killed at interprete
 
 @atexit.register
 def _kill_live_workers() -> None:
-    # registered after multiprocessing's own exit hook, so it runs first: that hook joins children
     for worker in list(_live):
         worker.kill()
+
+
+# A pipe whose write end this process holds until it dies: each worker is handed the read end (see
+# _watch_parent). Neither end is inherited otherwise. Made once, at import: it lives as long as the process.
+_ALIVE_FD, _ALIVE_WRITER = os.pipe()
+
+
+def _progress_file() -> int:
+    """A descriptor of an unnamed file of ``PROGRESS_BYTES`` zero bytes, to map in both processes."""
+    fd, path = tempfile.mkstemp(prefix="engine-progress-")
+    os.unlink(path)
+    os.ftruncate(fd, PROGRESS_BYTES)
+    return fd
+
+
+class _Child:
+    """A worker's process: ``python -c`` running :func:`_child_main`, handed ``fds`` (argv says which).
+
+    The little of ``multiprocessing.Process`` the worker uses, over ``subprocess.Popen``; its
+    ``sentinel`` is a pidfd (readable once the process has exited) where the platform has them,
+    else None and its pipe's end-of-file says it died.
+    """
+
+    def __init__(self, fds: Sequence[int], spec: PluginSpec) -> None:
+        self._fds = tuple(fds)
+        self._spec = json.dumps(dataclasses.asdict(spec))
+        self._popen: subprocess.Popen[bytes] | None = None
+        self.sentinel: int | None = None
+        self.pid: int | None = None
+
+    def start(self) -> None:
+        # sys.path as the engine's: the worker imports the engine (and the plugin's libraries) as it does
+        code = f"import sys; sys.path[:] = {sys.path!r}; from engine.process import _child_main; _child_main()"
+        self._popen = subprocess.Popen(
+            [sys.executable, "-c", code, *map(str, self._fds), self._spec], pass_fds=self._fds, stdin=subprocess.DEVNULL
+        )
+        self.pid = self._popen.pid
+        with contextlib.suppress(AttributeError, OSError):  # not Linux, or an old kernel
+            self.sentinel = os.pidfd_open(self.pid)
+
+    @property
+    def exitcode(self) -> int | None:
+        """None while it runs; negative: the signal that ended it (as ``multiprocessing`` says it)."""
+        return None if self._popen is None else self._popen.poll()
+
+    def is_alive(self) -> bool:
+        return self._popen is not None and self._popen.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL it if it runs (from any thread)."""
+        if self._popen is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self._popen.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._popen is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._popen.wait(timeout)
+
+    def close(self) -> None:
+        if self.sentinel is not None:
+            os.close(self.sentinel)
+            self.sentinel = None
 
 
 class _Worker:
@@ -293,16 +375,16 @@ class _Worker:
     the running job then sees the process die and closes it, which also ends the thread.
     """
 
-    def __init__(self, ctx: SpawnContext, spec: PluginSpec, number: int) -> None:
+    def __init__(self, spec: PluginSpec, number: int) -> None:
         self.spec = spec
-        self.conn, child_end = ctx.Pipe()
-        self._child_end: Connection | None = child_end
-        self._progress = ctx.RawArray("d", 2)  # [position in the chunk, monotonic start] of the current call
-        self.process: SpawnProcess = ctx.Process(
-            target=_worker_main,
-            args=(child_end, self._progress, spec),
-            name=f"engine-worker-{spec.environment}-{number}",
-        )
+        ours, theirs = socket.socketpair()
+        self.conn = Connection(ours.detach())
+        self._child_end: int | None = theirs.detach()
+        # [position in the chunk, monotonic start] of the current call, in a file both map
+        self._progress_fd: int | None = _progress_file()
+        self._memory = mmap.mmap(self._progress_fd, PROGRESS_BYTES)
+        self._progress = memoryview(self._memory).cast("d")
+        self.process = _Child((self._child_end, self._progress_fd, _ALIVE_FD), spec)
         self.pid: int | None = None  # once started (the process object forgets it when closed)
         self.busy = False  # taken by a caller (set and cleared on the event loop)
         self.killed = False
@@ -363,8 +445,7 @@ class _Worker:
         with self._lock:
             if not self.closed:
                 self.conn.close()
-                if self._child_end is not None:
-                    self._child_end.close()
+                self._close_child_ends()
                 if self.pid is not None:  # started
                     self.process.join(grace)
                     if self.process.exitcode is None:
@@ -372,19 +453,31 @@ class _Worker:
                         self.process.join()
                     self.exitcode = self.process.exitcode
                     self.process.close()
+                self._progress.release()
+                self._memory.close()
                 self.closed = True
                 _live.discard(self)
                 self._jobs.put(None)
         return self.exitcode
 
+    def _close_child_ends(self) -> None:
+        """Close our copies of what the child inherited: then its death closes the pipe."""
+        if self._child_end is not None:
+            os.close(self._child_end)
+            self._child_end = None
+        if self._progress_fd is not None:
+            os.close(self._progress_fd)  # the mapping stays
+            self._progress_fd = None
+
     def _receive(self, deadline: Callable[[], float], doing: str = "") -> Any:
         """The next message; ``_Overran`` once ``deadline()`` passes, ``WorkerFailure`` if the process died."""
         conn, sentinel = self.conn, self.process.sentinel
+        waitables: list[Any] = [conn] if sentinel is None else [conn, sentinel]
         while True:
             remaining = deadline() - monotonic()
             if remaining <= 0:
                 raise _Overran
-            ready = multiprocessing.connection.wait([conn, sentinel], remaining)
+            ready = multiprocessing.connection.wait(waitables, remaining)
             if conn in ready:
                 try:
                     return conn.recv()
@@ -410,9 +503,7 @@ class _Worker:
             self.pid = self.process.pid
             if self.killed:  # killed while it was being started
                 self.process.kill()
-            assert self._child_end is not None
-            self._child_end.close()  # the child has its own copy: its death now closes the pipe
-            self._child_end = None
+            self._close_child_ends()
             up_by = monotonic() + STARTUP_TIMEOUT
             try:
                 self._receive(lambda: up_by, " while starting")
@@ -473,7 +564,6 @@ class WorkerPool:
         self.spec = spec
         self.size = size
         self.timeout = timeout
-        self._ctx: SpawnContext = multiprocessing.get_context("spawn")
         self._slots = anyio.Semaphore(size)  # a caller holding one has a worker, or room to start one
         self._idle: list[_Worker] = []
         self._workers: set[_Worker] = set()  # not yet closed
@@ -512,7 +602,7 @@ class WorkerPool:
             )
             self._workers.discard(worker)
         self._workers = {w for w in self._workers if not w.closed}
-        worker = _Worker(self._ctx, self.spec, next(self._numbers))
+        worker = _Worker(self.spec, next(self._numbers))
         worker.busy = True
         self._workers.add(worker)
         await self._in_thread(worker, functools.partial(worker.start, self.timeout))

@@ -396,6 +396,25 @@ def test_workers_exit_when_the_trainer_is_killed(fault_envs: Path, tmp_path: Pat
     wait_until_dead(worker, seconds=3)  # the plugin itself would wait 10 s
 
 
+def test_workers_do_not_run_the_trainer_script_again(fault_envs: Path, tmp_path: Path) -> None:
+    """A worker imports the engine and the plugin only: not the script (no main guard needed)."""
+    ran = tmp_path / "ran"
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(
+        "import os\n"
+        "import orjson\n"
+        "from engine import BlockingEngine, EngineConfig\n"
+        f"with open({str(ran)!r}, 'a') as f:  # the script's own module level, e.g. loading a model\n"
+        "    f.write(f'{os.getpid()}\\n')\n"
+        f"with BlockingEngine(EngineConfig(environments={str(fault_envs)!r}, allow_unpinned=True)) as eng:\n"
+        f"    print(eng.score([orjson.loads({orjson.dumps(item(PROCESS))!r})] * 3))\n"
+    )
+    done = subprocess.run([sys.executable, str(trainer)], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[0.5, 0.5, 0.5]"
+    assert len(ran.read_text().split()) == 1  # the trainer's process, not one per worker
+
+
 # --- threads that cannot be killed are counted ---
 
 
