@@ -43,24 +43,6 @@ def copy_env(name: str, envs: Path, *, source: Path = ENVS) -> Path:
     return target
 
 
-def add_endpoint_env(envs: Path, name: str, url: str) -> Path:
-    """Create environment ``name`` whose verifier is the endpoint at ``url``."""
-    directory = envs / name
-    directory.mkdir(parents=True)
-    manifest = {"kind": "environment", "verifier": {"kind": "endpoint", "ref": url}}
-    (directory / "manifest.json").write_bytes(orjson.dumps(manifest))
-    return directory
-
-
-def add_rubric_env(envs: Path, name: str, ref: str) -> Path:
-    """Create environment ``name`` whose verifier is rubric ``ref``."""
-    directory = envs / name
-    directory.mkdir(parents=True)
-    manifest = {"kind": "environment", "verifier": {"kind": "rubric", "ref": ref}}
-    (directory / "manifest.json").write_bytes(orjson.dumps(manifest))
-    return directory
-
-
 @dataclass
 class Workspace:
     """A directory to run ``engine`` in: its config, its environments, and the files of one test."""

@@ -51,13 +51,26 @@ def config(envs: Path) -> engine.EngineConfig:
     return engine.EngineConfig(environments=envs, allow_unpinned=True)
 
 
-def add_endpoint_env(envs: Path, name: str, url: str, **extra: Any) -> str:
-    """Create environment ``name`` whose verifier is the endpoint at ``url``; returns ``name``."""
+def add_env(envs: Path, name: str, kind: str, ref: str, **extra: Any) -> str:
+    """Create environment ``name`` whose verifier is ``kind`` ``ref``; returns ``name``.
+
+    ``extra``: more top-level manifest keys.
+    """
     directory = envs / name
-    directory.mkdir()
-    manifest = {"kind": "environment", **extra, "verifier": {"kind": "endpoint", "ref": url}}
+    directory.mkdir(parents=True)
+    manifest = {"kind": "environment", **extra, "verifier": {"kind": kind, "ref": ref}}
     (directory / "manifest.json").write_bytes(orjson.dumps(manifest))
     return name
+
+
+def add_endpoint_env(envs: Path, name: str, url: str, **extra: Any) -> str:
+    """Create environment ``name`` whose verifier is the endpoint at ``url``; returns ``name``."""
+    return add_env(envs, name, "endpoint", url, **extra)
+
+
+def add_rubric_env(envs: Path, name: str, ref: str) -> str:
+    """Create environment ``name`` whose verifier is the rubric ``ref``; returns ``name``."""
+    return add_env(envs, name, "rubric", ref)
 
 
 def process_twin(envs: Path, name: str, twin: str | None = None, **verifier: Any) -> str:

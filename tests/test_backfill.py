@@ -25,7 +25,6 @@ import pytest
 from cli_support import (
     PLUGIN_ENV,
     Workspace,
-    add_endpoint_env,
     make_workspace,
     partial_records,
     read_log,
@@ -33,6 +32,7 @@ from cli_support import (
     state_of,
     write_rows,
 )
+from conftest import add_endpoint_env
 from httpserver import Request, Response, TestServer
 
 from engine.cli import EXIT_INTERRUPTED

@@ -7,7 +7,8 @@ import itertools
 from pathlib import Path
 
 import orjson
-from cli_support import PLUGIN_ENV, add_endpoint_env, make_workspace, rows, write_rows
+from cli_support import PLUGIN_ENV, make_workspace, rows, write_rows
+from conftest import add_endpoint_env
 from httpserver import Request, Response, TestServer
 
 from engine.cli import EXIT_OK, EXIT_VERIFICATION

@@ -30,8 +30,6 @@ from cli_support import (
     ROOT,
     RUBRICS,
     Workspace,
-    add_endpoint_env,
-    add_rubric_env,
     child_env,
     copy_env,
     load_plugin,
@@ -42,6 +40,7 @@ from cli_support import (
     write_rows,
 )
 from click.testing import CliRunner, Result
+from conftest import add_endpoint_env, add_rubric_env
 from httpserver import Request, Response, TestServer
 from judgeserver import JudgeServer, score
 

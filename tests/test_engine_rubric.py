@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import orjson
 import pytest
-from conftest import SleepRecorder, import_count, item
+from conftest import SleepRecorder, add_rubric_env, import_count, item
 from httpserver import Request, Response
 from judgeserver import JudgeServer, assert_rate_held, completion, judge_servers, score, status
 
@@ -107,15 +106,6 @@ def rubrics(tmp_path: Path) -> Path:
     target = tmp_path / "rubrics"
     shutil.copytree(RUBRICS, target)
     return target
-
-
-def add_rubric_env(envs: Path, name: str, ref: str) -> str:
-    """Create environment ``name`` whose verifier is the rubric ``ref``; returns ``name``."""
-    directory = envs / name
-    directory.mkdir()
-    manifest = {"kind": "environment", "verifier": {"kind": "rubric", "ref": ref}}
-    (directory / "manifest.json").write_bytes(orjson.dumps(manifest))
-    return name
 
 
 def judge_config(base_url: str, **settings: Any) -> JudgeConfig:

@@ -59,6 +59,22 @@ async def read_request(stream: anyio.abc.SocketStream) -> bytes:
     return head
 
 
+async def answered_with(data: bytes) -> httpx.Response:
+    """A POST through a ``PoolTransport`` to a server that reads it, sends back ``data`` and closes."""
+
+    async def handler(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            await read_request(stream)
+            await stream.send(data)
+
+    async with raw_server(handler) as url, httpx.AsyncClient(transport=PoolTransport()) as client:
+        try:
+            return await client.post(url, content=b"{}")
+        except httpx.TransportError as exc:  # raised out here, not wrapped by the server's task group
+            failure = exc
+    raise failure
+
+
 async def test_posts_and_reuses_one_connection() -> None:
     with TestServer(json_handler(lambda r: {"echo": r.json(), "path": r.path})) as server:
         async with httpx.AsyncClient(transport=PoolTransport(4)) as client:
@@ -91,49 +107,26 @@ async def test_pool_limit_bounds_connections_per_origin() -> None:
 
 
 async def test_chunked_response_is_decoded() -> None:
-    async def handler(stream: anyio.abc.SocketStream) -> None:
-        async with stream:
-            await read_request(stream)
-            await stream.send(
-                b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-type: application/json\r\n\r\n"
-                b"7\r\n{\"rewar\r\n8\r\nd\": 0.5}\r\n0\r\n\r\n"
-            )
-
-    async with raw_server(handler) as url, httpx.AsyncClient(transport=PoolTransport()) as client:
-        assert (await client.post(url, content=b"{}")).json() == {"reward": 0.5}
+    response = await answered_with(
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-type: application/json\r\n\r\n"
+        b"7\r\n{\"rewar\r\n8\r\nd\": 0.5}\r\n0\r\n\r\n"
+    )
+    assert response.json() == {"reward": 0.5}
 
 
 async def test_body_delimited_by_close() -> None:
-    async def handler(stream: anyio.abc.SocketStream) -> None:
-        async with stream:
-            await read_request(stream)
-            await stream.send(b"HTTP/1.0 200 OK\r\ncontent-type: application/json\r\n\r\n{\"reward\": 1}")
-
-    async with raw_server(handler) as url, httpx.AsyncClient(transport=PoolTransport()) as client:
-        response = await client.post(url, content=b"{}")
-        assert response.json() == {"reward": 1}
+    response = await answered_with(b"HTTP/1.0 200 OK\r\ncontent-type: application/json\r\n\r\n{\"reward\": 1}")
+    assert response.json() == {"reward": 1}
 
 
 async def test_close_before_a_complete_response_is_a_protocol_error() -> None:
-    async def handler(stream: anyio.abc.SocketStream) -> None:
-        async with stream:
-            await read_request(stream)
-            await stream.send(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n{\"rew")
-
-    async with raw_server(handler) as url, httpx.AsyncClient(transport=PoolTransport()) as client:
-        with pytest.raises(httpx.RemoteProtocolError, match="before the response was complete"):
-            await client.post(url, content=b"{}")
+    with pytest.raises(httpx.RemoteProtocolError, match="before the response was complete"):
+        await answered_with(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n{\"rew")
 
 
 async def test_malformed_response_is_a_protocol_error() -> None:
-    async def handler(stream: anyio.abc.SocketStream) -> None:
-        async with stream:
-            await read_request(stream)
-            await stream.send(b"SMTP ready\r\n\r\n")
-
-    async with raw_server(handler) as url, httpx.AsyncClient(transport=PoolTransport()) as client:
-        with pytest.raises(httpx.RemoteProtocolError, match="malformed HTTP response"):
-            await client.post(url, content=b"{}")
+    with pytest.raises(httpx.RemoteProtocolError, match="malformed HTTP response"):
+        await answered_with(b"SMTP ready\r\n\r\n")
 
 
 async def test_refused_connection_is_a_connect_error() -> None:

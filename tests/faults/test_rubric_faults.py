@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from conftest import SleepRecorder, item
+from conftest import SleepRecorder, add_rubric_env, item
 from httpserver import Request, Response, all_closed
 from judgeserver import JudgeServer, completion, score, status
 
@@ -98,9 +98,7 @@ class Setup:
 def setup(envs: Path, tmp_path: Path) -> Iterator[Setup]:
     rubrics = tmp_path / "rubrics"
     shutil.copytree(RUBRICS, rubrics)
-    (envs / "graded").mkdir()
-    manifest = {"kind": "environment", "verifier": {"kind": "rubric", "ref": ARITH}}
-    (envs / "graded" / "manifest.json").write_bytes(orjson.dumps(manifest))
+    add_rubric_env(envs, "graded", ARITH)
     judge = Judge()
     server = JudgeServer(default=judge)
     with server:
