@@ -385,7 +385,6 @@ class _Worker:
         self._memory = mmap.mmap(self._progress_fd, PROGRESS_BYTES)
         self._progress = memoryview(self._memory).cast("d")
         self.process = _Child((self._child_end, self._progress_fd, _ALIVE_FD), spec)
-        self.pid: int | None = None  # once started (the process object forgets it when closed)
         self.busy = False  # taken by a caller (set and cleared on the event loop)
         self.killed = False
         self.closed = False
@@ -422,6 +421,11 @@ class _Worker:
         self.done.clear()
         self._jobs.put((fn, future))
         return future
+
+    @property
+    def pid(self) -> int | None:
+        """Its process's id, once started."""
+        return self.process.pid
 
     @property
     def usable(self) -> bool:
@@ -500,7 +504,6 @@ class _Worker:
         try:
             _live.add(self)
             self.process.start()
-            self.pid = self.process.pid
             if self.killed:  # killed while it was being started
                 self.process.kill()
             self._close_child_ends()

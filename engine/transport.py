@@ -372,16 +372,12 @@ class PoolTransport(httpx.AsyncBaseTransport):
                 raise
             finally:
                 connection.disarm()
-        except asyncio.CancelledError:
-            connection.reusable = False
-            if self._deferring:  # an abort: its caller goes first, the socket is closed right after
-                self._cut_short.append((pool, connection))
+        except BaseException as exc:
+            connection.reusable = False  # so it is closed, not pooled
+            if self._deferring and isinstance(exc, asyncio.CancelledError):
+                self._cut_short.append((pool, connection))  # an abort: its caller goes first, the close right after
             else:
                 self._release(pool, connection)
-            raise
-        except BaseException:
-            connection.close()
-            self._release(pool, connection)
             raise
         self._release(pool, connection)
         return httpx.Response(status, headers=headers, content=content, extensions={"http_version": b"HTTP/1.1"})
