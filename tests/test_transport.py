@@ -13,6 +13,7 @@ import anyio.abc
 import httpx
 import pytest
 from httpserver import Request, Response, TestServer, json_handler
+from polling import eventually
 
 from engine.transport import PoolTransport
 
@@ -32,13 +33,6 @@ async def raw_server(handler: RawHandler) -> AsyncIterator[str]:
             yield f"http://127.0.0.1:{port}/"
         finally:
             tg.cancel_scope.cancel()
-
-
-async def eventually(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Wait, on the event loop, until ``condition()`` holds (a server on another thread changes it)."""
-    with anyio.fail_after(timeout):
-        while not condition():
-            await anyio.sleep(0.005)
 
 
 async def never(request: Request) -> Response:
