@@ -23,10 +23,11 @@ from typing import Any
 import anyio
 import httpx
 import orjson
+import tenacity
 
 from .config import HEADER_VARIABLE, Limits
 from .errors import Scrubber, VerificationError, describe, excerpt
-from .retry import RETRY_STATUSES, Scrub, Sleep, TransientStatus, is_transient, make_retrying
+from .retry import RETRY_STATUSES, Scrub, Sleep, TransientStatus, is_transient, last_failure, make_retrying
 from .transport import MAX_BODY, TOTAL_TIMEOUT, CallTimeout, PoolTransport, check_size
 from .verifier import check_reward
 
@@ -181,12 +182,15 @@ class EndpointVerifier:
         """Try again after a transient failure, within the verifier's budget (counted from ``first``)."""
         limits = self.limits
         retrying = make_retrying(limits.max_attempts, limits.retry_deadline, self._sleep)
-        async for attempt in retrying:
-            with attempt:
-                if attempt.retry_state.attempt_number == 1:
-                    raise first  # the failed first try, replayed so that tenacity counts and waits for it
-                self.retries += 1
-                response = await self._post(body, headers, scrub)
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    if attempt.retry_state.attempt_number == 1:
+                        raise first  # the failed first try, replayed so that tenacity counts and waits for it
+                    self.retries += 1
+                    response = await self._post(body, headers, scrub)
+        except tenacity.RetryError as exc:
+            raise self._fail(describe(exc)) from last_failure(exc)
         return response
 
     async def _call(self, body: bytes, headers: Mapping[str, str], scrub: Scrub | None) -> float:

@@ -36,7 +36,7 @@ import orjson
 import tenacity
 
 from .errors import ConfigError, Scrubber, VerificationError, describe, excerpt
-from .retry import RETRY_STATUSES, Sleep, TransientStatus, make_retrying
+from .retry import RETRY_STATUSES, Sleep, TransientStatus, last_failure, make_retrying
 from .rubric import Rubric, normalise
 from .scheduler import rate_limiter
 from .trajectory import flatten
@@ -435,7 +435,9 @@ class Judge:
                         response = await self._post(body, headers, accounts, scrub)
             except (tenacity.RetryError, httpx.HTTPError) as exc:
                 reason = f"judge request failed: {describe(exc)}"
-                raise VerificationError("rubric", ref, reason if scrub is None else scrub(reason)) from exc
+                # the cause is what really failed (the last try's error), not tenacity's wrapper of it
+                cause = last_failure(exc) if isinstance(exc, tenacity.RetryError) else exc
+                raise VerificationError("rubric", ref, reason if scrub is None else scrub(reason)) from cause
         # every message below quotes the reply: without the key in it, if it echoed the key
         content = response.content if scrub is None else scrub.body(response.content)
         if not response.is_success:

@@ -26,6 +26,7 @@ __all__ = [
     "TransientStatus",
     "backoff",
     "is_transient",
+    "last_failure",
     "make_retrying",
     "parse_retry_after",
 ]
@@ -86,6 +87,11 @@ def _wait(state: tenacity.RetryCallState) -> float:
     if isinstance(exc, TransientStatus) and exc.retry_after is not None:
         return exc.retry_after
     return backoff(state.attempt_number)
+
+
+def last_failure(exc: tenacity.RetryError) -> BaseException | None:
+    """The exception of the last try a retry loop gave up after: the cause to chain, not tenacity's wrapper."""
+    return exc.last_attempt.exception()
 
 
 def make_retrying(max_attempts: int, deadline: float, sleep: Sleep) -> tenacity.AsyncRetrying:

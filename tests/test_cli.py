@@ -343,6 +343,18 @@ def test_exit_codes_of_a_run(space: Workspace) -> None:
     assert "ugly.jsonl: line 2: unknown environment 'nowhere'" in bad.stderr
 
 
+def test_a_call_that_fails_after_retries_names_its_real_cause(tmp_path: Path, refused_port: int) -> None:
+    """The cause printed is the last try's own error, not tenacity's ``RetryError[<Future ...>]`` wrapper."""
+    url = f"http://127.0.0.1:{refused_port}/score"
+    space = make_workspace(tmp_path, config=f'[refs."{url}"]\nmax_attempts = 2\n')
+    add_endpoint_env(space.envs, "dead", url)
+    result = space.score(write_rows(space.root / "in.jsonl", [row(0, "dead")]), space.root / "out.jsonl")
+    assert result.returncode == EXIT_VERIFICATION, result.stderr
+    assert "gave up after 2 attempts; last: could not connect" in result.stderr, result.stderr
+    assert "cause: ConnectError: " in result.stderr, result.stderr
+    assert "RetryError" not in result.stderr and "Future" not in result.stderr, result.stderr
+
+
 # --- engine check -----------------------------------------------------------------------------
 
 

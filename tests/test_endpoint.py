@@ -17,6 +17,7 @@ from httpserver import Request, Response, TestServer, json_handler
 
 import engine
 from engine import EngineConfig, Limits, VerificationError
+from engine.retry import TransientStatus
 
 
 def scripted(*responses: Response) -> Any:
@@ -83,9 +84,18 @@ async def test_connection_refused_is_retried_then_named(envs: Path, sleeps: Slee
     err = await fails(config, [item("remote", item_id="c")], sleeps)
     check(err, url, index=0, item_id="c", reason="gave up after 3 attempts; last: could not connect")
     assert len(sleeps.calls) == 2  # connect errors are retried
-    assert isinstance(err.__cause__, Exception)
-    cause = err.__cause__.last_attempt.exception()  # type: ignore[attr-defined]
-    assert isinstance(cause, httpx.ConnectError)
+    assert isinstance(err.__cause__, httpx.ConnectError)  # the last try's own error, not tenacity's wrapper
+
+
+async def test_a_transient_status_that_outlasts_the_budget_is_the_cause(
+    serve: Any, config: EngineConfig, sleeps: SleepRecorder
+) -> None:
+    server = serve(scripted(Response(503, b"busy")))
+    config = EngineConfig(environments=config.environments, refs={server.url + "/score": Limits(max_attempts=2)})
+    err = await fails(config, [item("remote")], sleeps)
+    assert "gave up after 2 attempts; last: HTTP 503: busy" in err.reason
+    assert isinstance(err.__cause__, TransientStatus)
+    assert err.__cause__.status == 503
 
 
 @pytest.mark.parametrize("code", [400, 404, 501])

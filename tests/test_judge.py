@@ -25,6 +25,7 @@ from engine.judge import (
     RubricVerifier,
     Usage,
 )
+from engine.retry import TransientStatus
 from engine.rubric import Rubric, RubricRegistry
 from engine.trajectory import flatten
 
@@ -372,6 +373,8 @@ async def test_a_500_storm_beyond_the_budget_says_how_many_attempts(
     assert "gave up after 3 attempts" in err.reason and "HTTP 500" in err.reason, err.reason
     assert "model overloaded" in err.reason
     assert len(server.requests) == 3 and len(sleeps.calls) == 2
+    assert isinstance(err.__cause__, TransientStatus)  # the last try's own error, not tenacity's wrapper
+    assert err.__cause__.status == 500
 
 
 async def test_a_retry_after_past_the_deadline_is_not_waited_for(
@@ -390,6 +393,7 @@ async def test_judge_down(client: httpx.AsyncClient, registry: RubricRegistry, s
     err = await failure(judge, registry.resolve(ARITH))
     assert "judge request failed: gave up after 2 attempts; last: could not connect" in err.reason, err.reason
     assert len(sleeps.calls) == 1
+    assert isinstance(err.__cause__, httpx.ConnectError)  # the last try's own error, not tenacity's wrapper
 
 
 async def test_a_slow_judge_times_out_without_a_retry(
