@@ -33,6 +33,7 @@ from typing import Any
 
 from .errors import ConfigError
 from .judge import JudgeConfig
+from .network import credentials_refusal, without_credentials
 
 __all__ = [
     "DEFAULT_MAX_ABANDONED",
@@ -246,6 +247,9 @@ def config_from_mapping(data: Mapping[str, Any], *, base_dir: Path, source: Path
     refs_table = data.get("refs", {})
     if not isinstance(refs_table, Mapping):
         raise _fail(source, "refs", 'must be a table of [refs."<verifier>"] tables')
+    for key in refs_table:
+        if _is_endpoint_key(key) and (plain := without_credentials(key)) is not None:
+            raise _fail(source, f"refs.{plain!r}", credentials_refusal(plain))  # never echo the key
     refs = {key: Limits.parse(table, defaults, f"refs.{key!r}", source) for key, table in refs_table.items()}
     return EngineConfig(
         environments=base_dir / environments,

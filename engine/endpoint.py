@@ -27,6 +27,7 @@ import tenacity
 
 from .config import HEADER_VARIABLE, Limits
 from .errors import Scrubber, VerificationError, describe, excerpt
+from .network import credentials_refusal, without_credentials
 from .retry import RETRY_STATUSES, Scrub, Sleep, TransientStatus, is_transient, last_failure, make_retrying
 from .transport import MAX_BODY, TOTAL_TIMEOUT, CallTimeout, PoolTransport, check_size
 from .verifier import check_reward
@@ -101,6 +102,9 @@ class EndpointVerifier:
     ) -> None:
         self.ref = self.key = url
         self.limits = limits
+        plain = without_credentials(url)
+        if plain is not None:  # never echo the URL: it holds a password
+            raise ValueError(f"an endpoint's URL must not carry credentials: {credentials_refusal(plain)}")
         self._url = httpx.URL(url)
         if self._url.scheme not in ("http", "https"):
             raise ValueError(f"an endpoint's URL must be http:// or https://, got {url!r}")

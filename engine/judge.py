@@ -36,6 +36,7 @@ import orjson
 import tenacity
 
 from .errors import ConfigError, Scrubber, VerificationError, describe, excerpt
+from .network import without_credentials
 from .retry import RETRY_STATUSES, Sleep, TransientStatus, last_failure, make_retrying
 from .rubric import Rubric, normalise
 from .scheduler import rate_limiter
@@ -283,6 +284,13 @@ class JudgeConfig:
 
     def __post_init__(self) -> None:
         src = self.source
+        if isinstance(self.base_url, str) and (plain := without_credentials(self.base_url)) is not None:
+            raise _fail(  # never echo the URL: it holds a password
+                src,
+                "base_url",
+                "the URL carries credentials (user:password@), which would be logged with every request; "
+                f"use {plain} and name the variable holding the key in api_key_env (sent as a Bearer token)",
+            )
         if not isinstance(self.base_url, str) or not re.fullmatch(r"https?://[^\s/?#]+[^\s?#]*", self.base_url):
             raise _fail(src, "base_url", f"must be an http:// or https:// URL, got {self.base_url!r}")
         if not isinstance(self.model, str) or not self.model.strip():

@@ -30,6 +30,7 @@ from typing import Any, Literal
 import orjson
 
 from .errors import ManifestError
+from .network import credentials_refusal, without_credentials
 
 __all__ = ["EXECUTORS", "KINDS", "Environment", "VerifierSpec", "load_environment", "parse_verifier"]
 
@@ -110,6 +111,8 @@ def parse_verifier(value: Any, where: str) -> VerifierSpec:
             takes += "; 'executor' and 'workers' are for plugins only"
         raise ManifestError(f"{where}: field 'verifier' has unknown keys {extra} (it takes {takes})")
     ref = value.get("ref")
+    if kind == "endpoint" and isinstance(ref, str) and (plain := without_credentials(ref)) is not None:
+        raise ManifestError(f"{where}: field 'verifier.ref': {credentials_refusal(plain)}")  # never echo the URL
     pattern, form = _REF_FORMS[kind]
     if not isinstance(ref, str) or not pattern.fullmatch(ref):
         raise ManifestError(f"{where}: field 'verifier.ref' is {ref!r}; a {kind} ref must be {form}")
