@@ -33,7 +33,7 @@ from typing import Any
 
 from .errors import ConfigError
 from .judge import JudgeConfig
-from .network import credentials_refusal, without_credentials
+from .network import ca_bundle_problem, credentials_refusal, without_credentials
 
 __all__ = [
     "DEFAULT_MAX_ABANDONED",
@@ -175,12 +175,19 @@ class EngineConfig:
     threads: int = DEFAULT_THREADS
     rubrics: Path = Path(DEFAULT_RUBRICS)  # the rubric registry: <rubrics>/<owner>/<name>/<N>.md
     judge: JudgeConfig | None = None  # None: rubric verifiers fail, saying no judge is configured
+    # PEM CA certificates trusted for HTTPS (endpoints and the judge) on top of the default trust
+    ca_bundle: Path | None = None
     source: Path | None = None  # the file this came from, for messages
 
     def __post_init__(self) -> None:
         src = self.source
         object.__setattr__(self, "environments", Path(self.environments))
         object.__setattr__(self, "rubrics", Path(self.rubrics))
+        if self.ca_bundle is not None:
+            object.__setattr__(self, "ca_bundle", Path(self.ca_bundle))
+            problem = ca_bundle_problem(self.ca_bundle)
+            if problem is not None:
+                raise _fail(src, "ca_bundle", problem)
         if self.judge is not None and not isinstance(self.judge, JudgeConfig):
             raise _fail(src, "judge", f"must be a JudgeConfig, got {type(self.judge).__name__}")
         if not isinstance(self.allow_unpinned, bool):
@@ -221,7 +228,8 @@ class EngineConfig:
 
 
 _TOP_LEVEL = {
-    "environments", "allow_unpinned", "pins", "defaults", "refs", "max_in_flight", "threads", "rubrics", "judge"
+    "environments", "allow_unpinned", "pins", "defaults", "refs", "max_in_flight", "threads", "rubrics", "judge",
+    "ca_bundle",
 }
 
 
@@ -236,6 +244,9 @@ def config_from_mapping(data: Mapping[str, Any], *, base_dir: Path, source: Path
     rubrics = data.get("rubrics", DEFAULT_RUBRICS)
     if not isinstance(rubrics, str) or not rubrics:
         raise _fail(source, "rubrics", f"must be a directory path, got {rubrics!r}")
+    ca_bundle = data.get("ca_bundle")
+    if ca_bundle is not None and (not isinstance(ca_bundle, str) or not ca_bundle):
+        raise _fail(source, "ca_bundle", f"must be the path of a PEM file of CA certificates, got {ca_bundle!r}")
     judge_table = data.get("judge")
     if judge_table is not None and not isinstance(judge_table, Mapping):
         raise _fail(source, "judge", "must be a table")
@@ -261,6 +272,7 @@ def config_from_mapping(data: Mapping[str, Any], *, base_dir: Path, source: Path
         threads=data.get("threads", DEFAULT_THREADS),
         rubrics=base_dir / rubrics,
         judge=judge,
+        ca_bundle=base_dir / ca_bundle if ca_bundle is not None else None,
         source=source,
     )
 

@@ -25,6 +25,7 @@ from .endpoint import EndpointVerifier
 from .errors import VerificationError, describe
 from .judge import Judge, RubricVerifier
 from .manifest import Environment, load_environment
+from .network import ssl_context
 from .plugin import PluginVerifier
 from .report import BatchResult, VerifierReport
 from .retry import Sleep
@@ -126,7 +127,9 @@ class Engine:
         if self._client is not None:
             raise RuntimeError("this engine is already open")
         size = self.config.max_in_flight
-        self._transport = self._injected_transport or PoolTransport(size)
+        # a private CA is added to the default trust; without one the transport makes httpx's default context
+        tls = ssl_context(self.config.ca_bundle) if self.config.ca_bundle is not None else None
+        self._transport = self._injected_transport or PoolTransport(size, ssl_context=tls)
         self._client = httpx.AsyncClient(  # httpx sizes only a pool it builds itself: ours is sized above
             transport=self._transport,
             timeout=DEFAULT_TIMEOUT,

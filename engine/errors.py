@@ -15,6 +15,7 @@ plain ``TypeError``/``ValueError``: those are bugs in the caller, not verifier f
 from __future__ import annotations
 
 import re
+import ssl
 from collections.abc import Iterable
 from typing import Any
 
@@ -31,9 +32,11 @@ __all__ = [
     "VerificationError",
     "describe",
     "excerpt",
+    "tls_verification_failure",
 ]
 
 EXCERPT_CHARS = 200
+_CHAIN_DEPTH = 8  # causes followed to find why a connection failed
 REDACTED = "[redacted]"  # what a secret is replaced with in a message
 
 
@@ -93,6 +96,22 @@ def excerpt(text: str | bytes, limit: int = EXCERPT_CHARS) -> str:
     return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
+def tls_verification_failure(exc: BaseException) -> ssl.SSLCertVerificationError | None:
+    """The certificate verification error behind ``exc``, if that is why it failed.
+
+    The engine's transport chains it to the ``ConnectError`` it raises, httpx's own transport one
+    link further (through httpcore's error), so the chain of causes is searched.
+    """
+    cause: BaseException | None = exc
+    for _ in range(_CHAIN_DEPTH):
+        if cause is None:
+            return None
+        if isinstance(cause, ssl.SSLCertVerificationError):
+            return cause
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
 def describe(exc: BaseException) -> str:
     """A reason for ``VerificationError`` that says what happened, in words, for any exception.
 
@@ -118,6 +137,9 @@ def describe(exc: BaseException) -> str:
         }.get(type(exc), "the request")
         return f"timed out {phase}"
     if isinstance(exc, httpx.ConnectError):
+        tls = tls_verification_failure(exc)
+        if tls is not None:
+            return f"TLS certificate verification failed: {tls.verify_message or tls} (a private CA goes in ca_bundle)"
         return f"could not connect: {str(exc) or type(exc).__name__}"
     if isinstance(exc, httpx.HTTPError):
         return f"HTTP error ({type(exc).__name__}){f': {exc}' if str(exc) else ''}"

@@ -49,13 +49,15 @@ def ssl_context(ca_bundle: Path | None = None) -> ssl.SSLContext:
 
 def ca_bundle_problem(path: Path) -> str | None:
     """Why ``path`` cannot serve as a CA bundle, or None if it loads as PEM certificates."""
-    if not path.is_file():
+    if not path.exists():
         return f"no such file: {path}"
+    if not path.is_file():
+        return f"not a file: {path}"
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     try:
         context.load_verify_locations(cafile=path)
     except (ssl.SSLError, OSError, UnicodeDecodeError) as exc:
         return f"{path} does not load as PEM CA certificates ({exc})"
-    if not context.get_ca_certs():
-        return f"{path} holds no CA certificate"
+    if not context.cert_store_stats()["x509"]:
+        return f"{path} holds no certificate"
     return None

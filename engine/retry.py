@@ -4,7 +4,8 @@ Retried: failing to connect, and the statuses that mean "try again" (429, 502, 5
 which a server under strain answers as often as 503 (a verifier that really broke on an item fails
 it anyway once the bounded budget is spent, only later). Never retried: timeouts waiting for an
 answer (the verifier may be working; trying again doubles the load), other 4xx (the request is
-wrong), other 5xx (501 and the like say the request can never work).
+wrong), other 5xx (501 and the like say the request can never work), and a TLS certificate that
+fails verification (it fails the same way every time).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from email.utils import parsedate_to_datetime
 import httpx
 import tenacity
 
-from .errors import excerpt
+from .errors import excerpt, tls_verification_failure
 
 __all__ = [
     "RETRY_STATUSES",
@@ -54,8 +55,10 @@ class TransientStatus(Exception):
 
 
 def is_transient(exc: BaseException) -> bool:
-    """True for failures worth another try."""
-    return isinstance(exc, TransientStatus | httpx.ConnectError | httpx.ConnectTimeout)
+    """True for failures worth another try (not a certificate that failed verification: it will fail again)."""
+    if isinstance(exc, httpx.ConnectError):
+        return tls_verification_failure(exc) is None
+    return isinstance(exc, TransientStatus | httpx.ConnectTimeout)
 
 
 def parse_retry_after(value: str | None, now: float | None = None) -> float | None:

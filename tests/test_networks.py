@@ -7,22 +7,30 @@ counts what it forwards.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import ssl
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Self
 
 import httpx
 import pytest
+import trustme
 from cli_support import make_workspace, row, write_rows
-from conftest import add_endpoint_env, item
+from conftest import SleepRecorder, add_endpoint_env, add_rubric_env, item
 from httpserver import TestServer, json_handler
 from judgeserver import JudgeServer
 
 import engine
-from engine import ConfigError, EngineConfig, Limits, load_config
+from engine import ConfigError, EngineConfig, Limits, VerificationError, load_config
 from engine.cli import EXIT_BAD_INPUT
 from engine.endpoint import EndpointVerifier
 from engine.judge import JudgeConfig
+from engine.network import ssl_context
 
+RUBRICS = Path(__file__).parent / "rubrics"
+ARITH = "alice/arithmetic-correctness"  # version 1 scores on [0, 1]
 SECRET = "s3cr3t-PASS"  # the password in every URL with credentials below
 
 
@@ -109,3 +117,151 @@ def test_an_endpoint_verifier_built_in_code_refuses_credentials_too() -> None:
         EndpointVerifier(f"http://u:{SECRET}@127.0.0.1:1/score", Limits(), httpx.AsyncHTTPTransport())
     assert not leaked(str(info.value))
 
+
+
+# --- TLS: failing verification, and a private CA added to the default trust ---------------------------
+
+
+class _TLS:
+    """A test server speaking HTTPS with a leaf certificate's key and chain (``serve_with``, before it starts)."""
+
+    context: ssl.SSLContext
+    port: int
+
+    def serve_with(self, leaf: trustme.LeafCert) -> Self:
+        self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        leaf.configure_cert(self.context)
+        return self
+
+    async def _start(self) -> asyncio.Server:
+        return await asyncio.start_server(self._connection, "127.0.0.1", 0, ssl=self.context)  # type: ignore[attr-defined]
+
+    @property
+    def url(self) -> str:
+        return f"https://127.0.0.1:{self.port}"
+
+
+class TLSServer(_TLS, TestServer):
+    pass
+
+
+class TLSJudgeServer(_TLS, JudgeServer):
+    pass
+
+
+@pytest.fixture
+def private_ca(tmp_path: Path) -> tuple[trustme.CA, Path]:
+    """A CA no default trust store knows, and its certificate written as a PEM file."""
+    ca = trustme.CA()
+    path = tmp_path / "private-ca.pem"
+    ca.cert_pem.write_to_path(str(path))
+    return ca, path
+
+
+@pytest.fixture
+def tls_endpoint(private_ca: tuple[trustme.CA, Path]) -> Iterator[TLSServer]:
+    server = TLSServer(json_handler(lambda request: {"reward": 0.75}))
+    with server.serve_with(private_ca[0].issue_cert("127.0.0.1")):
+        yield server
+
+
+async def test_an_untrusted_certificate_fails_at_once_saying_why(
+    envs: Path, tls_endpoint: TLSServer, sleeps: SleepRecorder
+) -> None:
+    add_endpoint_env(envs, "private", f"{tls_endpoint.url}/score")
+    async with engine.Engine(EngineConfig(environments=envs), sleep=sleeps) as eng:
+        with pytest.raises(VerificationError) as info:
+            await eng.score([item("private")])
+    err = info.value
+    assert err.reason.startswith("TLS certificate verification failed: "), err.reason
+    assert "gave up" not in err.reason  # one attempt: a certificate that fails verification fails again
+    assert sleeps.calls == []  # no retry waited for
+    assert tls_endpoint.requests == []
+
+
+async def test_ca_bundle_trusts_a_private_ca_for_endpoints(
+    envs: Path, tls_endpoint: TLSServer, private_ca: tuple[trustme.CA, Path]
+) -> None:
+    add_endpoint_env(envs, "private", f"{tls_endpoint.url}/score")
+    async with engine.Engine(EngineConfig(environments=envs, ca_bundle=private_ca[1])) as eng:
+        assert await eng.score([item("private"), item("private")]) == [0.75, 0.75]
+    assert len(tls_endpoint.requests) == 2
+
+
+async def test_ca_bundle_trusts_a_private_ca_for_the_judge(
+    envs: Path, private_ca: tuple[trustme.CA, Path], sleeps: SleepRecorder
+) -> None:
+    add_rubric_env(envs, "graded", f"{ARITH}@1")
+    with TLSJudgeServer().serve_with(private_ca[0].issue_cert("127.0.0.1")) as judge:
+        judged = JudgeConfig(base_url=judge.base_url, model="m")
+        untrusted = EngineConfig(environments=envs, rubrics=RUBRICS, judge=judged)
+        async with engine.Engine(untrusted, sleep=sleeps) as eng:
+            with pytest.raises(VerificationError) as info:
+                await eng.score([item("graded", "42", prompt="6 * 7?")])
+        assert "judge request failed: TLS certificate verification failed: " in info.value.reason, info.value.reason
+        assert sleeps.calls == [] and judge.requests == []
+        trusted = EngineConfig(environments=envs, rubrics=RUBRICS, judge=judged, ca_bundle=private_ca[1])
+        async with engine.Engine(trusted) as eng:
+            assert await eng.score([item("graded", "42", prompt="6 * 7?")]) == [1.0]
+        assert len(judge.requests) == 1
+
+
+async def test_ca_bundle_is_added_to_the_default_trust_not_put_in_its_place(
+    envs: Path, tmp_path: Path, private_ca: tuple[trustme.CA, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One engine verifies a server the default trust knows and one only ca_bundle knows.
+
+    The default trust is httpx's: certifi's bundle, or SSL_CERT_FILE when set, which stands for the
+    public CAs here (no test reaches a public server).
+    """
+    public_ca = trustme.CA()
+    public_pem = tmp_path / "public-ca.pem"
+    public_ca.cert_pem.write_to_path(str(public_pem))
+    monkeypatch.setenv("SSL_CERT_FILE", str(public_pem))
+    reward = json_handler(lambda request: {"reward": 0.5})
+    with (
+        TLSServer(reward).serve_with(public_ca.issue_cert("127.0.0.1")) as public,
+        TLSServer(reward).serve_with(private_ca[0].issue_cert("127.0.0.1")) as private,
+    ):
+        add_endpoint_env(envs, "public", f"{public.url}/score")
+        add_endpoint_env(envs, "private", f"{private.url}/score")
+        async with engine.Engine(EngineConfig(environments=envs, ca_bundle=private_ca[1])) as eng:
+            assert await eng.score([item("public"), item("private")]) == [0.5, 0.5]
+
+
+def test_the_context_holds_the_default_bundle_and_the_private_ca(private_ca: tuple[trustme.CA, Path]) -> None:
+    default = httpx.create_ssl_context().cert_store_stats()["x509_ca"]
+    assert default > 1  # certifi's bundle
+    assert ssl_context(private_ca[1]).cert_store_stats()["x509_ca"] == default + 1
+
+
+def test_ca_bundle_is_relative_to_the_config_file(tmp_path: Path, private_ca: tuple[trustme.CA, Path]) -> None:
+    (tmp_path / "conf").mkdir()
+    private_ca[1].rename(tmp_path / "conf" / "ca.pem")
+    path = tmp_path / "conf" / "engine.toml"
+    path.write_text('ca_bundle = "ca.pem"\n')
+    assert load_config(path).ca_bundle == tmp_path / "conf" / "ca.pem"
+
+
+@pytest.mark.parametrize(
+    ("content", "value", "message"),
+    [
+        (None, '"missing.pem"', "ca_bundle: no such file: "),
+        (b"not a certificate\n", '"bad.pem"', "does not load as PEM CA certificates"),
+        (b"", '"bad.pem"', "bad.pem does not load as PEM CA certificates"),
+        (None, '"."', "ca_bundle: not a file: "),
+        (None, "3", "ca_bundle: must be the path of a PEM file of CA certificates, got 3"),
+        (None, '""', "ca_bundle: must be the path of a PEM file"),
+    ],
+)
+def test_a_bad_ca_bundle_is_a_config_error_naming_the_key(
+    tmp_path: Path, content: bytes | None, value: str, message: str
+) -> None:
+    if content is not None:
+        (tmp_path / "bad.pem").write_bytes(content)
+    path = tmp_path / "engine.toml"
+    path.write_text(f"ca_bundle = {value}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).startswith(f"{path}: ca_bundle: "), str(info.value)
+    assert message in str(info.value), str(info.value)
