@@ -27,7 +27,7 @@ import tenacity
 
 from .config import HEADER_VARIABLE, Limits
 from .errors import Scrubber, VerificationError, describe, excerpt
-from .network import credentials_refusal, without_credentials
+from .network import credentials_refusal, read_capped, without_credentials
 from .retry import RETRY_STATUSES, Scrub, Sleep, TransientStatus, is_transient, last_failure, make_retrying
 from .transport import MAX_BODY, TOTAL_TIMEOUT, CallTimeout, PoolTransport, check_size
 from .verifier import check_reward
@@ -165,15 +165,16 @@ class EndpointVerifier:
         return response
 
     async def _foreign(self, request: httpx.Request) -> httpx.Response:
-        """A call through a transport other than the engine's, bounded by one timer (it is not on the hot path)."""
+        """A call through a transport other than the engine's (httpx's own, to a proxy), bounded by one timer.
+
+        Such a transport keeps neither the call's deadline nor its ``max_body``: the timer keeps the
+        one, reading the body a piece at a time under the cap the other (it is not on the hot path).
+        """
         deadline = asyncio.timeout(self._timeout)
         try:
             async with deadline:
                 response = await self._transport.handle_async_request(request)
-                try:
-                    await response.aread()
-                finally:
-                    await response.aclose()
+                response = await read_capped(response, self._max_body, request)
         except TimeoutError:
             if not deadline.expired():
                 raise

@@ -25,7 +25,7 @@ from .endpoint import EndpointVerifier
 from .errors import VerificationError, describe
 from .judge import Judge, RubricVerifier
 from .manifest import Environment, load_environment
-from .network import ssl_context
+from .network import Proxies, Routes, ssl_context
 from .plugin import PluginVerifier
 from .report import BatchResult, VerifierReport
 from .retry import Sleep
@@ -108,6 +108,7 @@ class Engine:
         self.config = config if config is not None else EngineConfig()
         self._injected_transport = transport
         self._transport: httpx.AsyncBaseTransport | None = None
+        self._routes: Routes | None = None
         self._sleep = sleep
         self._client: httpx.AsyncClient | None = None
         self._threads: anyio.CapacityLimiter | None = None
@@ -130,8 +131,14 @@ class Engine:
         # a private CA is added to the default trust; without one the transport makes httpx's default context
         tls = ssl_context(self.config.ca_bundle) if self.config.ca_bundle is not None else None
         self._transport = self._injected_transport or PoolTransport(size, ssl_context=tls)
+        # The environment's proxies, as httpx would honour them for a client without a transport of its
+        # own; an injected transport takes every request, as it would in httpx.
+        proxies = Proxies.from_environment() if self._injected_transport is None else Proxies({})
+        self._routes = Routes(self._transport, proxies, tls=tls, max_connections=size)
+        judge = self.config.judge
         self._client = httpx.AsyncClient(  # httpx sizes only a pool it builds itself: ours is sized above
             transport=self._transport,
+            mounts=self._routes.mounts_for(judge.url) if judge is not None else None,
             timeout=DEFAULT_TIMEOUT,
             follow_redirects=False,
         )
@@ -144,6 +151,7 @@ class Engine:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         client, self._client, self._judge, self._transport = self._client, None, None, None
+        routes, self._routes = self._routes, None
         verifiers = list(self._verifiers.values())
         self._verifiers.clear()
         try:
@@ -154,6 +162,8 @@ class Engine:
         finally:
             if client is not None:
                 await client.aclose()
+            if routes is not None:
+                await routes.aclose()
 
     def environment(self, name: str) -> Environment:
         """The environment called ``name``, loaded once; ``ValueError`` if there is none."""
@@ -198,8 +208,8 @@ class Engine:
                     thread_limiter=self._threads,
                 )
             else:
-                assert self._transport is not None  # set with the client
-                verifier = EndpointVerifier(spec.ref, limits, self._transport, sleep=self._sleep)
+                assert self._routes is not None  # set with the client
+                verifier = EndpointVerifier(spec.ref, limits, self._routes.transport_for(spec.ref), sleep=self._sleep)
             self._verifiers[key] = verifier
         return verifier
 

@@ -36,12 +36,12 @@ import orjson
 import tenacity
 
 from .errors import ConfigError, Scrubber, VerificationError, describe, excerpt
-from .network import without_credentials
+from .network import read_capped, without_credentials
 from .retry import RETRY_STATUSES, Sleep, TransientStatus, last_failure, make_retrying
 from .rubric import Rubric, normalise
 from .scheduler import rate_limiter
 from .trajectory import flatten
-from .transport import MAX_BODY, TOTAL_TIMEOUT, CallTimeout, check_size
+from .transport import MAX_BODY, TOTAL_TIMEOUT, CallTimeout
 
 __all__ = [
     "DEFAULT_JUDGE_MAX_ATTEMPTS",
@@ -404,18 +404,21 @@ class Judge:
         # to each phase in turn.
         extensions = {MAX_BODY: config.max_body, TOTAL_TIMEOUT: config.timeout}
         backstop = asyncio.timeout(config.timeout + BACKSTOP)
+        client = self._client
+        request = client.build_request(
+            "POST", config.url, content=body, headers=headers, timeout=None, extensions=extensions
+        )
         try:
             async with backstop:
-                response = await self._client.post(
-                    config.url, content=body, headers=headers, timeout=None, extensions=extensions
-                )
+                # streamed, so that a transport that does not keep max_body (httpx's own, to a proxy)
+                # is read under the cap too
+                response = await read_capped(await client.send(request, stream=True), config.max_body, request)
         except httpx.ReadTimeout:
             raise CallTimeout(config.timeout) from None
         except TimeoutError:
             if not backstop.expired():
                 raise
             raise CallTimeout(config.timeout) from None
-        check_size(response, config.max_body)  # the engine's transport refused it already; another may not
         if response.status_code in JUDGE_RETRY_STATUSES:
             raise TransientStatus(response, scrub)
         return response

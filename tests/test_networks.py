@@ -19,7 +19,7 @@ import pytest
 import trustme
 from cli_support import make_workspace, row, write_rows
 from conftest import SleepRecorder, add_endpoint_env, add_rubric_env, item
-from httpserver import TestServer, json_handler
+from httpserver import Request, Response, TestServer, json_handler
 from judgeserver import JudgeServer
 
 import engine
@@ -27,7 +27,7 @@ from engine import ConfigError, EngineConfig, Limits, VerificationError, load_co
 from engine.cli import EXIT_BAD_INPUT
 from engine.endpoint import EndpointVerifier
 from engine.judge import JudgeConfig
-from engine.network import ssl_context
+from engine.network import Proxies, ssl_context
 
 RUBRICS = Path(__file__).parent / "rubrics"
 ARITH = "alice/arithmetic-correctness"  # version 1 scores on [0, 1]
@@ -265,3 +265,178 @@ def test_a_bad_ca_bundle_is_a_config_error_naming_the_key(
         load_config(path)
     assert str(info.value).startswith(f"{path}: ca_bundle: "), str(info.value)
     assert message in str(info.value), str(info.value)
+
+
+# --- proxies from the environment -----------------------------------------------------------------
+
+PROXY_VARIABLES = [f"{name}_proxy" for name in ("http", "https", "all", "no")]
+
+
+@pytest.fixture
+def no_proxies(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """No proxy variable set, in either case; set the ones a test wants with the returned monkeypatch."""
+    for name in PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    monkeypatch.delenv("REQUEST_METHOD", raising=False)  # urllib ignores HTTP_PROXY under CGI
+    return monkeypatch
+
+
+class ForwardProxy(TestServer):
+    """A plain HTTP forward proxy: takes ``POST http://host:port/path`` (absolute form) and forwards it.
+
+    ``requests`` holds what it forwarded, each with its absolute URL as ``path``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(self._forward)
+
+    async def _forward(self, request: Request) -> Response:
+        assert request.path.startswith("http://"), request.path  # a proxy is sent the absolute form
+        headers = {k: v for k, v in request.headers.items() if k not in ("host", "proxy-authorization", "connection")}
+        async with httpx.AsyncClient(trust_env=False) as client:
+            answer = await client.request(request.method, request.path, content=request.body, headers=headers)
+        chunked = answer.headers.get("transfer-encoding") == "chunked"  # passed on as it came: no length
+        headers = {"content-type": answer.headers.get("content-type", "")}
+        return Response(answer.status_code, answer.content, headers, chunked=chunked, piece=512)
+
+
+@pytest.fixture
+def proxy() -> Iterator[ForwardProxy]:
+    with ForwardProxy() as server:
+        yield server
+
+
+@pytest.fixture
+def target(envs: Path) -> Iterator[TestServer]:
+    """An endpoint (environment ``remote``) answering each item's task's ``r`` as its reward."""
+    with TestServer(json_handler(lambda request: {"reward": request.json()["task"]["r"]})) as server:
+        add_endpoint_env(envs, "remote", f"{server.url}/score")
+        yield server
+
+
+async def test_an_endpoint_goes_through_the_proxy_the_environment_names(
+    envs: Path, proxy: ForwardProxy, target: TestServer, no_proxies: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="engine")
+    no_proxies.setenv("HTTP_PROXY", proxy.url.replace("://", f"://bob:{SECRET}@"))
+    async with engine.Engine(EngineConfig(environments=envs)) as eng:
+        assert await eng.score([item("remote", r=r) for r in (0.25, 0.5, 1)]) == [0.25, 0.5, 1.0]
+    assert sorted(request.path for request in proxy.requests) == [f"{target.url}/score"] * 3
+    assert len(target.requests) == 3
+    assert all(request.headers["proxy-authorization"].startswith("Basic ") for request in proxy.requests)
+    lines = [record.getMessage() for record in caplog.records]
+    assert f"requests to http:// URLs go through the proxy {proxy.url} (HTTP_PROXY)" in lines, lines
+    assert lines.count(f"{target.url} is reached through the proxy {proxy.url}") == 1, lines
+    assert not leaked(caplog.text)
+
+
+@pytest.mark.parametrize("no_proxy", ["127.0.0.1", "localhost,127.0.0.1", "*", "example.com, 127.0.0.1"])
+async def test_an_endpoint_no_proxy_covers_is_called_directly(
+    envs: Path, proxy: ForwardProxy, target: TestServer, no_proxies: pytest.MonkeyPatch, no_proxy: str
+) -> None:
+    no_proxies.setenv("HTTP_PROXY", proxy.url)
+    no_proxies.setenv("no_proxy", no_proxy)
+    async with engine.Engine(EngineConfig(environments=envs)) as eng:
+        assert await eng.score([item("remote", r=0.5)]) == [0.5]
+    assert proxy.requests == [] and len(target.requests) == 1
+
+
+async def test_all_proxy_is_used_and_https_proxy_is_not_for_http(
+    envs: Path, proxy: ForwardProxy, target: TestServer, no_proxies: pytest.MonkeyPatch
+) -> None:
+    no_proxies.setenv("HTTPS_PROXY", "http://127.0.0.1:9")  # for https:// URLs only: never used here
+    no_proxies.setenv("all_proxy", proxy.url)
+    async with engine.Engine(EngineConfig(environments=envs)) as eng:
+        assert await eng.score([item("remote", r=0.5)]) == [0.5]
+    assert len(proxy.requests) == 1
+
+
+async def test_a_proxied_call_keeps_max_body_and_the_whole_call_timeout(
+    envs: Path, proxy: ForwardProxy, no_proxies: pytest.MonkeyPatch, sleeps: SleepRecorder
+) -> None:
+    async def big_or_never(request: Request) -> Response:
+        task = request.json()["task"]
+        if task.get("hang"):
+            await asyncio.sleep(60)  # cancelled when the caller gives up
+        big = Response.json({"reward": 1, "padding": "x" * 4096})
+        big.chunked = bool(task.get("chunked"))  # no length announced: the body is cut off as it grows
+        return big
+
+    no_proxies.setenv("HTTP_PROXY", proxy.url)
+    with TestServer(big_or_never) as server:
+        url = f"{server.url}/score"
+        add_endpoint_env(envs, "remote", url)
+        config = EngineConfig(environments=envs, refs={url: Limits(max_body=1024, timeout=0.5)})
+        async with engine.Engine(config, sleep=sleeps) as eng:
+            with pytest.raises(VerificationError) as big:
+                await eng.score([item("remote")])
+            with pytest.raises(VerificationError) as grown:
+                await eng.score([item("remote", chunked=True)])
+            with pytest.raises(VerificationError) as hung:
+                await eng.score([item("remote", hang=True)])
+    assert "response body of 4121 bytes is over the 1 KiB limit (max_body)" in big.value.reason, big.value.reason
+    assert "response body over the 1 KiB limit (max_body)" in grown.value.reason, grown.value.reason
+    assert "timeout: 0.5 s for the whole call" in hung.value.reason, hung.value.reason
+    assert len(proxy.requests) == 3 and sleeps.calls == []
+
+
+async def test_the_judge_goes_through_the_proxy_unless_no_proxy_covers_it(
+    envs: Path, proxy: ForwardProxy, no_proxies: pytest.MonkeyPatch
+) -> None:
+    add_rubric_env(envs, "graded", f"{ARITH}@1")
+    no_proxies.setenv("HTTP_PROXY", proxy.url)
+    with JudgeServer() as judge:
+        config = EngineConfig(environments=envs, rubrics=RUBRICS, judge=JudgeConfig(base_url=judge.base_url, model="m"))
+        async with engine.Engine(config) as eng:
+            assert await eng.score([item("graded", "42", prompt="6 * 7?")]) == [1.0]
+        assert [request.path for request in proxy.requests] == [f"{judge.base_url}/chat/completions"]
+        no_proxies.setenv("NO_PROXY", "127.0.0.1")
+        async with engine.Engine(config) as eng:
+            assert await eng.score([item("graded", "42", prompt="6 * 7?")]) == [1.0]
+        assert len(proxy.requests) == 1 and len(judge.requests) == 2
+
+
+async def test_a_proxy_httpx_cannot_use_is_a_config_error_at_open(envs: Path, no_proxies: pytest.MonkeyPatch) -> None:
+    no_proxies.setenv("HTTPS_PROXY", f"ftp://carol:{SECRET}@127.0.0.1:21")
+    with pytest.raises(ConfigError) as info:
+        async with engine.Engine(EngineConfig(environments=envs)):
+            pass
+    message = str(info.value)
+    assert message.startswith("HTTPS_PROXY (or https_proxy) names a proxy httpx cannot use, ftp://127.0.0.1:21: ")
+    assert not leaked(message)
+
+
+@pytest.mark.parametrize(
+    ("no_proxy", "host", "direct"),
+    [
+        ("example.com", "example.com", True),
+        ("example.com", "www.example.com", True),
+        ("example.com", "wwwexample.com", False),
+        (".example.com", "example.com", False),
+        (".example.com", "www.example.com", True),
+        ("localhost", "localhost", True),
+        ("localhost", "127.0.0.1", False),  # as httpx: a loopback address is proxied unless NO_PROXY names it
+        ("::1", "[::1]", True),
+        ("example.com:8080", "example.com:8080", True),
+        ("example.com:8080", "example.com", False),
+        ("http://example.com", "example.com", True),
+        ("", "127.0.0.1", False),
+    ],
+)
+def test_no_proxy_is_read_as_httpx_reads_it(
+    no_proxies: pytest.MonkeyPatch, no_proxy: str, host: str, direct: bool
+) -> None:
+    no_proxies.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
+    no_proxies.setenv("NO_PROXY", no_proxy)
+    url = f"http://{host}/score"
+    ours = Proxies.from_environment().proxy_for(httpx.URL(url))
+    assert ours == (None if direct else "http://proxy.invalid:3128")
+    # httpx itself, on a client that reads the environment, agrees
+    client = httpx.Client()
+    try:
+        proxied = client._transport_for_url(httpx.URL(url)) is not client._transport
+    finally:
+        client.close()
+    assert proxied is not direct

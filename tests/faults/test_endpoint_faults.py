@@ -340,7 +340,7 @@ async def test_an_endless_head_is_cut_off(remote: Remote, sleeps: SleepRecorder)
 
 
 async def test_a_transport_of_ones_own_is_bounded_too(remote: Remote, sleeps: SleepRecorder) -> None:
-    """``Engine(transport=...)`` with httpx's own transport: one timer bounds the call, the size is checked after."""
+    """``Engine(transport=...)`` with httpx's own transport: one timer bounds a call, its body is read under the cap."""
 
     async def hang(request: Request) -> Response:
         await asyncio.sleep(30)
@@ -355,7 +355,7 @@ async def test_a_transport_of_ones_own_is_bounded_too(remote: Remote, sleeps: Sl
         remote.handler.fault = Response(200, b'{"reward": 1.0}' + b" " * 2000)
         with pytest.raises(VerificationError) as info:
             await eng.run(BATCH)
-        check(info.value, remote.url, "response body over the 1000 bytes limit (max_body)")
+        check(info.value, remote.url, "response body of 2015 bytes is over the 1000 bytes limit (max_body)")
     await all_closed(remote.server)
 
 
