@@ -32,6 +32,7 @@ from types import MappingProxyType
 from typing import Any
 
 from .errors import ConfigError
+from .headers import check_headers
 from .judge import JudgeConfig
 from .network import ca_bundle_problem, credentials_refusal, without_credentials
 
@@ -61,34 +62,14 @@ DEFAULT_RUBRICS = "rubrics"
 
 DIGEST_PATTERN = re.compile(r"sha256:[0-9a-f]{64}")
 _JUDGE_CALL_KEYS = ("timeout", "max_attempts", "retry_deadline", "max_body")
-HEADER_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")  # ${NAME} in a header's value
-_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
-# the engine sets these itself: they frame the request, or say what the engine can read back
-_ENGINE_HEADERS = frozenset(
-    {"host", "content-length", "transfer-encoding", "connection", "upgrade", "content-type", "accept-encoding"}
-)
-
 
 def _is_endpoint_key(key: str) -> bool:
     return key[:8].lower().startswith(("http://", "https://"))
 
 
 def _check_headers(value: Any, key: str, source: Path | None) -> Mapping[str, str]:
-    """A refs table's ``headers``, validated: names are HTTP tokens, values name environment variables."""
-    if not isinstance(value, Mapping):
-        raise _fail(source, key, 'must be a table of header name = "...${VARIABLE}..."')
-    for name, template in value.items():
-        where = f"{key}.{name}"
-        if not isinstance(name, str) or not _HEADER_NAME.fullmatch(name):
-            raise _fail(source, where, "is not a valid HTTP header name")
-        if name.lower() in _ENGINE_HEADERS:
-            raise _fail(source, where, "is set by the engine itself")
-        # never echo the value: someone may have pasted a token itself here
-        if not isinstance(template, str) or not HEADER_VARIABLE.search(template):
-            raise _fail(source, where, "must name an environment variable as ${NAME} (a secret never goes here)")
-        if "$" in HEADER_VARIABLE.sub("", template) or not template.isprintable():
-            raise _fail(source, where, "may hold text and ${NAME} variables only (no other '$', no control characters)")
-    return MappingProxyType(dict(value))
+    """A refs table's ``headers``, validated (``engine.headers``); errors name the file and the key."""
+    return check_headers(value, lambda subkey, message: _fail(source, f"{key}{subkey}", message))
 
 
 def _is_rubric_key(key: str) -> bool:

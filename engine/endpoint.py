@@ -15,8 +15,6 @@ from environment variables, read at each call; their values never appear in an e
 from __future__ import annotations
 
 import asyncio
-import os
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,8 +23,9 @@ import httpx
 import orjson
 import tenacity
 
-from .config import HEADER_VARIABLE, Limits
+from .config import Limits
 from .errors import Scrubber, VerificationError, describe, excerpt
+from .headers import fill_headers
 from .network import credentials_refusal, read_capped, without_credentials
 from .retry import RETRY_STATUSES, Scrub, Sleep, TransientStatus, is_transient, last_failure, make_retrying
 from .transport import MAX_BODY, TOTAL_TIMEOUT, CallTimeout, PoolTransport, check_size
@@ -131,24 +130,8 @@ class EndpointVerifier:
 
     def _headers(self) -> tuple[dict[str, str], Scrub]:
         """This call's headers, their variables read now, and what scrubs the variables' values from text."""
-        headers = dict(HEADERS)
-        secrets: list[str] = []
-        for name, template in self._templates:
-
-            def value(match: re.Match[str], name: str = name) -> str:
-                variable = match[1]
-                text = os.environ.get(variable, "")
-                if not text:
-                    raise self._fail(f"header {name}: environment variable {variable} is not set (or empty)")
-                if not (text.isascii() and text.isprintable()):  # a line break would end the header early
-                    raise self._fail(
-                        f"header {name}: environment variable {variable} holds characters a header cannot carry"
-                    )
-                secrets.append(text)
-                return text
-
-            headers[name] = HEADER_VARIABLE.sub(value, template)
-        return headers, Scrubber(secrets)
+        extra, secrets = fill_headers(self._templates, self._fail)
+        return {**HEADERS, **extra}, Scrubber(secrets)
 
     async def _post(self, body: bytes, headers: Mapping[str, str], scrub: Scrub | None) -> httpx.Response:
         request = httpx.Request("POST", self._url, content=body, headers=headers, extensions=self._extensions)

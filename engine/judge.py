@@ -26,7 +26,7 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ import orjson
 import tenacity
 
 from .errors import ConfigError, Scrubber, VerificationError, describe, excerpt
+from .headers import check_headers, fill_headers
 from .network import read_capped, without_credentials
 from .retry import RETRY_STATUSES, Sleep, TransientStatus, last_failure, make_retrying
 from .rubric import Rubric, normalise
@@ -280,6 +281,9 @@ class JudgeConfig:
     retry_deadline: float = DEFAULT_JUDGE_RETRY_DEADLINE
     max_body: int = DEFAULT_JUDGE_MAX_BODY
     response_format: bool = True  # send response_format={"type": "json_object"}
+    # extra headers whose values name environment variables (``engine.headers``), for a judge behind
+    # a gateway that wants more than a Bearer key; not hashed, a mapping is not hashable
+    headers: Mapping[str, str] = field(default_factory=dict, hash=False)
     source: Path | None = None  # the file this came from, for messages
 
     def __post_init__(self) -> None:
@@ -289,7 +293,9 @@ class JudgeConfig:
                 src,
                 "base_url",
                 "the URL carries credentials (user:password@), which would be logged with every request; "
-                f"use {plain} and name the variable holding the key in api_key_env (sent as a Bearer token)",
+                f"use {plain} and send them in a header read from an environment variable: "
+                'headers = { Authorization = "Basic ${JUDGE_AUTH}" } (the variable holding base64 of '
+                "user:password), or name the variable holding an API key in api_key_env (sent as a Bearer token)",
             )
         if not isinstance(self.base_url, str) or not re.fullmatch(r"https?://[^\s/?#]+[^\s?#]*", self.base_url):
             raise _fail(src, "base_url", f"must be an http:// or https:// URL, got {self.base_url!r}")
@@ -316,6 +322,10 @@ class JudgeConfig:
         object.__setattr__(self, "temperature", float(self.temperature))
         if not isinstance(self.response_format, bool):
             raise _fail(src, "response_format", f"must be true or false, got {self.response_format!r}")
+        headers = check_headers(self.headers, lambda subkey, message: _fail(src, f"headers{subkey}", message))
+        if self.api_key_env is not None and any(name.lower() == "authorization" for name in headers):
+            raise _fail(src, "headers.Authorization", "api_key_env sends it already: set one or the other")
+        object.__setattr__(self, "headers", headers)
 
     @property
     def url(self) -> str:
@@ -367,14 +377,22 @@ class Judge:
         return self._usage.copy()
 
     def _headers(self, ref: str) -> tuple[dict[str, str], Scrubber | None]:
-        """The request's headers, and what scrubs the API key (if there is one) from messages."""
-        name = self.config.api_key_env
-        if name is None:
+        """The request's headers, and what scrubs the API key and header variables (if any) from messages."""
+        config = self.config
+        name = config.api_key_env
+        if name is None and not config.headers:
             return _HEADERS, None
-        key = os.environ.get(name, "")
-        if not key:
-            raise VerificationError("rubric", ref, f"the judge's API key variable {name} is not set (or empty)")
-        return {**_HEADERS, "authorization": f"Bearer {key}"}, Scrubber([key])
+        headers, secrets = fill_headers(
+            config.headers.items(), lambda reason: VerificationError("rubric", ref, f"the judge's {reason}")
+        )
+        headers = {**_HEADERS, **headers}
+        if name is not None:
+            key = os.environ.get(name, "")
+            if not key:
+                raise VerificationError("rubric", ref, f"the judge's API key variable {name} is not set (or empty)")
+            headers["authorization"] = f"Bearer {key}"
+            secrets.append(key)
+        return headers, Scrubber(secrets)
 
     def _body(self, rubric: Rubric, task: Mapping[str, Any], trajectory: Any) -> bytes:
         config = self.config

@@ -88,7 +88,8 @@ def test_a_judge_base_url_with_credentials_is_refused_without_echoing_it(tmp_pat
         load_config(path)
     message = str(info.value)
     assert message.startswith(f"{path}: judge.base_url: the URL carries credentials"), message
-    assert "use https://judge.example/v1 and name the variable holding the key in api_key_env" in message
+    assert 'use https://judge.example/v1 and send them in a header read from an environment variable: ' in message
+    assert 'headers = { Authorization = "Basic ${JUDGE_AUTH}" }' in message, message
     assert not leaked(message, repr(info.value))
 
 
@@ -100,6 +101,51 @@ def test_a_judge_config_built_in_code_refuses_credentials_too(quiet_logs: pytest
             JudgeConfig(base_url=base_url, model="m")
         assert judge.requests == []
     assert not leaked(str(info.value), repr(info.value), quiet_logs.text)
+
+
+async def test_the_judge_sends_basic_auth_from_a_header_variable_and_never_shows_it(
+    envs: Path, monkeypatch: pytest.MonkeyPatch, quiet_logs: pytest.LogCaptureFixture
+) -> None:
+    """What the refusal points at: ``[judge] headers``, read at each call and scrubbed from messages."""
+    add_rubric_env(envs, "graded", f"{ARITH}@1")
+    monkeypatch.delenv("ENGINE_TEST_JUDGE_AUTH", raising=False)
+    echo = Response.json({"error": {"message": f"bad credentials {SECRET}"}}, 403)
+    with JudgeServer(echo) as judge:
+        headers = {"Authorization": "Basic ${ENGINE_TEST_JUDGE_AUTH}"}
+        config = EngineConfig(
+            environments=envs, rubrics=RUBRICS, judge=JudgeConfig(base_url=judge.base_url, model="m", headers=headers)
+        )
+        async with engine.Engine(config) as eng:
+            with pytest.raises(VerificationError) as unset:
+                await eng.score([item("graded", "42", prompt="6 * 7?")])
+            assert judge.requests == []
+            monkeypatch.setenv("ENGINE_TEST_JUDGE_AUTH", SECRET)
+            with pytest.raises(VerificationError) as echoed:
+                await eng.score([item("graded", "42", prompt="6 * 7?")])
+            assert await eng.score([item("graded", "42", prompt="6 * 7?")]) == [1.0]
+        assert [request.headers["authorization"] for request in judge.requests] == [f"Basic {SECRET}"] * 2
+    assert "the judge's header Authorization: environment variable ENGINE_TEST_JUDGE_AUTH is not set" in str(
+        unset.value
+    )
+    assert "judge answered HTTP 403" in echoed.value.reason and "[redacted]" in echoed.value.reason
+    assert not leaked(str(echoed.value), repr(echoed.value), quiet_logs.text)
+
+
+@pytest.mark.parametrize(
+    ("headers", "key", "message"),
+    [
+        ({"Authorization": f"Basic {SECRET}"}, "judge.headers.Authorization", "must name an environment variable"),
+        ({"Host": "${H}"}, "judge.headers.Host", "is set by the engine itself"),
+        ({"Authorization": "Bearer ${K}"}, "judge.headers.Authorization", "api_key_env sends it already"),
+        ("x", "judge.headers", "must be a table"),
+    ],
+)
+def test_bad_judge_headers_are_refused_naming_the_key(headers: object, key: str, message: str) -> None:
+    table = {"base_url": "http://h/v1", "model": "m", "api_key_env": "KEY", "headers": headers}
+    with pytest.raises(ConfigError) as info:
+        JudgeConfig.from_table(table, Path("engine.toml"))
+    assert str(info.value).startswith(f"engine.toml: {key}: "), str(info.value)
+    assert message in str(info.value) and not leaked(str(info.value)), str(info.value)
 
 
 def test_a_refs_key_with_credentials_is_refused_without_echoing_it(tmp_path: Path) -> None:

@@ -1,0 +1,69 @@
+"""Extra request headers whose values name environment variables: ``Authorization = "Basic ${VERIFIER_AUTH}"``.
+
+An endpoint's ``[refs."<url>"]`` table and the ``[judge]`` table may send such headers. Every value
+names at least one variable (the config itself never holds a secret); the variables are read at
+each call, and their values are scrubbed from every message. This module checks the templates
+when the config is built and fills them in at call time, for both.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+__all__ = ["HEADER_VARIABLE", "check_headers", "fill_headers"]
+
+HEADER_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")  # ${NAME} in a header's value
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+# the engine sets these itself: they frame the request, or say what the engine can read back
+_ENGINE_HEADERS = frozenset(
+    {"host", "content-length", "transfer-encoding", "connection", "upgrade", "content-type", "accept-encoding"}
+)
+
+
+def check_headers(value: Any, fail: Callable[[str, str], Exception]) -> Mapping[str, str]:
+    """A read-only copy of a ``headers`` table, validated: names are HTTP tokens, values name variables.
+
+    ``fail(subkey, message)`` builds the error for a bad entry (``subkey`` is "" for the table itself).
+    """
+    if not isinstance(value, Mapping):
+        raise fail("", 'must be a table of header name = "...${VARIABLE}..."')
+    for name, template in value.items():
+        if not isinstance(name, str) or not _HEADER_NAME.fullmatch(name):
+            raise fail(f".{name}", "is not a valid HTTP header name")
+        if name.lower() in _ENGINE_HEADERS:
+            raise fail(f".{name}", "is set by the engine itself")
+        # never echo the value: someone may have pasted a token itself here
+        if not isinstance(template, str) or not HEADER_VARIABLE.search(template):
+            raise fail(f".{name}", "must name an environment variable as ${NAME} (a secret never goes here)")
+        if "$" in HEADER_VARIABLE.sub("", template) or not template.isprintable():
+            raise fail(f".{name}", "may hold text and ${NAME} variables only (no other '$', no control characters)")
+    return MappingProxyType(dict(value))
+
+
+def fill_headers(
+    templates: Iterable[tuple[str, str]], fail: Callable[[str], Exception]
+) -> tuple[dict[str, str], list[str]]:
+    """The headers with their variables read now, and the values read (the secrets to scrub from messages).
+
+    ``fail(reason)`` builds the error for a variable that is unset, empty, or not fit for a header.
+    """
+    headers: dict[str, str] = {}
+    secrets: list[str] = []
+    for name, template in templates:
+
+        def value(match: re.Match[str], name: str = name) -> str:
+            variable = match[1]
+            text = os.environ.get(variable, "")
+            if not text:
+                raise fail(f"header {name}: environment variable {variable} is not set (or empty)")
+            if not (text.isascii() and text.isprintable()):  # a line break would end the header early
+                raise fail(f"header {name}: environment variable {variable} holds characters a header cannot carry")
+            secrets.append(text)
+            return text
+
+        headers[name] = HEADER_VARIABLE.sub(value, template)
+    return headers, secrets
