@@ -17,7 +17,10 @@ An endpoint's refs table may also send headers, whose values name environment va
 
 Every value names at least one variable (the config itself never holds a secret); the variables
 are read at call time, and their values are scrubbed from every error message. Headers belong to
-one endpoint, never to ``[defaults]``, so a token is only sent where it is meant to go.
+one endpoint (or to ``[judge]``), never to ``[defaults]``, so a token is only sent where it is
+meant to go. A URL with credentials in it is refused (``engine.network``): they go in a header.
+
+``ca_bundle`` names a PEM file of CA certificates trusted for HTTPS on top of the default trust.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ reasoning parser (vLLM and SGLang: ``--reasoning-parser``), which moves it to ``
 The judge has its own concurrency and rate limits, shared by every rubric it grades, because
 judge APIs have request quotas of their own. Throttling (429) and server errors (5xx) are retried
 with backoff, honouring ``Retry-After``, within a bounded budget. The API key is read from the
-environment variable the config names, on every request; it is never stored or logged, and a
-reply that echoes it has it scrubbed before any of the reply goes into a message.
+environment variable the config names, on every request, as are the variables of ``headers``
+(``engine.headers``); they are never stored or logged, and a reply that echoes one has it
+scrubbed before any of the reply goes into a message.
 
 Every request is bounded like an endpoint's: ``timeout`` seconds for the whole request (not per
 phase), and ``max_body`` bytes of reply (1 MiB by default), refused rather than read past.
