@@ -2,7 +2,8 @@
 
 For every directory under the configured environments: the manifest is valid; the digest
 matches its pin (required for plugins unless ``allow_unpinned``); a plugin imports and names a
-callable; an endpoint's host accepts a TCP connection; a rubric resolves and a judge is configured.
+callable; an endpoint's host (or the proxy the environment names for it) accepts a TCP
+connection; a rubric resolves and a judge is configured.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import anyio
+import httpx
 
 from .config import EngineConfig
 from .digest import digest_directory
 from .engine import Engine
 from .errors import EngineError, ManifestError
 from .manifest import load_environment
+from .network import Proxies
 from .plugin import PluginVerifier
 
 __all__ = ["CONNECT_TIMEOUT", "EnvironmentCheck", "check_environments"]
@@ -42,18 +45,21 @@ class EnvironmentCheck:
         return all(value in ("ok", "-") for value in (self.manifest, self.digest, self.verifier))
 
 
-async def _reachable(url: str) -> str:
-    parts = urlsplit(url)
+async def _reachable(url: str, proxies: Proxies) -> str:
+    """"ok" if the endpoint's host accepts a connection (or its proxy's, for a URL the environment proxies)."""
+    proxy = proxies.proxy_for(httpx.URL(url))
+    parts = urlsplit(proxy or url)
     port = parts.port or (443 if parts.scheme == "https" else 80)
+    what = "the proxy " if proxy is not None else ""
     try:
         with anyio.fail_after(CONNECT_TIMEOUT):
             stream = await anyio.connect_tcp(parts.hostname or "", port)
     except TimeoutError:
-        return f"no answer from {parts.hostname}:{port} within {CONNECT_TIMEOUT:g} s"
+        return f"no answer from {what}{parts.hostname}:{port} within {CONNECT_TIMEOUT:g} s"
     except OSError as exc:
         # anyio sums up every address it tried as "All connection attempts failed"; the cause says why
         cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
-        return f"cannot connect to {parts.hostname}:{port}: {cause.strerror or cause}"
+        return f"cannot connect to {what}{parts.hostname}:{port}: {cause.strerror or cause}"
     await stream.aclose()
     return "ok"
 
@@ -76,6 +82,7 @@ async def check_environments(*, config: EngineConfig) -> list[EnvironmentCheck]:
     if not root.is_dir():
         raise ManifestError(f"{root}: the environments directory does not exist")
     checks = []
+    proxies = Proxies.from_environment()  # as the engine reads them
     async with Engine(config) as engine:
         for path in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))):
             try:
@@ -101,7 +108,7 @@ async def check_environments(*, config: EngineConfig) -> list[EnvironmentCheck]:
                         assert isinstance(verifier, PluginVerifier)
                         await verifier.load()
                 elif env.verifier.kind == "endpoint":
-                    verdict = await _reachable(env.verifier.ref)
+                    verdict = await _reachable(env.verifier.ref, proxies)
                 else:
                     verdict = _rubric_verdict(engine, env.verifier.ref)
             except EngineError as exc:

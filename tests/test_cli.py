@@ -444,6 +444,21 @@ def test_check_fails_with_a_table_of_what_cannot_score(tmp_path: Path, refused_p
     assert set(result.stderr.split("cannot score: ")[-1].replace(",", " ").split()) == set(failing)
 
 
+def test_check_tries_the_proxy_the_environment_names_for_an_endpoint(tmp_path: Path, refused_port: int) -> None:
+    with TestServer(endpoint) as server:  # reachable directly, but the environment says: through the proxy
+        space = make_workspace(tmp_path)
+        add_endpoint_env(space.envs, "remote", f"{server.url}/score")
+        # either case, so that none inherited from the test's own environment wins (lowercase does, in urllib)
+        url = f"http://127.0.0.1:{refused_port}"
+        proxy = {"HTTP_PROXY": url, "http_proxy": url, "NO_PROXY": "", "no_proxy": ""}
+        proxied = space.run("check", "--config", space.config, env=proxy)
+        direct = space.run("check", "--config", space.config, env={**proxy, "no_proxy": "127.0.0.1"})
+    assert proxied.returncode == EXIT_VERIFICATION, proxied.stderr
+    cells = check_row(proxied.stdout, "remote")
+    assert squeezed(f"cannot connect to the proxy 127.0.0.1:{refused_port}") in squeezed(cells[5]), cells
+    assert direct.returncode == EXIT_OK, direct.stdout + direct.stderr
+
+
 def test_check_without_pins_or_judge_says_what_to_add(tmp_path: Path) -> None:
     space = make_workspace(tmp_path, PLUGIN_ENV)
     space.config.write_text('environments = "envs"\n')  # allow_unpinned defaults to false; no [judge]
