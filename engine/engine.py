@@ -1,8 +1,9 @@
 """The engine: resolves each item's environment to its verifier, and scores batches.
 
 ``Engine`` is the async API; ``engine.blocking.BlockingEngine`` wraps it for synchronous trainers.
-One engine owns one ``httpx.AsyncClient`` (one connection pool), one thread pool limiter for sync
-plugins, and the live limits of every verifier, all shared by every batch it scores.
+One engine owns one ``httpx.AsyncClient`` (one connection pool, and httpx's own pools to any
+proxies the environment names: ``engine.network``), one thread pool limiter for sync plugins, and
+the live limits of every verifier, all shared by every batch it scores.
 """
 
 from __future__ import annotations
@@ -130,11 +131,13 @@ class Engine:
         size = self.config.max_in_flight
         # a private CA is added to the default trust; without one the transport makes httpx's default context
         tls = ssl_context(self.config.ca_bundle) if self.config.ca_bundle is not None else None
-        self._transport = self._injected_transport or PoolTransport(size, ssl_context=tls)
+        transport = self._injected_transport or PoolTransport(size, ssl_context=tls)
         # The environment's proxies, as httpx would honour them for a client without a transport of its
-        # own; an injected transport takes every request, as it would in httpx.
+        # own; an injected transport takes every request, as it would in httpx. (A proxy httpx cannot
+        # use is a ConfigError here, before the engine holds anything.)
         proxies = Proxies.from_environment() if self._injected_transport is None else Proxies({})
-        self._routes = Routes(self._transport, proxies, tls=tls, max_connections=size)
+        self._routes = Routes(transport, proxies, tls=tls, max_connections=size)
+        self._transport = transport
         judge = self.config.judge
         self._client = httpx.AsyncClient(  # httpx sizes only a pool it builds itself: ours is sized above
             transport=self._transport,
