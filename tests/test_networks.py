@@ -1,7 +1,7 @@
 """How the engine reaches its servers: URLs with credentials, private CAs over real TLS, proxies from the environment.
 
 Every server is real and on 127.0.0.1: endpoints and judges (``tests/httpserver.py``), a TLS server
-whose certificate a test CA made with ``trustme`` signed, and a minimal HTTP forward proxy that
+with a certificate signed by a test CA (made with ``trustme``), and a minimal HTTP forward proxy that
 counts what it forwards.
 """
 
@@ -42,7 +42,7 @@ def leaked(*texts: str) -> bool:
 
 
 @pytest.fixture
-def quiet_logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+def all_logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
     """Every record of the engine's and httpx's loggers, down to DEBUG."""
     caplog.set_level(logging.DEBUG, logger="engine")
     caplog.set_level(logging.DEBUG, logger="httpx")
@@ -50,7 +50,7 @@ def quiet_logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
 
 
 async def test_an_endpoint_url_with_credentials_is_refused_and_never_shown(
-    envs: Path, quiet_logs: pytest.LogCaptureFixture
+    envs: Path, all_logs: pytest.LogCaptureFixture
 ) -> None:
     with TestServer(json_handler(lambda request: {"reward": 1.0})) as server:
         plain = f"{server.url}/score"
@@ -63,7 +63,7 @@ async def test_an_endpoint_url_with_credentials_is_refused_and_never_shown(
     message = str(err)
     assert "field 'verifier.ref': the URL carries credentials" in message, message
     assert f'[refs."{plain}"] headers = {{ Authorization = "Basic ${{VERIFIER_AUTH}}" }}' in message, message
-    assert not leaked(message, repr(err), quiet_logs.text, *(r.getMessage() for r in quiet_logs.records))
+    assert not leaked(message, repr(err), all_logs.text, *(r.getMessage() for r in all_logs.records))
 
 
 def test_the_command_line_refuses_it_and_writes_no_reward(tmp_path: Path) -> None:
@@ -93,18 +93,18 @@ def test_a_judge_base_url_with_credentials_is_refused_without_echoing_it(tmp_pat
     assert not leaked(message, repr(info.value))
 
 
-def test_a_judge_config_built_in_code_refuses_credentials_too(quiet_logs: pytest.LogCaptureFixture) -> None:
+def test_a_judge_config_built_in_code_refuses_credentials_too(all_logs: pytest.LogCaptureFixture) -> None:
     """httpx would have sent them, and logged the URL, password and all, at INFO with every request."""
     with JudgeServer() as judge:
         base_url = judge.base_url.replace("://", f"://alice:{SECRET}@")
         with pytest.raises(ConfigError) as info:
             JudgeConfig(base_url=base_url, model="m")
         assert judge.requests == []
-    assert not leaked(str(info.value), repr(info.value), quiet_logs.text)
+    assert not leaked(str(info.value), repr(info.value), all_logs.text)
 
 
 async def test_the_judge_sends_basic_auth_from_a_header_variable_and_never_shows_it(
-    envs: Path, monkeypatch: pytest.MonkeyPatch, quiet_logs: pytest.LogCaptureFixture
+    envs: Path, monkeypatch: pytest.MonkeyPatch, all_logs: pytest.LogCaptureFixture
 ) -> None:
     """What the refusal points at: ``[judge] headers``, read at each call and scrubbed from messages."""
     add_rubric_env(envs, "graded", f"{ARITH}@1")
@@ -128,7 +128,7 @@ async def test_the_judge_sends_basic_auth_from_a_header_variable_and_never_shows
         unset.value
     )
     assert "judge answered HTTP 403" in echoed.value.reason and "[redacted]" in echoed.value.reason
-    assert not leaked(str(echoed.value), repr(echoed.value), quiet_logs.text)
+    assert not leaked(str(echoed.value), repr(echoed.value), all_logs.text)
 
 
 @pytest.mark.parametrize(
