@@ -13,9 +13,10 @@ paid for the trainer script's module-level imports (a model library: seconds, an
 MiB), and a script without ``if __name__ == "__main__":`` could not use workers at all. A worker
 imports only the engine and the plugin. It
 
-1. says it is up, then checks the environment directory's digest against the one the engine
-   vetted (a file changed since is refused, nothing is imported), imports the plugin from its
-   source files (``engine.importer``), and says it is ready or why it cannot be;
+1. says it is up, receives from the engine the snapshot of the environment's sources that the
+   engine vetted (``engine.digest``), imports the plugin from it (``engine.importer``: never from
+   the disk, so a file changed since the check does not run), and says it is ready or why it
+   cannot be;
 2. then serves *chunks*: a list of ``(task, trajectory)`` pairs in, one message out: the rewards
    (already checked to be finite floats) and what the calls cost, or the position in the chunk of
    the first item that failed and why. A plugin's exception travels as text (its type, message
@@ -70,7 +71,7 @@ from typing import Any, TypeVar
 
 import anyio
 
-from .digest import digest_directory
+from .digest import Snapshot
 from .errors import describe
 from .importer import PluginLoadError, load_callable
 from .verifier import BadReward, as_rewards
@@ -233,22 +234,14 @@ def _worker_main(conn: Connection, progress: memoryview[float], spec: PluginSpec
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; the engine stops us
     conn.send(("started",))
     try:
-        digest = digest_directory(spec.root)
-        if digest != spec.digest:
-            conn.send((
-                "failed",
-                f"environment {spec.environment!r} changed after the engine vetted it: its digest is {digest}, "
-                f"it was vetted at {spec.digest}; the worker imported nothing",
-                None,
-            ))
-            return
-        fn = load_callable(Path(spec.root), spec.environment, spec.ref)
+        sources = conn.recv()  # the sources the engine hashed and vetted at spec.digest: never re-read from disk
+    except EOFError:  # the engine gave up on this worker
+        return
+    try:
+        fn = load_callable(Snapshot(Path(spec.root), spec.digest, sources), spec.environment, spec.ref)
     except PluginLoadError as exc:
         cause = exc.__cause__
         conn.send(("failed", exc.reason, _described(cause) if cause is not None else None))
-        return
-    except OSError as exc:  # the directory cannot be read
-        conn.send(("failed", f"cannot check the environment's digest: {describe(exc)}", None))
         return
     call = _caller(fn)
     conn.send(("ready",))
@@ -373,10 +366,14 @@ class _Worker:
     one at a time and owns the pipe while one runs (a thread per worker, not one per call: starting
     a thread costs more than the round trip). ``kill`` may be called from any thread at any time;
     the running job then sees the process die and closes it, which also ends the thread.
+
+    ``sources`` is the snapshot of the environment's sources the engine vetted: the worker imports
+    the plugin from it.
     """
 
-    def __init__(self, spec: PluginSpec, number: int) -> None:
+    def __init__(self, spec: PluginSpec, sources: Mapping[str, bytes], number: int) -> None:
         self.spec = spec
+        self.sources = sources
         ours, theirs = socket.socketpair()
         self.conn = Connection(ours.detach())
         self._child_end: int | None = theirs.detach()
@@ -512,6 +509,8 @@ class _Worker:
                 self._receive(lambda: up_by, " while starting")
             except _Overran:
                 raise self._give_up(f"its worker process did not start within {STARTUP_TIMEOUT:g} s") from None
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # it died: the wait below says how
+                self.conn.send(dict(self.sources))
             imported_by = monotonic() + timeout
             try:
                 message = self._receive(lambda: imported_by, " importing the module")
@@ -563,8 +562,9 @@ class WorkerPool:
     way a chunk can fail, with the failing item's position in the chunk.
     """
 
-    def __init__(self, spec: PluginSpec, size: int, timeout: float) -> None:
+    def __init__(self, spec: PluginSpec, sources: Mapping[str, bytes], size: int, timeout: float) -> None:
         self.spec = spec
+        self.sources = sources  # what every worker imports: the snapshot the engine vetted
         self.size = size
         self.timeout = timeout
         self._slots = anyio.Semaphore(size)  # a caller holding one has a worker, or room to start one
@@ -605,7 +605,7 @@ class WorkerPool:
             )
             self._workers.discard(worker)
         self._workers = {w for w in self._workers if not w.closed}
-        worker = _Worker(self.spec, next(self._numbers))
+        worker = _Worker(self.spec, self.sources, next(self._numbers))
         worker.busy = True
         self._workers.add(worker)
         await self._in_thread(worker, functools.partial(worker.start, self.timeout))
