@@ -373,7 +373,9 @@ class _Child:
         popen = self._popen
         if popen is None:
             return None
-        if popen.returncode is None and self._exited(popen):
+        if popen.returncode is None:
+            if not self._exited(popen):  # one system call, as Popen.poll() makes: this runs before each call
+                return None
             self.kill()  # what the plugin started and left behind
         return popen.poll()
 
