@@ -29,6 +29,8 @@ import re
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from importlib.resources.abc import Traversable, TraversableResources
+from pathlib import Path
 from types import CodeType, ModuleType
 from typing import Any
 
@@ -38,6 +40,16 @@ from .errors import describe
 __all__ = ["PluginLoadError", "import_from_environment", "load_callable"]
 
 _numbers = itertools.count()
+
+
+class _DataFiles(TraversableResources):
+    """A package's data files (``importlib.resources``), on disk: the pin covers modules, not these."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def files(self) -> Traversable:
+        return self.directory
 
 
 class _SnapshotLoader(importlib.abc.InspectLoader):
@@ -60,6 +72,9 @@ class _SnapshotLoader(importlib.abc.InspectLoader):
             return self.source
         with open(path, "rb") as f:
             return f.read()
+
+    def get_resource_reader(self, fullname: str) -> TraversableResources | None:
+        return _DataFiles(Path(self.path).parent) if self.package else None
 
     def get_source(self, fullname: str) -> str:
         return importlib.util.decode_source(self.source)

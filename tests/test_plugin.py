@@ -409,3 +409,20 @@ async def test_an_environment_holding_a_special_file_fails_its_items_naming_it(
     assert f"is {what}, not a regular file or directory" in info.value.reason
     assert info.value.reason.endswith("; nothing was imported")
     assert not import_log.exists()  # the module never ran
+
+
+async def test_data_files_are_still_read_from_disk(envs: Path) -> None:
+    """Modules come from the snapshot; a package's data files (importlib.resources, pkgutil) from disk."""
+    source = (
+        "import importlib.resources\nimport pkgutil\n\nfrom . import data\n\n\n"
+        "def score(task, trajectory):\n"
+        '    text = importlib.resources.files(data).joinpath("weight.txt").read_text()\n'
+        '    assert pkgutil.get_data(data.__name__, "weight.txt") == text.encode()\n'
+        "    return float(text)\n"
+    )
+    name = write_env(envs, "with_data", {"verify.py": source}, "thread")
+    (envs / name / "data").mkdir()
+    (envs / name / "data" / "__init__.py").write_text("")
+    (envs / name / "data" / "weight.txt").write_text("0.5")
+    async with engine.Engine(pinned(envs, name)) as eng:
+        assert await eng.score([item(name)]) == [0.5]
