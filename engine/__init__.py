@@ -8,7 +8,7 @@ from .blocking import BlockingEngine
 from .config import EngineConfig, Limits, load_config
 from .digest import digest_directory
 from .engine import Engine
-from .errors import ConfigError, EngineError, ManifestError, VerificationError
+from .errors import ConfigError, DigestError, EngineError, ManifestError, VerificationError
 from .manifest import KINDS, Environment, VerifierSpec, load_environment
 from .report import BatchResult, VerifierReport
 from .trajectory import flatten
@@ -20,6 +20,7 @@ __all__ = [
     "BatchResult",
     "BlockingEngine",
     "ConfigError",
+    "DigestError",
     "Engine",
     "EngineConfig",
     "EngineError",

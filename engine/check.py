@@ -17,7 +17,7 @@ import httpx
 from .config import EngineConfig
 from .digest import digest_directory
 from .engine import Engine
-from .errors import EngineError, ManifestError
+from .errors import DigestError, EngineError, ManifestError
 from .manifest import load_environment
 from .network import Proxies
 from .plugin import PluginVerifier
@@ -91,7 +91,13 @@ async def check_environments(*, config: EngineConfig) -> list[EnvironmentCheck]:
                 checks.append(EnvironmentCheck(path.name, "?", "?", str(exc), "-", "-"))
                 continue
             pin = config.pins.get(env.name)
-            digest = digest_directory(path)
+            try:
+                digest = digest_directory(path)
+            except DigestError as exc:  # it holds a FIFO, a socket or a device: nothing in it is imported
+                spec = env.verifier
+                refused = "not imported (digest)"
+                checks.append(EnvironmentCheck(env.name, spec.kind, spec.ref, "ok", exc.reason, refused))
+                continue
             if pin is not None:
                 digest_status = "ok" if pin == digest else f"changed since pinned (now {digest})"
             elif env.verifier.kind == "plugin" and not config.allow_unpinned:

@@ -31,7 +31,7 @@ from .bench import DEFAULT_BATCH_SIZE, bench_file, summarise
 from .check import check_environments
 from .config import EngineConfig, load_config
 from .digest import digest_directory
-from .errors import EngineError, VerificationError
+from .errors import DigestError, EngineError, VerificationError
 from .rubric import RubricRegistry
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_VERIFICATION", "cli", "main"]
@@ -248,7 +248,10 @@ def check(config_path: Path) -> None:
 @click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
 def digest(directory: Path) -> None:
     """Print an environment directory's digest (the value to pin under [pins])."""
-    click.echo(digest_directory(directory))
+    try:
+        click.echo(digest_directory(directory))
+    except DigestError as exc:  # a FIFO, a socket or a device in it
+        _fail(EXIT_BAD_INPUT, str(exc))
 
 
 @cli.group(invoke_without_command=True)

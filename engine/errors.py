@@ -5,6 +5,7 @@ Tree::
     EngineError
     ├── ConfigError            (also a ValueError) a bad config file, key or value
     │   └── ManifestError      an environment's manifest.json is unreadable or invalid
+    ├── DigestError            an environment directory holds a file that cannot be hashed (a FIFO, a device)
     └── VerificationError      a verifier could not produce a reward for an item;
                                the whole batch aborts with it, never a zero in its place
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import re
 import ssl
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,6 +28,7 @@ import tenacity
 __all__ = [
     "REDACTED",
     "ConfigError",
+    "DigestError",
     "EngineError",
     "ManifestError",
     "Scrubber",
@@ -50,6 +53,18 @@ class ConfigError(EngineError, ValueError):
 
 class ManifestError(ConfigError):
     """An environment's ``manifest.json`` is unreadable or invalid; names the file and the field."""
+
+
+class DigestError(EngineError):
+    """An environment directory cannot be digested: ``path`` is not a regular file or directory.
+
+    ``reason`` names the file and says why (a FIFO or a link to a device would block or never end).
+    """
+
+    def __init__(self, reason: str, *, path: Path) -> None:
+        self.reason = reason
+        self.path = path
+        super().__init__(reason)
 
 
 class VerificationError(EngineError):

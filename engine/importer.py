@@ -1,13 +1,17 @@
-"""Importing a plugin environment's code: from its pinned source files only, under a private name.
+"""Importing a plugin environment's code: from the snapshot its digest was checked on, under a private name.
 
 Each environment is imported as a package of its own, ``_engine_env_<n>_<name>``, so two
 environments that both ship ``verify.py`` each get theirs, and a plugin reaches its sibling files
 with relative imports (``from . import helpers``).
 
-Only ``.py`` sources are ever read, and compiled fresh: never a ``__pycache__`` entry or a stray
-``.pyc``, which the digest does not cover (Python would otherwise run a planted ``.pyc`` whose
-header matches the source's mtime and size, code nobody vetted). Nothing is written next to the
-environment's files either.
+Modules come from a :class:`~engine.digest.Snapshot`, the bytes of the environment's ``.py``
+files read once while their digest was computed, never from the disk again: a file changed or
+swapped after the check (by anyone, the plugin itself included, or before a sibling imported
+lazily on the first call) does not change what runs. Only ``.py`` sources are ever used, and
+compiled fresh: never a ``__pycache__`` entry or a stray ``.pyc``, which the digest does not cover.
+Nothing is written next to the environment's files either. A module's ``__file__`` is its real
+path (plugins find their data files by it), and :mod:`linecache` holds the snapshot's lines for
+it, so tracebacks quote the code that ran.
 
 :func:`load_callable` is the whole import of a plugin, shared by the engine's own process (thread
 executor) and its worker processes (process executor), so both say the same thing when it fails.
@@ -20,14 +24,17 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import itertools
+import linecache
 import re
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from importlib.resources.abc import Traversable, TraversableResources
 from pathlib import Path
 from types import CodeType, ModuleType
 from typing import Any
 
+from .digest import Snapshot
 from .errors import describe
 
 __all__ = ["PluginLoadError", "import_from_environment", "load_callable"]
@@ -35,57 +42,103 @@ __all__ = ["PluginLoadError", "import_from_environment", "load_callable"]
 _numbers = itertools.count()
 
 
-class _SourceLoader(importlib.machinery.SourceFileLoader):
-    """A source loader that ignores (and never writes) bytecode caches."""
+class _DataFiles(TraversableResources):
+    """A package's data files (``importlib.resources``), on disk: the pin covers modules, not these."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def files(self) -> Traversable:
+        return self.directory
+
+
+class _SnapshotLoader(importlib.abc.InspectLoader):
+    """Loads one module from the bytes of a snapshot, compiled fresh (no bytecode cache read or written)."""
+
+    def __init__(self, path: str, source: bytes, package: bool) -> None:
+        self.path = path
+        self.source = source
+        self.package = package
+
+    def is_package(self, fullname: str) -> bool:
+        return self.package
+
+    def get_filename(self, fullname: str) -> str:
+        return self.path
+
+    def get_data(self, path: str) -> bytes:
+        """A file next to the module (``pkgutil.get_data``), read from disk: the pin covers modules only."""
+        if path == self.path:
+            return self.source
+        with open(path, "rb") as f:
+            return f.read()
+
+    def get_resource_reader(self, fullname: str) -> TraversableResources | None:
+        return _DataFiles(Path(self.path).parent) if self.package else None
+
+    def get_source(self, fullname: str) -> str:
+        return importlib.util.decode_source(self.source)
 
     def get_code(self, fullname: str) -> CodeType:
-        path = self.get_filename(fullname)
-        return compile(self.get_data(path), path, "exec", dont_inherit=True)
+        return compile(self.source, self.path, "exec", dont_inherit=True)
+
+    def exec_module(self, module: ModuleType) -> None:
+        # Tracebacks quote the lines that run, not the file on disk (which may differ by now): an
+        # entry without an mtime is never checked against the disk (as for modules from zip files).
+        lines = self.get_source(module.__name__).splitlines(keepends=True)
+        if lines and not lines[-1].endswith("\n"):
+            lines[-1] += "\n"
+        linecache.cache[self.path] = (len(self.source), None, lines, self.path)
+        super().exec_module(module)
 
 
 class _EnvironmentFinder(importlib.abc.MetaPathFinder):
-    """Finds the modules of the private environment packages, in their directories, as sources."""
+    """Finds the modules of the private environment packages, in their snapshots only."""
 
     def __init__(self) -> None:
-        self.roots: dict[str, Path] = {}
+        self.snapshots: dict[str, Snapshot] = {}
         self._lock = threading.Lock()
 
-    def add(self, package: str, root: Path) -> None:
+    def add(self, package: str, snapshot: Snapshot) -> None:
         with self._lock:
-            self.roots[package] = root
+            self.snapshots[package] = snapshot
+            if self not in sys.meta_path:  # on the first plugin import, not when the engine is imported
+                sys.meta_path.insert(0, self)
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
         package, _, rest = fullname.partition(".")
-        root = self.roots.get(package)
-        if root is None or not rest:
+        snapshot = self.snapshots.get(package)
+        if snapshot is None or not rest:
             return None
-        base = root.joinpath(*rest.split("."))
-        init, source = base / "__init__.py", base.with_name(base.name + ".py")
-        if init.is_file():
-            return importlib.util.spec_from_file_location(
-                fullname, init, loader=_SourceLoader(fullname, str(init)), submodule_search_locations=[]
-            )
-        if source.is_file():
-            return importlib.util.spec_from_file_location(fullname, source, loader=_SourceLoader(fullname, str(source)))
+        base = "/".join(rest.split("."))
+        for relative, is_package in ((f"{base}/__init__.py", True), (f"{base}.py", False)):
+            source = snapshot.sources.get(relative)
+            if source is not None:
+                origin = str(snapshot.root.joinpath(*relative.split("/")))
+                loader = _SnapshotLoader(origin, source, is_package)
+                spec = importlib.machinery.ModuleSpec(fullname, loader, origin=origin, is_package=is_package)
+                spec.has_location = True  # sets __file__
+                if is_package:  # empty: its submodules are found by this finder alone
+                    spec.submodule_search_locations = []
+                return spec
         # Not None: the standard finders would go on to look for bytecode or extension modules.
-        reason = f"no module named {rest!r} in {root} (plugins are imported from .py files only)"
+        reason = f"no module named {rest!r} in {snapshot.root} (plugins are imported from .py files only)"
         raise ModuleNotFoundError(reason, name=fullname)
 
 
 _finder = _EnvironmentFinder()
-sys.meta_path.insert(0, _finder)
 
 
-def import_from_environment(root: Path, name: str, module: str) -> Any:
-    """Import ``module`` (dotted) from environment directory ``root`` under a fresh private package."""
+def import_from_environment(snapshot: Snapshot, name: str, module: str) -> Any:
+    """Import ``module`` (dotted) from ``snapshot`` of environment ``name``, under a fresh private package."""
     safe = re.sub(r"\W", "_", name)
     package = f"_engine_env_{next(_numbers)}_{safe}"
     # An empty __path__: its submodules are found by _finder alone, never by the path-based finders.
     spec = importlib.machinery.ModuleSpec(package, None, is_package=True)
     sys.modules[package] = importlib.util.module_from_spec(spec)
-    _finder.add(package, root)
+    _finder.add(package, snapshot)
     try:
         return importlib.import_module(f"{package}.{module}")
     except BaseException:
@@ -101,15 +154,15 @@ class PluginLoadError(Exception):
         super().__init__(reason)
 
 
-def load_callable(root: Path, name: str, ref: str) -> Callable[..., Any]:
-    """The callable ``ref`` (``module:attr``, both dotted) of environment ``name`` in directory ``root``.
+def load_callable(snapshot: Snapshot, name: str, ref: str) -> Callable[..., Any]:
+    """The callable ``ref`` (``module:attr``, both dotted) of environment ``name``, from ``snapshot``.
 
-    The caller has checked the directory's digest. Raises :class:`PluginLoadError`; a module whose
+    The caller has checked the snapshot's digest. Raises :class:`PluginLoadError`; a module whose
     import raises, even ``SystemExit``, is a load error, not the end of the process.
     """
     module_name, _, attr_path = ref.partition(":")
     try:
-        target: Any = import_from_environment(root, name, module_name)
+        target: Any = import_from_environment(snapshot, name, module_name)
     except (Exception, SystemExit) as exc:
         raise PluginLoadError(f"cannot import module {module_name!r}: {describe(exc)}") from exc
     for part in attr_path.split("."):

@@ -3,7 +3,8 @@
 The module is imported lazily, on the first item that needs it, once however many items ask at
 the same time (and once even if a batch is aborted mid-import: the import finishes in its thread
 and the next batch uses it), never before the directory's digest matches its pin, and only from
-source (``engine.importer``).
+the snapshot of its sources taken as the digest was computed (``engine.importer``): what runs is
+what was pinned, even if a file changes afterwards.
 
 Sync callables run in the engine's bounded thread pool, so they never block the event loop;
 ``async def`` callables are awaited on the loop. The call timeout covers the first item's import
@@ -13,7 +14,8 @@ new calls at once, saying why, instead of piling up threads that never end.
 
 A plugin whose manifest says ``"executor": "process"`` runs in worker processes instead
 (``engine.process``): the engine then only vets the directory's digest, the workers import the
-module, and an overrun or a crash kills a worker, never a thread or the engine.
+module from the snapshot the engine vetted, and an overrun or a crash kills a worker, never a
+thread or the engine.
 
 A round trip between the event loop and a thread costs ~100 us, far more than a cheap plugin's
 call, so sync plugins are called a *chunk* of items per round trip, sized from the measured cost per
@@ -47,8 +49,8 @@ import anyio
 import anyio.to_thread
 
 from .config import Limits
-from .digest import digest_directory
-from .errors import VerificationError, describe
+from .digest import Snapshot, snapshot_directory
+from .errors import DigestError, VerificationError, describe
 from .importer import PluginLoadError, load_callable
 from .manifest import Environment
 from .process import Cost, PluginSpec, WorkerFailure, WorkerPool, default_workers, in_thread, wait_future
@@ -209,7 +211,7 @@ class PluginVerifier:
         self._is_async = False
         self._pool: WorkerPool | None = None  # process executor: created once the digest is vetted
         self._closed = False
-        self._import_future: concurrent.futures.Future[tuple[Callable[..., Any] | None, str]] | None = None
+        self._import_future: concurrent.futures.Future[tuple[Callable[..., Any] | None, Snapshot]] | None = None
         self._chunk = 1  # items per call, adapted to the measured cost of a call
         self._step = 1  # items between a chunk's checks that it is still wanted
         self._serial = False  # whether chunks run one at a time (cheap calls) or in parallel
@@ -231,9 +233,14 @@ class PluginVerifier:
     def _fail(self, reason: str) -> VerificationError:
         return VerificationError(self.kind, self.ref, reason, environment=self.environment.name)
 
-    def _check_digest(self) -> str:
+    def _check_digest(self) -> Snapshot:
+        """The environment's snapshot, once its digest matches the pin: what is imported, and only that."""
         env = self.environment
-        digest = digest_directory(env.path)
+        try:
+            snapshot = snapshot_directory(env.path)
+        except DigestError as exc:
+            raise self._fail(f"environment {env.name!r} cannot be vetted: {exc.reason}; nothing was imported") from None
+        digest = snapshot.digest
         if self._pin is None:
             if not self._allow_unpinned:
                 raise self._fail(
@@ -245,19 +252,20 @@ class PluginVerifier:
                 f"environment {env.name!r} changed since it was pinned: its digest is {digest}, "
                 f"the pin is {self._pin}; nothing was imported"
             )
-        return digest
+        return snapshot
 
-    def _import(self) -> tuple[Callable[..., Any] | None, str]:
-        """Check the digest, then import the module and find the callable (runs in its own thread).
+    def _import(self) -> tuple[Callable[..., Any] | None, Snapshot]:
+        """Check the digest, then import the module from the snapshot checked and find the callable
+        (runs in its own thread).
 
         A process-executor plugin is not imported into the engine's process at all: each worker
-        imports it, after checking the digest again against the one vetted here.
+        imports it from the snapshot vetted here, which the engine hands it.
         """
-        digest = self._check_digest()
+        snapshot = self._check_digest()
         if self._process:
-            return None, digest
+            return None, snapshot
         try:
-            return load_callable(self.environment.path, self.environment.name, self.ref), digest
+            return load_callable(snapshot, self.environment.name, self.ref), snapshot
         except PluginLoadError as exc:
             raise self._fail(exc.reason) from exc.__cause__
 
@@ -277,7 +285,7 @@ class PluginVerifier:
         if future is None:
             future = self._import_future = in_thread(self._import, f"engine-import-{self.environment.name}")
         try:
-            fn, digest = await wait_future(future)
+            fn, snapshot = await wait_future(future)
         except Exception:
             if self._import_future is future:
                 self._import_future = None
@@ -286,10 +294,10 @@ class PluginVerifier:
             self._is_async, self._fn = _is_async(fn), fn
         elif self._pool is None:
             env = self.environment
-            spec = PluginSpec(os.path.abspath(env.path), env.name, self.ref, digest)
+            spec = PluginSpec(os.path.abspath(env.path), env.name, self.ref, snapshot.digest)
             assert self.workers is not None  # set for the process executor
-            self._pool = WorkerPool(spec, self.workers, self.limits.timeout)
-        self.digest = digest
+            self._pool = WorkerPool(spec, snapshot.sources, self.workers, self.limits.timeout)
+        self.digest = snapshot.digest
 
     async def load(self) -> None:
         """Make the plugin ready to call, or raise ``VerificationError`` saying why it cannot be.

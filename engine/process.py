@@ -13,9 +13,10 @@ paid for the trainer script's module-level imports (a model library: seconds, an
 MiB), and a script without ``if __name__ == "__main__":`` could not use workers at all. A worker
 imports only the engine and the plugin. It
 
-1. says it is up, then checks the environment directory's digest against the one the engine
-   vetted (a file changed since is refused, nothing is imported), imports the plugin from its
-   source files (``engine.importer``), and says it is ready or why it cannot be;
+1. says it is up, receives from the engine the snapshot of the environment's sources that the
+   engine vetted (``engine.digest``), imports the plugin from it (``engine.importer``: never from
+   the disk, so a file changed since the check does not run), and says it is ready or why it
+   cannot be;
 2. then serves *chunks*: a list of ``(task, trajectory)`` pairs in, one message out: the rewards
    (already checked to be finite floats) and what the calls cost, or the position in the chunk of
    the first item that failed and why. A plugin's exception travels as text (its type, message
@@ -35,6 +36,15 @@ A worker inherits three descriptors: its end of the pipe, the few bytes of progr
 mapped by both), and the read end of a pipe whose write end only the engine's process holds, so
 the worker sees end-of-file there, and exits, when that process dies, even in the middle of a
 call (a ``kill -9`` of the trainer leaves no orphan).
+
+Each worker leads a process group of its own, which the processes a plugin starts join: killing a
+worker kills its group, and once a worker has exited, for whatever reason, what is left of its
+group is killed before the worker is reaped (while the unreaped worker holds the group's id, so
+the signal cannot reach anyone else). A worker that sees the engine's process die kills its own
+group. Only a process that leaves the group on purpose (``setsid``) escapes this.
+
+A worker that is killed (a timeout, an abort, a crash) is reaped, and its thread, pipe and pidfd
+released, as soon as it has died, not when the engine closes: a trainer aborts batches for hours.
 """
 
 from __future__ import annotations
@@ -65,12 +75,12 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
-from time import monotonic, perf_counter, thread_time
+from time import monotonic, perf_counter, sleep, thread_time
 from typing import Any, TypeVar
 
 import anyio
 
-from .digest import digest_directory
+from .digest import Snapshot
 from .errors import describe
 from .importer import PluginLoadError, load_callable
 from .verifier import BadReward, as_rewards
@@ -94,6 +104,7 @@ _Call = Callable[[Mapping[str, Any], Any], Any]
 
 STARTUP_TIMEOUT = 60.0  # seconds for a worker's interpreter to start, before it imports the plugin
 CLOSE_GRACE = 2.0  # seconds an idle worker has to exit once its pipe is closed, before SIGKILL
+JOIN_POLL = 0.005  # seconds between looks at a worker that should exit, where there are no pidfds
 PROGRESS_BYTES = 16  # [position in the chunk, monotonic start] of the call a worker is running, as doubles
 
 logger = logging.getLogger("engine")
@@ -181,6 +192,8 @@ def _watch_parent(alive: int) -> None:
     def watch() -> None:
         while os.read(alive, 1):  # nothing is ever written: it returns b"" when the writer is gone
             pass
+        if os.getpgrp() == os.getpid():  # it leads its group (see _Child): what the plugin started goes too
+            os.killpg(0, signal.SIGKILL)
         os._exit(70)
 
     threading.Thread(target=watch, name="engine-worker-watchdog", daemon=True).start()
@@ -233,22 +246,14 @@ def _worker_main(conn: Connection, progress: memoryview[float], spec: PluginSpec
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; the engine stops us
     conn.send(("started",))
     try:
-        digest = digest_directory(spec.root)
-        if digest != spec.digest:
-            conn.send((
-                "failed",
-                f"environment {spec.environment!r} changed after the engine vetted it: its digest is {digest}, "
-                f"it was vetted at {spec.digest}; the worker imported nothing",
-                None,
-            ))
-            return
-        fn = load_callable(Path(spec.root), spec.environment, spec.ref)
+        sources = conn.recv()  # the sources the engine hashed and vetted at spec.digest: never re-read from disk
+    except EOFError:  # the engine gave up on this worker
+        return
+    try:
+        fn = load_callable(Snapshot(Path(spec.root), spec.digest, sources), spec.environment, spec.ref)
     except PluginLoadError as exc:
         cause = exc.__cause__
         conn.send(("failed", exc.reason, _described(cause) if cause is not None else None))
-        return
-    except OSError as exc:  # the directory cannot be read
-        conn.send(("failed", f"cannot check the environment's digest: {describe(exc)}", None))
         return
     call = _caller(fn)
     conn.send(("ready",))
@@ -321,7 +326,9 @@ class _Child:
 
     The little of ``multiprocessing.Process`` the worker uses, over ``subprocess.Popen``; its
     ``sentinel`` is a pidfd (readable once the process has exited) where the platform has them,
-    else None and its pipe's end-of-file says it died.
+    else None and its pipe's end-of-file says it died. The process leads a new session, so a
+    process group of its own: :meth:`kill` kills the group, and :meth:`poll` and :meth:`join`
+    kill what is left of the group once the process has exited, before they reap it.
     """
 
     def __init__(self, fds: Sequence[int], spec: PluginSpec) -> None:
@@ -335,7 +342,10 @@ class _Child:
         # sys.path as the engine's: the worker imports the engine (and the plugin's libraries) as it does
         code = f"import sys; sys.path[:] = {sys.path!r}; from engine.process import _child_main; _child_main()"
         self._popen = subprocess.Popen(
-            [sys.executable, "-c", code, *map(str, self._fds), self._spec], pass_fds=self._fds, stdin=subprocess.DEVNULL
+            [sys.executable, "-c", code, *map(str, self._fds), self._spec],
+            pass_fds=self._fds,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group, which whatever the plugin starts joins
         )
         self.pid = self._popen.pid
         with contextlib.suppress(AttributeError, OSError):  # not Linux, or an old kernel
@@ -344,26 +354,64 @@ class _Child:
     @property
     def exitcode(self) -> int | None:
         """None while it runs; negative: the signal that ended it (as ``multiprocessing`` says it)."""
-        return None if self._popen is None else self._popen.poll()
+        return self.poll()
 
     def is_alive(self) -> bool:
-        return self._popen is not None and self._popen.poll() is None
+        return self._popen is not None and self.poll() is None
+
+    def _exited(self, popen: subprocess.Popen[bytes]) -> bool:
+        """Whether it has exited, without reaping it."""
+        if popen.returncode is not None:
+            return True
+        try:
+            return os.waitid(os.P_PID, popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:  # reaped meanwhile, by another thread
+            return True
+
+    def poll(self) -> int | None:
+        """Its exit code, or None while it runs; once it has exited, its group is killed, then it is reaped."""
+        popen = self._popen
+        if popen is None:
+            return None
+        if popen.returncode is None:
+            if not self._exited(popen):  # one system call, as Popen.poll() makes: this runs before each call
+                return None
+            self.kill()  # what the plugin started and left behind
+        return popen.poll()
 
     def kill(self) -> None:
-        """SIGKILL it if it runs (from any thread)."""
-        if self._popen is not None:
-            with contextlib.suppress(ProcessLookupError):
-                self._popen.kill()
+        """SIGKILL its process group, it and whatever the plugin started (from any thread).
+
+        Not once it is reaped: until then its process, even exited, holds the group's id, so the
+        signal cannot reach a group that reused the number.
+        """
+        if self._popen is not None and self._popen.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._popen.pid, signal.SIGKILL)
 
     def join(self, timeout: float | None = None) -> None:
-        if self._popen is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._popen.wait(timeout)
+        """Wait up to ``timeout`` s (None: as long as it takes) for it to exit; if it has, reap it (as :meth:`poll`)."""
+        popen = self._popen
+        if popen is None:
+            return
+        if self.sentinel is not None:
+            multiprocessing.connection.wait([self.sentinel], timeout)  # readable once it exited; reaps nothing
+        elif timeout is None:
+            with contextlib.suppress(ChildProcessError):
+                os.waitid(os.P_PID, popen.pid, os.WEXITED | os.WNOWAIT)
+        else:  # no pidfd: look until it has exited or the time is up
+            deadline = monotonic() + timeout
+            while not self._exited(popen) and monotonic() < deadline:
+                sleep(JOIN_POLL)
+        self.poll()
 
     def close(self) -> None:
         if self.sentinel is not None:
             os.close(self.sentinel)
             self.sentinel = None
+
+
+_REAP = "reap"  # queued to a worker's thread by kill(): close it once the current job is over
 
 
 class _Worker:
@@ -373,10 +421,14 @@ class _Worker:
     one at a time and owns the pipe while one runs (a thread per worker, not one per call: starting
     a thread costs more than the round trip). ``kill`` may be called from any thread at any time;
     the running job then sees the process die and closes it, which also ends the thread.
+
+    ``sources`` is the snapshot of the environment's sources the engine vetted: the worker imports
+    the plugin from it.
     """
 
-    def __init__(self, spec: PluginSpec, number: int) -> None:
+    def __init__(self, spec: PluginSpec, sources: Mapping[str, bytes], number: int) -> None:
         self.spec = spec
+        self.sources = sources
         ours, theirs = socket.socketpair()
         self.conn = Connection(ours.detach())
         self._child_end: int | None = theirs.detach()
@@ -392,7 +444,7 @@ class _Worker:
         self.done = threading.Event()  # no job is running or queued: the pipe is free
         self.done.set()
         self._lock = threading.Lock()  # close() runs once
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None]
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]] | str | None]
         self._jobs = queue.SimpleQueue()
         self.thread = threading.Thread(
             target=self._serve, name=f"engine-worker-io-{spec.environment}-{number}", daemon=True
@@ -402,6 +454,9 @@ class _Worker:
     def _serve(self) -> None:
         """The worker's thread: run its jobs in order until it is closed."""
         while (job := self._jobs.get()) is not None:
+            if isinstance(job, str):  # _REAP: it was killed (a no-op if the job it interrupted has closed it)
+                self.close()
+                continue
             fn, future = job
             if not future.set_running_or_notify_cancel():  # nobody wants it any more
                 self.done.set()
@@ -436,10 +491,16 @@ class _Worker:
         return not self.closed and self.process.is_alive()
 
     def kill(self) -> None:
-        """SIGKILL its process, if it has one and it runs; from any thread."""
+        """SIGKILL its process, if it has one and it runs; from any thread.
+
+        Its thread then closes it (reaps it, releases its pipe, pidfd and mapping, and ends) once the
+        current job, if any, is over: also when no job was running to see it die (an abort that
+        came just as a call returned), so a killed worker never waits for the engine's close.
+        """
         self.killed = True
         with contextlib.suppress(ValueError, AttributeError):  # closed, or never started
             self.process.kill()
+        self._jobs.put(_REAP)
 
     def close(self, grace: float = 0.0) -> int | None:
         """Close the pipe (an idle worker then exits), wait up to ``grace`` s, kill it if it runs, reap it.
@@ -512,6 +573,8 @@ class _Worker:
                 self._receive(lambda: up_by, " while starting")
             except _Overran:
                 raise self._give_up(f"its worker process did not start within {STARTUP_TIMEOUT:g} s") from None
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # it died: the wait below says how
+                self.conn.send(dict(self.sources))
             imported_by = monotonic() + timeout
             try:
                 message = self._receive(lambda: imported_by, " importing the module")
@@ -563,8 +626,9 @@ class WorkerPool:
     way a chunk can fail, with the failing item's position in the chunk.
     """
 
-    def __init__(self, spec: PluginSpec, size: int, timeout: float) -> None:
+    def __init__(self, spec: PluginSpec, sources: Mapping[str, bytes], size: int, timeout: float) -> None:
         self.spec = spec
+        self.sources = sources  # what every worker imports: the snapshot the engine vetted
         self.size = size
         self.timeout = timeout
         self._slots = anyio.Semaphore(size)  # a caller holding one has a worker, or room to start one
@@ -605,7 +669,7 @@ class WorkerPool:
             )
             self._workers.discard(worker)
         self._workers = {w for w in self._workers if not w.closed}
-        worker = _Worker(self.spec, next(self._numbers))
+        worker = _Worker(self.spec, self.sources, next(self._numbers))
         worker.busy = True
         self._workers.add(worker)
         await self._in_thread(worker, functools.partial(worker.start, self.timeout))

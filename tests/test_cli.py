@@ -481,6 +481,19 @@ def test_check_reports_a_missing_rubric_even_without_a_judge(tmp_path: Path) -> 
     assert squeezed("no rubric carol/nothing") in squeezed(check_row(result.stdout, "unwritten")[5])
 
 
+@pytest.mark.timeout(60)
+def test_check_names_a_special_file_instead_of_hanging(tmp_path: Path) -> None:
+    space = make_workspace(tmp_path, PLUGIN_ENV, "arith")
+    fifo = space.envs / "arith" / "queue"
+    os.mkfifo(fifo)  # the digest would wait forever for a writer
+    result = space.run("check", "--config", space.config)
+    assert result.returncode == EXIT_VERIFICATION, result.stderr
+    cells = check_row(result.stdout, "arith")
+    assert squeezed(f"{fifo} is a named pipe (FIFO), not a regular file or directory") in squeezed(cells[4])
+    assert cells[5:] == ["not imported (digest)", "NO"]
+    assert check_row(result.stdout, PLUGIN_ENV)[-1] == "yes"  # the others are still checked
+
+
 # --- engine digest ----------------------------------------------------------------------------
 
 

@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from special_files import SPECIAL_KINDS, make_special
 
-from engine import digest_directory
+from engine import DigestError, digest_directory
+from engine.digest import snapshot_directory
 
 
 @pytest.fixture
@@ -129,3 +131,41 @@ def test_dangling_link_counts_by_its_target(tree: Path) -> None:
     (tree / "model.bin").unlink()
     (tree / "model.bin").symlink_to(tree / "nowhere-2")
     assert digest_directory(tree) != first
+
+
+@pytest.mark.parametrize("kind", SPECIAL_KINDS)
+def test_refuses_what_is_not_a_regular_file_or_directory(tree: Path, kind: str) -> None:
+    """Naming it, at once: never by opening it (a FIFO's open blocks, /dev/zero has no end)."""
+    special = tree / "pkg" / "data.bin"
+    what = make_special(special, kind)
+    with pytest.raises(DigestError) as info:
+        digest_directory(tree)
+    assert info.value.path == special
+    assert str(info.value).startswith(f"{special}")
+    assert f"is {what}, not a regular file or directory" in str(info.value)
+    if kind == "link-to-dev-zero":
+        assert f"{special} (a link to /dev/zero) is a character device" in str(info.value)
+
+
+@pytest.mark.timeout(40)
+@pytest.mark.parametrize("kind", ["fifo", "link-to-dev-zero"])
+def test_command_line_refuses_a_special_file(tree: Path, kind: str) -> None:
+    special = tree / "pipe"
+    what = make_special(special, kind)
+    done = subprocess.run(
+        [sys.executable, "-m", "engine", "digest", str(tree)], capture_output=True, text=True, check=False, timeout=30
+    )
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.startswith(f"error: {special}")
+    assert f"is {what}, not a regular file or directory" in done.stderr
+
+
+def test_a_snapshot_keeps_the_sources_it_hashed(tree: Path) -> None:
+    (tree / "data.txt").write_text("not code\n")
+    snapshot = snapshot_directory(tree)
+    assert snapshot.digest == digest_directory(tree)
+    assert snapshot.root == tree
+    assert dict(snapshot.sources) == {
+        "verify.py": (tree / "verify.py").read_bytes(),
+        "pkg/helpers.py": (tree / "pkg" / "helpers.py").read_bytes(),
+    }

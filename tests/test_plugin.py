@@ -6,15 +6,18 @@ import importlib.util
 import marshal
 import math
 import struct
+import traceback
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
-from conftest import import_count, item
+from conftest import add_env, import_count, item, process_twin
+from special_files import SPECIAL_KINDS, make_special
 
 import engine
 from engine import EngineConfig, Limits, VerificationError, digest_directory
+from engine.plugin import PluginVerifier
 
 
 async def fails(config: EngineConfig, items: list[dict[str, Any]]) -> VerificationError:
@@ -293,3 +296,133 @@ async def test_a_slow_import_is_bounded_by_the_timeout(envs: Path) -> None:
     async with engine.Engine(config) as eng:
         with pytest.raises(VerificationError, match="timed out"):
             await eng.score([item("slow_import")])
+
+
+# --- what runs is what was hashed: files changed after the check do not run ---
+
+LAZY_VERIFY = '''\
+def score(task, trajectory):
+    if not task.get("lazy"):
+        return 1.0
+    from . import lazy  # imported on the first call that needs it, long after the check
+
+    if task.get("boom"):
+        lazy.boom()
+    return lazy.REWARD
+'''
+LAZY_VETTED = 'REWARD = 0.25\n\n\ndef boom():\n    raise RuntimeError("the vetted line")\n'
+LAZY_CHANGED = 'REWARD = 0.75\n\n\n\n\ndef boom():\n    raise RuntimeError("a line nobody vetted")\n'
+
+
+def write_env(envs: Path, name: str, files: dict[str, str], executor: str) -> str:
+    """Environment ``name`` with ``files`` and the verifier ``verify:score`` run by ``executor``."""
+    add_env(envs, name, "plugin", "verify:score")
+    for filename, text in files.items():
+        (envs / name / filename).write_text(text)
+    return name if executor == "thread" else process_twin(envs, name, workers=1)
+
+
+def pinned(envs: Path, name: str) -> EngineConfig:
+    return EngineConfig(environments=envs, pins={name: digest_directory(envs / name)})
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("executor", ["thread", "process"])
+async def test_a_lazily_imported_sibling_changed_after_the_check_runs_as_vetted(envs: Path, executor: str) -> None:
+    name = write_env(envs, "lazy_env", {"verify.py": LAZY_VERIFY, "lazy.py": LAZY_VETTED}, executor)
+    config = pinned(envs, name)
+    pin = config.pins[name]
+    async with engine.Engine(config) as eng:
+        assert await eng.score([item(name)]) == [1.0]  # checked and imported; lazy.py not yet
+        (envs / name / "lazy.py").write_text(LAZY_CHANGED)
+        assert digest_directory(envs / name) != pin
+
+        result = await eng.run([item(name, lazy=True)])
+        assert result.rewards == [0.25]  # the vetted bytes, not the file on disk
+        assert result.provenance(0)["digest"] == pin  # and the provenance tells the truth
+        with pytest.raises(VerificationError) as info:
+            await eng.score([item(name, item_id="b", lazy=True, boom=True)])
+    assert "raised RuntimeError: the vetted line" in info.value.reason
+    # the traceback quotes the code that ran, not the file on disk
+    cause = info.value.__cause__
+    text = str(cause) if executor == "process" else "".join(traceback.format_exception(cause))
+    assert 'raise RuntimeError("the vetted line")' in text
+    assert "nobody vetted" not in text
+
+
+HOSTILE_VERIFY = '''\
+import pathlib
+
+# a plugin that swaps its own sibling after the check, before importing it
+pathlib.Path(__file__).with_name("helper.py").write_text("REWARD = 0.75\\n")
+
+from . import helper
+
+
+def score(task, trajectory):
+    return helper.REWARD
+'''
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("executor", ["thread", "process"])
+async def test_a_sibling_swapped_while_the_module_imports_runs_as_vetted(envs: Path, executor: str) -> None:
+    name = write_env(envs, "hostile", {"verify.py": HOSTILE_VERIFY, "helper.py": "REWARD = 0.25\n"}, executor)
+    config = pinned(envs, name)
+    async with engine.Engine(config) as eng:
+        result = await eng.run([item(name), item(name)])
+    assert (envs / name / "helper.py").read_text() == "REWARD = 0.75\n"  # the swap happened
+    assert result.rewards == [0.25, 0.25]
+    assert result.provenance(0)["digest"] == config.pins[name]
+
+
+async def test_only_modules_in_the_snapshot_import(envs: Path) -> None:
+    """A module that appears after the check is not importable: it was never hashed."""
+    source = 'def score(task, trajectory):\n    from . import late\n    return late.REWARD\n'
+    name = write_env(envs, "late_env", {"verify.py": source}, "thread")
+    async with engine.Engine(pinned(envs, name)) as eng:
+        with pytest.raises(VerificationError):
+            await eng.score([item(name, item_id="x")])  # checked and imported: late.py does not exist yet
+        (envs / name / "late.py").write_text("REWARD = 1.0\n")
+        with pytest.raises(VerificationError) as info:
+            await eng.score([item(name, item_id="y")])
+    assert "raised ImportError: cannot import name 'late'" in info.value.reason
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+@pytest.mark.parametrize("kind", SPECIAL_KINDS)
+async def test_an_environment_holding_a_special_file_fails_its_items_naming_it(
+    envs: Path, import_log: Path, kind: str, executor: str
+) -> None:
+    """A FIFO or a link to /dev/zero would hang the digest (and burn a CPU after the engine closed)."""
+    name = "import_log" if executor == "thread" else process_twin(envs, "import_log", workers=1)
+    special = envs / name / "fifo"
+    what = make_special(special, kind)
+    config = EngineConfig(environments=envs, allow_unpinned=True)
+    async with engine.Engine(config) as eng:
+        with pytest.raises(VerificationError) as info:
+            await eng.score([item("twin_a"), item(name, item_id="s")])
+        verifier = eng.verifier_for(eng.environment(name))
+        assert isinstance(verifier, PluginVerifier) and verifier.worker_pids == []  # no worker was started
+    reason = f"environment {name!r} cannot be vetted: {special}"
+    check(info.value, environment=name, ref="verify:score", index=1, item_id="s", reason=reason)
+    assert f"is {what}, not a regular file or directory" in info.value.reason
+    assert info.value.reason.endswith("; nothing was imported")
+    assert not import_log.exists()  # the module never ran
+
+
+async def test_data_files_are_still_read_from_disk(envs: Path) -> None:
+    """Modules come from the snapshot; a package's data files (importlib.resources, pkgutil) from disk."""
+    source = (
+        "import importlib.resources\nimport pkgutil\n\nfrom . import data\n\n\n"
+        "def score(task, trajectory):\n"
+        '    text = importlib.resources.files(data).joinpath("weight.txt").read_text()\n'
+        '    assert pkgutil.get_data(data.__name__, "weight.txt") == text.encode()\n'
+        "    return float(text)\n"
+    )
+    name = write_env(envs, "with_data", {"verify.py": source}, "thread")
+    (envs / name / "data").mkdir()
+    (envs / name / "data" / "__init__.py").write_text("")
+    (envs / name / "data" / "weight.txt").write_text("0.5")
+    async with engine.Engine(pinned(envs, name)) as eng:
+        assert await eng.score([item(name)]) == [0.5]

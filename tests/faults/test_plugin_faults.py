@@ -26,6 +26,7 @@ import anyio
 import orjson
 import pytest
 from conftest import item, process_twin
+from polling import wait_until
 
 from engine import (
     BlockingEngine,
@@ -42,7 +43,7 @@ from engine import (
 from engine.plugin import PluginVerifier
 from engine.process import PluginError
 
-from .conftest import Snapshot, process_gone
+from .conftest import Snapshot, child_pids, process_gone
 
 pytestmark = pytest.mark.timeout(20)  # most tests start worker processes (~0.5 s each); slow ones say more
 
@@ -278,6 +279,82 @@ async def test_closing_the_engine_mid_call_leaves_no_worker(fault_envs: Path, tm
     snapshot.settled()
 
 
+# --- what a plugin starts dies with its worker ---
+
+
+@pytest.mark.parametrize("how", ["timeout", "abort", "close"])
+def test_a_plugins_subprocess_does_not_outlive_its_worker(
+    fault_envs: Path, tmp_path: Path, no_leaks: Snapshot, how: str
+) -> None:
+    """Each worker leads a process group, and the group goes when the worker goes: killed at a
+    timeout or an abort, or exiting when the engine closes."""
+    childfile, pidfile = tmp_path / "child", tmp_path / "pid"
+    spawn = {"childfile": str(childfile), "pidfile": str(pidfile)}
+    with BlockingEngine(config(fault_envs)) as eng:
+        if how == "close":
+            assert eng.score([item(PROCESS, mode="ok", **spawn)]) == [0.5]
+        else:
+            busy = item(PROCESS, item_id="busy", mode="block", release=str(tmp_path / "never"), **spawn)
+            batch = [busy] if how == "timeout" else [busy, item(THREAD, mode="raise_when", when=str(pidfile))]
+            err = fails(eng, batch)
+            if how == "timeout":
+                check(err, PROCESS, 0, "busy", re.escape(f"timed out after {TIMEOUT:g} s"))
+            child = int(childfile.read_text())
+            wait_until_dead(child)  # with its worker, not when the engine closes
+            assert eng.score(ok(PROCESS, 2)) == [0.5] * 2
+        child = int(childfile.read_text())
+        assert child not in (os.getpid(), int(pidfile.read_text()))
+    wait_until_dead(child)
+    assert process_gone(int(pidfile.read_text()))
+
+
+# --- many aborts: every killed worker is reaped and released at once ---
+
+ABORTS = 200
+
+
+def resources() -> tuple[int, int, int]:
+    """Open descriptors, threads (anyio's idle pool threads aside: it bounds and reuses them), and
+    child processes, zombies included."""
+    threads = [t for t in threading.enumerate() if t.name != "AnyIO worker thread"]
+    return len(os.listdir("/proc/self/fd")), len(threads), len(child_pids())
+
+
+def aborting_batch(env: str, asynchronous: str, n: int, cue: str) -> list[dict[str, Any]]:
+    """A batch that aborts while ``env``'s one worker is busy, or just after it answered."""
+    if n % 10 == 0:  # the worker has answered, but the engine has not taken the answer: no call sees it die
+        go = f"{cue}.go"
+        return [
+            item(env, mode="block", pidfile=cue, release=go),
+            item(asynchronous, mode="hold_loop_then_raise", when=cue, release=go),
+        ]
+    if n % 10 == 5:  # in the middle of a call
+        return [item(env, mode="block", pidfile=cue, release=f"{cue}.never"), item(THREAD, mode="raise_when", when=cue)]
+    # wherever the abort falls: mostly between calls, now and then during or just after one
+    return [item(env, mode="ok", pidfile=cue), *ok(env, n % 4), item(THREAD, mode="raise_when", when=cue)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_hundreds_of_aborted_batches_leave_nothing_behind(fault_envs: Path, tmp_path: Path, no_leaks: Snapshot) -> None:
+    """Each worker killed by an abort is reaped, and its thread, pipe and pidfd released, when it dies,
+    not when the engine closes: a trainer aborts batches for hours."""
+    env = process_twin(fault_envs, THREAD, "one_worker", workers=1)
+    asynchronous = "faults_async"
+    shutil.copytree(fault_envs / THREAD, fault_envs / asynchronous)
+    manifest = {"kind": "environment", "verifier": {"kind": "plugin", "ref": "faults:async_by_task"}}
+    (fault_envs / asynchronous / "manifest.json").write_bytes(orjson.dumps(manifest))
+    good = [*ok(env, 4), *ok(THREAD), *ok(asynchronous)]
+    with BlockingEngine(config(fault_envs, timeout=10)) as eng:
+        assert eng.score(good) == [0.5] * 6
+        baseline = resources()  # the one live worker, its thread and its descriptors included
+        for n in range(ABORTS):
+            fails(eng, aborting_batch(env, asynchronous, n, str(tmp_path / f"cue-{n}")))
+        assert eng.score(good) == [0.5] * 6  # one live worker again
+        wait_until(lambda: resources() == baseline, message=f"{resources()} is not back to {baseline}")
+        assert len(plugin(eng, env).worker_pids) == 1
+
+
 # --- what a worker does, and what it refuses ---
 
 
@@ -320,27 +397,22 @@ def test_chunks_go_to_workers_and_a_failure_inside_names_its_item(fault_envs: Pa
         assert eng.score(ok(PROCESS, 500)) == [0.5] * 500
 
 
-def test_a_worker_refuses_a_file_changed_after_vetting(fault_envs: Path, no_leaks: Snapshot) -> None:
-    """The engine vets the digest once; every worker it starts later checks it again before importing."""
+def test_a_worker_started_after_a_file_changed_runs_the_vetted_code(fault_envs: Path, no_leaks: Snapshot) -> None:
+    """The engine vets the digest once and hands every worker it starts, later ones too, the sources it
+    hashed: a file changed on disk since is never read."""
     pin = digest_directory(fault_envs / PROCESS)
     pinned = EngineConfig(environments=fault_envs, pins={PROCESS: pin}, defaults=Limits(timeout=TIMEOUT))
     with BlockingEngine(pinned) as eng:
         assert eng.score(ok(PROCESS)) == [0.5]  # one worker, running the vetted code
         with (fault_envs / PROCESS / "faults.py").open("a") as f:
             f.write("\nraise SystemExit('code nobody vetted ran')\n")
-        fails(eng, [item(PROCESS, mode="os_exit")])  # that worker is gone; its replacement checks the files
-        err = fails(eng, ok(PROCESS))
-    changed = digest_directory(fault_envs / PROCESS)
-    check(
-        err,
-        PROCESS,
-        0,
-        None,
-        re.escape(
-            f"environment {PROCESS!r} changed after the engine vetted it: its digest is {changed}, "
-            f"it was vetted at {pin}; the worker imported nothing"
-        ),
-    )
+        first = plugin(eng, PROCESS).worker_pids
+        fails(eng, [item(PROCESS, mode="os_exit")])  # that worker is gone; its replacement imports anew
+        result = eng.run(ok(PROCESS, 2))
+        assert result.rewards == [0.5] * 2
+        assert result.provenance(0)["digest"] == pin
+        assert plugin(eng, PROCESS).worker_pids not in ([], first)  # a new worker scored them
+    assert digest_directory(fault_envs / PROCESS) != pin
 
 
 IMPORT_FAULTS = [
@@ -374,9 +446,10 @@ def test_a_worker_that_cannot_import_the_plugin(fault_envs: Path, no_leaks: Snap
 @pytest.mark.slow
 @pytest.mark.timeout(40)
 def test_workers_exit_when_the_trainer_is_killed(fault_envs: Path, tmp_path: Path) -> None:
-    """kill -9 of the engine's process leaves no orphan: a worker busy with a call exits too."""
-    pidfile = tmp_path / "pid"
-    busy = item(PROCESS, mode="block", release=str(tmp_path / "never"), pidfile=str(pidfile))
+    """kill -9 of the engine's process leaves no orphan: a worker busy with a call exits too, and so
+    does the subprocess its plugin started."""
+    pidfile, childfile = tmp_path / "pid", tmp_path / "child"
+    busy = item(PROCESS, mode="block", release=str(tmp_path / "never"), pidfile=str(pidfile), childfile=str(childfile))
     trainer = tmp_path / "trainer.py"
     trainer.write_text(
         "import orjson\n"
@@ -394,6 +467,7 @@ def test_workers_exit_when_the_trainer_is_killed(fault_envs: Path, tmp_path: Pat
         process.kill()
         process.wait()
     wait_until_dead(worker, seconds=3)  # the plugin itself would wait 10 s
+    wait_until_dead(int(childfile.read_text()), seconds=3)  # its sleep, 60 s
 
 
 def test_workers_do_not_run_the_trainer_script_again(fault_envs: Path, tmp_path: Path) -> None:

@@ -8,9 +8,12 @@ import asyncio
 import ctypes
 import math
 import os
+import subprocess
 import sys
 import threading
 import time
+
+_children = []  # kept: a Popen object collected while its process runs warns
 
 
 class Boom(RuntimeError):
@@ -23,15 +26,18 @@ def _wait_for(path, seconds=10.0):
         time.sleep(0.005)
 
 
-def _write_pid(path):
+def _write_pid(path, pid=None):
     temporary = f"{path}.{os.getpid()}.tmp"
     with open(temporary, "w") as f:
-        f.write(str(os.getpid()))
+        f.write(str(pid or os.getpid()))
     os.replace(temporary, path)  # whoever waits for the file never reads half of it
 
 
 def by_task(task, trajectory):
     mode = task.get("mode", "ok")
+    if "childfile" in task:  # a subprocess of the plugin's own, left running (60 s: past any test)
+        _children.append(subprocess.Popen(["sleep", "60"], stdin=subprocess.DEVNULL))
+        _write_pid(task["childfile"], _children[-1].pid)
     if "pidfile" in task:
         _write_pid(task["pidfile"])
     if mode == "ok":
@@ -58,6 +64,12 @@ def by_task(task, trajectory):
 
 
 async def async_by_task(task, trajectory):
-    """The same faults from an ``async def`` plugin."""
+    """The same faults from an ``async def`` plugin, and one only it can cause."""
     await asyncio.sleep(0)
+    if task.get("mode") == "hold_loop_then_raise":  # an abort that comes just after another call's answer
+        while not os.path.exists(task["when"]):  # that call has started
+            await asyncio.sleep(0.001)
+        open(task["release"], "w").close()  # let it answer...
+        time.sleep(0.05)  # ...while the engine's event loop stands still: the answer waits its turn
+        raise Boom("held the loop")
     return by_task(task, trajectory)
