@@ -52,7 +52,7 @@ from .errors import VerificationError, describe
 from .importer import PluginLoadError, load_callable
 from .manifest import Environment
 from .process import Cost, PluginSpec, WorkerFailure, WorkerPool, default_workers, in_thread, wait_future
-from .verifier import BadReward, MalformedItem, as_rewards, check_reward
+from .verifier import IMMUTABLE, BadItem, MalformedItem, as_rewards, check_reward, private_pair
 
 __all__ = ["PluginVerifier"]
 
@@ -91,6 +91,7 @@ def _run_chunk(
     :class:`BadReward` names a value that is not a reward.
     """
     append = out.append
+    flat, copy = IMMUTABLE.issuperset, dict.copy
     started, cpu = perf_counter(), thread_time()
     for start in range(0, len(items), step):
         if not wanted():
@@ -102,8 +103,11 @@ def _run_chunk(
                 raise MalformedItem(len(out)) from None
             if name != environment:
                 return as_rewards(out), (perf_counter() - started, thread_time() - cpu)
-            if type(task) is not dict and not isinstance(task, Mapping):
-                raise MalformedItem(len(out))
+            # each call is handed a task and a trajectory of its own (private_pair), inlined for the common case
+            if type(task) is dict and type(trajectory) is str and flat(map(type, task.values())):
+                task = copy(task)
+            else:
+                task, trajectory = private_pair(len(out), task, trajectory)
             append(fn(task, trajectory))
     return as_rewards(out), (perf_counter() - started, thread_time() - cpu)
 
@@ -379,6 +383,10 @@ class PluginVerifier:
     async def verify(self, task: Mapping[str, Any], trajectory: Any) -> float:
         if self._process:
             return (await self._in_process([(task, trajectory)]))[0]
+        try:
+            task, trajectory = private_pair(0, task, trajectory)
+        except BadItem as exc:
+            raise self._fail(exc.reason) from exc.__cause__
         importing = self._fn is None
         with anyio.move_on_after(self.limits.timeout) as deadline:
             await self._loaded()
@@ -428,7 +436,7 @@ class PluginVerifier:
                 rewards, cost = await self._run(fn, items, out)
             except MalformedItem:
                 raise
-            except BadReward as exc:
+            except BadItem as exc:
                 failure = self._fail(exc.reason)
                 failure.index = exc.position
                 raise failure from None

@@ -73,7 +73,7 @@ import anyio
 from .digest import digest_directory
 from .errors import describe
 from .importer import PluginLoadError, load_callable
-from .verifier import BadReward, as_rewards
+from .verifier import BadItem, as_rewards, private_pair
 
 __all__ = [
     "STARTUP_TIMEOUT",
@@ -195,7 +195,11 @@ def _caller(fn: Callable[..., Any]) -> _Call:
 
 
 def _serve_chunk(call: _Call, pairs: Sequence[Pair], progress: memoryview[float]) -> tuple[Any, ...]:
-    """Call the plugin on each pair; the reply to send back."""
+    """Call the plugin on each pair; the reply to send back.
+
+    Each call is handed its own copy of its task and trajectory (``private_pair``), as in the
+    engine's threads: unpickled together, the items of a chunk that shared a task share it here too.
+    """
     out: list[Any] = []
     append = out.append
     started, cpu = perf_counter(), thread_time()
@@ -204,13 +208,16 @@ def _serve_chunk(call: _Call, pairs: Sequence[Pair], progress: memoryview[float]
         for position, (task, trajectory) in enumerate(pairs):
             progress[0] = position
             progress[1] = monotonic()
-            append(call(task, trajectory))
+            mine, theirs = private_pair(position, task, trajectory)
+            append(call(mine, theirs))
+    except BadItem as exc:  # the item cannot be copied
+        return ("bad", exc.position, exc.reason)
     except BaseException as exc:  # SystemExit and the like fail the item, not the worker
         return ("raised", position, *_described(exc))
     cost = (perf_counter() - started, thread_time() - cpu)
     try:
         return ("done", as_rewards(out), cost)
-    except BadReward as exc:
+    except BadItem as exc:
         return ("bad", exc.position, exc.reason)
 
 
