@@ -11,6 +11,12 @@ too. An overrun abandons the thread (Python cannot kill it) and fails the item. 
 still running are counted per verifier: past ``Limits.max_abandoned`` of them, the verifier fails
 new calls at once, saying why, instead of piling up threads that never end.
 
+Each call is handed a task and a trajectory of its own, so a plugin that changes them (adds a key,
+appends to a list) changes nothing another item's call sees, nor the caller's batch, under every
+executor alike (``engine.verifier.private``): a string is shared as it is, a task holding no
+container is copied flat (the common case, ~0.06 us), anything deeper is copied as deep as it goes.
+A reward is a real number (``engine.verifier.check_reward``): ``"42"`` is an error, not 42.0.
+
 A plugin whose manifest says ``"executor": "process"`` runs in worker processes instead
 (``engine.process``): the engine then only vets the directory's digest, the workers import the
 module, and an overrun or a crash kills a worker, never a thread or the engine.
@@ -40,6 +46,7 @@ import inspect
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from gc import is_tracked
 from time import perf_counter, thread_time
 from typing import Any, TypeVar
 
@@ -52,7 +59,7 @@ from .errors import VerificationError, describe
 from .importer import PluginLoadError, load_callable
 from .manifest import Environment
 from .process import Cost, PluginSpec, WorkerFailure, WorkerPool, default_workers, in_thread, wait_future
-from .verifier import IMMUTABLE, BadItem, MalformedItem, as_rewards, check_reward, private_pair
+from .verifier import BadItem, MalformedItem, as_rewards, check_reward, private_pair
 
 __all__ = ["PluginVerifier"]
 
@@ -88,10 +95,10 @@ def _run_chunk(
     timeout), so an abandoned chunk ends within a step. It stops early, returning fewer rewards,
     at an item of another environment than ``environment`` (the batch was not all one
     environment's). On an exception, ``len(out)`` is the position of the item that raised;
-    :class:`BadReward` names a value that is not a reward.
+    :class:`BadItem` names an item that cannot be copied, or a value that is not a reward.
     """
     append = out.append
-    flat, copy = IMMUTABLE.issuperset, dict.copy
+    copy, tracked = dict.copy, is_tracked
     started, cpu = perf_counter(), thread_time()
     for start in range(0, len(items), step):
         if not wanted():
@@ -103,8 +110,9 @@ def _run_chunk(
                 raise MalformedItem(len(out)) from None
             if name != environment:
                 return as_rewards(out), (perf_counter() - started, thread_time() - cpu)
-            # each call is handed a task and a trajectory of its own (private_pair), inlined for the common case
-            if type(task) is dict and type(trajectory) is str and flat(map(type, task.values())):
+            # each call is handed a task and a trajectory of its own: private_pair, inlined for a text
+            # and a task with no container in it (a dict the garbage collector does not track)
+            if type(task) is dict and type(trajectory) is str and not tracked(task):
                 task = copy(task)
             else:
                 task, trajectory = private_pair(len(out), task, trajectory)

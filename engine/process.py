@@ -62,6 +62,7 @@ import threading
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from gc import is_tracked
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
@@ -201,15 +202,17 @@ def _serve_chunk(call: _Call, pairs: Sequence[Pair], progress: memoryview[float]
     engine's threads: unpickled together, the items of a chunk that shared a task share it here too.
     """
     out: list[Any] = []
-    append = out.append
+    append, copy = out.append, dict.copy
     started, cpu = perf_counter(), thread_time()
     position = 0
     try:
         for position, (task, trajectory) in enumerate(pairs):
             progress[0] = position
             progress[1] = monotonic()
-            mine, theirs = private_pair(position, task, trajectory)
-            append(call(mine, theirs))
+            if type(task) is dict and type(trajectory) is str and not is_tracked(task):  # as plugin._run_chunk
+                append(call(copy(task), trajectory))
+            else:
+                append(call(*private_pair(position, task, trajectory)))
     except BadItem as exc:  # the item cannot be copied
         return ("bad", exc.position, exc.reason)
     except BaseException as exc:  # SystemExit and the like fail the item, not the worker

@@ -10,10 +10,10 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from gc import is_tracked
 from typing import Any, Protocol, overload, runtime_checkable
 
 __all__ = [
-    "IMMUTABLE",
     "AsyncVerifyFn",
     "BadItem",
     "BadReward",
@@ -155,31 +155,33 @@ class BadReward(BadItem):
     """The value at ``position`` of a chunk's results is not a reward; ``reason`` says why."""
 
 
-# Values of these types cannot change: a call is handed them as they are. Everything else a call is
-# handed is its own copy (``private``).
-IMMUTABLE = frozenset({str, int, float, bool, type(None), bytes, complex})
+# Values of these types cannot change: a call is handed them as they are.
+_IMMUTABLE = frozenset({str, int, float, bool, type(None), bytes, complex})
 
 
 def private(value: Any) -> Any:
     """A copy of ``value`` that shares nothing mutable with it: what one plugin call may change freely.
 
-    Immutable values are shared as they are, a dict or list of them is copied flat (~40 ns for a
-    small task), and deeper values are copied as deep as they go (``copy.deepcopy`` for types other
-    than dict, list and tuple). Raises whatever ``copy.deepcopy`` raises for a value it cannot copy.
+    Immutable values are shared as they are. A dict with no container in it (one the garbage
+    collector does not track: its values are strings, numbers, None...) is copied flat, a list of
+    immutable values too; deeper values are copied as deep as they go, ``copy.deepcopy`` for types
+    other than dict, list and tuple. The one thing shared: a mutable value that is not a container
+    (a ``bytearray``, a numpy array) inside an untracked dict. Raises what ``copy.deepcopy`` raises
+    for a value it cannot copy.
     """
     kind = type(value)
-    if kind in IMMUTABLE:
+    if kind in _IMMUTABLE:
         return value
     if kind is dict:
-        if IMMUTABLE.issuperset(map(type, value.values())):
+        if not is_tracked(value):
             return value.copy()
         return {key: private(item) for key, item in value.items()}
     if kind is list:
-        if IMMUTABLE.issuperset(map(type, value)):
+        if _IMMUTABLE.issuperset(map(type, value)):
             return value.copy()
         return [private(item) for item in value]
     if kind is tuple:
-        return value if IMMUTABLE.issuperset(map(type, value)) else tuple(private(item) for item in value)
+        return value if _IMMUTABLE.issuperset(map(type, value)) else tuple(private(item) for item in value)
     return copy.deepcopy(value)
 
 
