@@ -15,6 +15,8 @@ Each call is handed a task and a trajectory of its own, so a plugin that changes
 appends to a list) changes nothing another item's call sees, nor the caller's batch, under every
 executor alike (``engine.verifier.private``): a string is shared as it is, a task holding no
 container is copied flat (the common case, ~0.06 us), anything deeper is copied as deep as it goes.
+Its limit: a mutable value that is not a container (a ``bytearray``, a numpy array) in an otherwise
+flat task is shared, not copied (telling it apart would cost every flat task a pass over its values).
 A reward is a real number (``engine.verifier.check_reward``): ``"42"`` is an error, not 42.0.
 
 A plugin whose manifest says ``"executor": "process"`` runs in worker processes instead
