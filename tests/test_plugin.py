@@ -207,6 +207,7 @@ async def test_a_reward_that_is_not_a_real_number_fails_its_item(
     check(err, environment=name, ref="verify:score", index=1, item_id="bad", reason=reason)
 
 
+@pytest.mark.timeout(20)  # a worker process starts, and 10,000 calls
 @pytest.mark.parametrize("executor", ["thread", "process"])
 @pytest.mark.parametrize(("mode", "reason"), NOT_NUMBERS, ids=[mode for mode, _ in NOT_NUMBERS])
 async def test_a_reward_that_is_not_a_real_number_inside_a_chunk_names_its_item(

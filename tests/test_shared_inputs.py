@@ -90,6 +90,7 @@ async def test_a_group_sharing_a_task_gets_the_same_rewards_under_every_executor
         assert await eng.score(items) == [1.0, 1.0, 1.0, 1.0]  # and scores the same again
 
 
+@pytest.mark.timeout(20)  # a worker process starts, and 6,000 calls
 @pytest.mark.parametrize("trajectory", ["text", "messages"])
 @pytest.mark.parametrize("task", list(TASKS))
 @pytest.mark.parametrize("executor", ["thread", "process"])
