@@ -23,7 +23,7 @@ import httpx
 
 from .config import DEFAULT_TIMEOUT, EngineConfig, load_config
 from .endpoint import EndpointVerifier
-from .errors import VerificationError, describe
+from .errors import ConfigError, VerificationError, describe
 from .judge import Judge, RubricVerifier
 from .manifest import Environment, load_environment
 from .network import Proxies, Routes, ssl_context
@@ -37,7 +37,14 @@ from .verifier import ChunkedVerifier, Items, MalformedItem, Verifier, task_of
 
 __all__ = ["Engine"]
 
-_ENV_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+# a directory's name: no path separator, no leading dot, at most NAME_MAX (255) bytes, as Linux allows
+_ENV_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
+
+
+def _which(index: int, item: Mapping[str, Any]) -> str:
+    """How a message names an item: its position, and its ``id`` if it has one."""
+    item_id = item.get("id")
+    return f"item {index}" if item_id is None else f"item {index} (id {item_id!r})"
 
 
 def _check_item(index: int, item: Any) -> str:
@@ -50,10 +57,12 @@ def _check_item(index: int, item: Any) -> str:
     if not isinstance(item, Mapping):
         raise TypeError(f"item {index} is a {type(item).__name__}, not a mapping")
     if "environment" not in item:
-        raise ValueError(f"item {index} has no 'environment' (an item needs 'environment', 'task', 'trajectory')")
+        raise ValueError(
+            f"{_which(index, item)} has no 'environment' (an item needs 'environment', 'task', 'trajectory')"
+        )
     name = item["environment"]
     if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
-        raise ValueError(f"item {index}: 'environment' must be an environment's directory name, got {name!r}")
+        raise ValueError(f"{_which(index, item)}: 'environment' must be an environment's directory name, got {name!r}")
     return name
 
 
@@ -172,11 +181,22 @@ class Engine:
         """The environment called ``name``, loaded once; ``ValueError`` if there is none."""
         env = self._environments.get(name)
         if env is None:
+            if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
+                raise ValueError(f"{name!r} is not an environment's directory name")
             path = self.config.environments / name
             if not path.is_dir():
                 raise ValueError(f"unknown environment {name!r}: no directory {path}")
             env = self._environments[name] = load_environment(path)
         return env
+
+    def _environment_of(self, index: int, item: Mapping[str, Any]) -> Environment:
+        """The environment of item ``index``; ``ValueError`` naming the item if there is none."""
+        try:
+            return self.environment(item["environment"])
+        except ConfigError:  # its manifest is bad: the error names the file
+            raise
+        except ValueError as exc:
+            raise ValueError(f"{_which(index, item)}: {exc}") from None
 
     def verifier_for(self, env: Environment, rubrics: dict[str, Verifier] | None = None) -> Verifier:
         """The verifier of ``env``.
@@ -223,7 +243,7 @@ class Engine:
         lanes: dict[Verifier, Lane] = {}
         for name, indices in groups.items():
             try:
-                verifier = self.verifier_for(self.environment(name), rubrics)
+                verifier = self.verifier_for(self._environment_of(indices[0], items[indices[0]]), rubrics)
             except VerificationError as exc:
                 raise _at_item(exc, indices[0], items[indices[0]])  # noqa: B904 (it is the same error)
             lane = lanes.get(verifier)
@@ -248,7 +268,7 @@ class Engine:
         guess = _guess(batch)
         if guess is not None:
             try:
-                verifier = self.verifier_for(self.environment(guess), rubrics)
+                verifier = self.verifier_for(self._environment_of(0, batch[0]), rubrics)
             except VerificationError as exc:
                 raise _at_item(exc, 0, batch[0])  # noqa: B904 (it is the same error)
             if isinstance(verifier, ChunkedVerifier):

@@ -12,6 +12,14 @@ too. An overrun abandons the thread (Python cannot kill it) and fails the item. 
 still running are counted per verifier: past ``Limits.max_abandoned`` of them, the verifier fails
 new calls at once, saying why, instead of piling up threads that never end.
 
+Each call is handed a task and a trajectory of its own, so a plugin that changes them (adds a key,
+appends to a list) changes nothing another item's call sees, nor the caller's batch, under every
+executor alike (``engine.verifier.private``): a string is shared as it is, a task holding no
+container is copied flat (the common case, ~0.06 us), anything deeper is copied as deep as it goes.
+Its limit: a mutable value that is not a container (a ``bytearray``, a numpy array) in an otherwise
+flat task is shared, not copied (telling it apart would cost every flat task a pass over its values).
+A reward is a real number (``engine.verifier.check_reward``): ``"42"`` is an error, not 42.0.
+
 A plugin whose manifest says ``"executor": "process"`` runs in worker processes instead
 (``engine.process``): the engine then only vets the directory's digest, the workers import the
 module from the snapshot the engine vetted, and an overrun or a crash kills a worker, never a
@@ -42,6 +50,7 @@ import inspect
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from gc import is_tracked
 from time import perf_counter, thread_time
 from typing import Any, TypeVar
 
@@ -54,7 +63,7 @@ from .errors import DigestError, VerificationError, describe
 from .importer import PluginLoadError, load_callable
 from .manifest import Environment
 from .process import Cost, PluginSpec, WorkerFailure, WorkerPool, default_workers, in_thread, wait_future
-from .verifier import BadReward, MalformedItem, as_rewards, check_reward
+from .verifier import BadItem, MalformedItem, as_rewards, check_reward, private_pair
 
 __all__ = ["PluginVerifier"]
 
@@ -90,9 +99,10 @@ def _run_chunk(
     timeout), so an abandoned chunk ends within a step. It stops early, returning fewer rewards,
     at an item of another environment than ``environment`` (the batch was not all one
     environment's). On an exception, ``len(out)`` is the position of the item that raised;
-    :class:`BadReward` names a value that is not a reward.
+    :class:`BadItem` names an item that cannot be copied, or a value that is not a reward.
     """
     append = out.append
+    copy, tracked = dict.copy, is_tracked
     started, cpu = perf_counter(), thread_time()
     for start in range(0, len(items), step):
         if not wanted():
@@ -104,8 +114,12 @@ def _run_chunk(
                 raise MalformedItem(len(out)) from None
             if name != environment:
                 return as_rewards(out), (perf_counter() - started, thread_time() - cpu)
-            if type(task) is not dict and not isinstance(task, Mapping):
-                raise MalformedItem(len(out))
+            # each call is handed a task and a trajectory of its own: private_pair, inlined for a text
+            # and a task with no container in it (a dict the garbage collector does not track)
+            if type(task) is dict and type(trajectory) is str and not tracked(task):
+                task = copy(task)
+            else:
+                task, trajectory = private_pair(len(out), task, trajectory)
             append(fn(task, trajectory))
     return as_rewards(out), (perf_counter() - started, thread_time() - cpu)
 
@@ -387,6 +401,10 @@ class PluginVerifier:
     async def verify(self, task: Mapping[str, Any], trajectory: Any) -> float:
         if self._process:
             return (await self._in_process([(task, trajectory)]))[0]
+        try:
+            task, trajectory = private_pair(0, task, trajectory)
+        except BadItem as exc:
+            raise self._fail(exc.reason) from exc.__cause__
         importing = self._fn is None
         with anyio.move_on_after(self.limits.timeout) as deadline:
             await self._loaded()
@@ -436,7 +454,7 @@ class PluginVerifier:
                 rewards, cost = await self._run(fn, items, out)
             except MalformedItem:
                 raise
-            except BadReward as exc:
+            except BadItem as exc:
                 failure = self._fail(exc.reason)
                 failure.index = exc.position
                 raise failure from None

@@ -72,6 +72,7 @@ import threading
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from gc import is_tracked
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
@@ -83,7 +84,7 @@ import anyio
 from .digest import Snapshot
 from .errors import describe
 from .importer import PluginLoadError, load_callable
-from .verifier import BadReward, as_rewards
+from .verifier import BadItem, as_rewards, private_pair
 
 __all__ = [
     "STARTUP_TIMEOUT",
@@ -208,22 +209,31 @@ def _caller(fn: Callable[..., Any]) -> _Call:
 
 
 def _serve_chunk(call: _Call, pairs: Sequence[Pair], progress: memoryview[float]) -> tuple[Any, ...]:
-    """Call the plugin on each pair; the reply to send back."""
+    """Call the plugin on each pair; the reply to send back.
+
+    Each call is handed its own copy of its task and trajectory (``private_pair``), as in the
+    engine's threads: unpickled together, the items of a chunk that shared a task share it here too.
+    """
     out: list[Any] = []
-    append = out.append
+    append, copy = out.append, dict.copy
     started, cpu = perf_counter(), thread_time()
     position = 0
     try:
         for position, (task, trajectory) in enumerate(pairs):
             progress[0] = position
             progress[1] = monotonic()
-            append(call(task, trajectory))
+            if type(task) is dict and type(trajectory) is str and not is_tracked(task):  # as plugin._run_chunk
+                append(call(copy(task), trajectory))
+            else:
+                append(call(*private_pair(position, task, trajectory)))
+    except BadItem as exc:  # the item cannot be copied
+        return ("bad", exc.position, exc.reason)
     except BaseException as exc:  # SystemExit and the like fail the item, not the worker
         return ("raised", position, *_described(exc))
     cost = (perf_counter() - started, thread_time() - cpu)
     try:
         return ("done", as_rewards(out), cost)
-    except BadReward as exc:
+    except BadItem as exc:
         return ("bad", exc.position, exc.reason)
 
 

@@ -7,12 +7,15 @@ of that same shape, so the scheduler never needs to know which kind it is drivin
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from gc import is_tracked
 from typing import Any, Protocol, overload, runtime_checkable
 
 __all__ = [
     "AsyncVerifyFn",
+    "BadItem",
     "BadReward",
     "ChunkedVerifier",
     "Items",
@@ -21,6 +24,8 @@ __all__ = [
     "VerifyFn",
     "as_rewards",
     "check_reward",
+    "private",
+    "private_pair",
     "task_of",
 ]
 
@@ -138,24 +143,77 @@ def task_of(index: int, item: Mapping[str, Any]) -> tuple[Mapping[str, Any], Any
     return task, trajectory
 
 
-class BadReward(Exception):
-    """The value at ``position`` of a chunk's results is not a reward; ``reason`` says why."""
+class BadItem(Exception):
+    """The item at ``position`` of a chunk cannot be scored: ``reason`` says why (the verifier's failure)."""
 
     def __init__(self, position: int, reason: str) -> None:
         self.position, self.reason = position, reason
         super().__init__(position, reason)
 
 
+class BadReward(BadItem):
+    """The value at ``position`` of a chunk's results is not a reward; ``reason`` says why."""
+
+
+# Values of these types cannot change: a call is handed them as they are.
+_IMMUTABLE = frozenset({str, int, float, bool, type(None), bytes, complex})
+
+
+def private(value: Any) -> Any:
+    """A copy of ``value`` that shares nothing mutable with it: what one plugin call may change freely.
+
+    Immutable values are shared as they are. A dict with no container in it (one the garbage
+    collector does not track: its values are strings, numbers, None...) is copied flat, a list of
+    immutable values too; deeper values are copied as deep as they go, ``copy.deepcopy`` for types
+    other than dict, list and tuple. The one thing shared: a mutable value that is not a container
+    (a ``bytearray``, a numpy array) inside an untracked dict. Raises what ``copy.deepcopy`` raises
+    for a value it cannot copy.
+    """
+    kind = type(value)
+    if kind in _IMMUTABLE:
+        return value
+    if kind is dict:
+        if not is_tracked(value):
+            return value.copy()
+        return {key: private(item) for key, item in value.items()}
+    if kind is list:
+        if _IMMUTABLE.issuperset(map(type, value)):
+            return value.copy()
+        return [private(item) for item in value]
+    if kind is tuple:
+        return value if _IMMUTABLE.issuperset(map(type, value)) else tuple(private(item) for item in value)
+    return copy.deepcopy(value)
+
+
+def private_pair(position: int, task: Any, trajectory: Any) -> tuple[dict[str, Any], Any]:
+    """The task (as a dict) and the trajectory one call is handed: ``private`` copies of the item's.
+
+    Raises :class:`MalformedItem` if the task is not a mapping, :class:`BadItem` if a value
+    cannot be copied (``position`` is the item's place in its chunk).
+    """
+    if type(task) is not dict and not isinstance(task, Mapping):
+        raise MalformedItem(position)
+    try:
+        mine = private(task) if type(task) is dict else {key: private(value) for key, value in task.items()}
+        return mine, private(trajectory)
+    except Exception as exc:
+        raise BadItem(position, f"cannot copy the item for the plugin: {type(exc).__name__}: {exc}") from exc
+
+
 def as_rewards(values: Sequence[Any]) -> list[float]:
     """``values`` as rewards (:func:`check_reward` on each); :class:`BadReward` at the first that is not one.
 
-    Fast when every value is good (two passes in C), which is what a chunk of calls returns.
+    Fast when every value is good, which is what a chunk of calls returns: three passes in C. The
+    first sum takes only real numbers (``float()`` would take the string "42" too), the second
+    checks the floats themselves are finite (a value's ``__float__`` runs twice: the rewards are
+    what is checked, not what the first pass saw).
     """
     try:
-        rewards = list(map(float, values))
-        if math.isfinite(math.fsum(rewards)):
-            return rewards
-    except (TypeError, ValueError, OverflowError):  # OverflowError: finite values whose sum is not
+        if math.isfinite(math.fsum(values)):
+            rewards = list(map(float, values))
+            if math.isfinite(math.fsum(rewards)):
+                return rewards
+    except Exception:  # not a real number, NaN, inf, too large, a raising __float__: said below
         pass
     rewards = []
     for position, value in enumerate(values):  # the slow path: check each, to name a bad one
@@ -166,15 +224,36 @@ def as_rewards(values: Sequence[Any]) -> list[float]:
     return rewards
 
 
-def check_reward(value: Any) -> float:
-    """``float(value)`` for a reward, refusing NaN and the infinities.
-
-    Raises ``TypeError``/``ValueError`` with a message that shows the offending value.
-    """
+def _shown(value: Any) -> str:
+    """``repr(value)``, short, for a message; never raises (a plugin's object may have a broken ``__repr__``)."""
     try:
-        reward = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"returned {value!r} ({type(value).__name__}), which float() refuses") from None
+        text = repr(value)
+    except Exception:
+        return f"a {type(value).__name__} (whose repr() raises)"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_reward(value: Any) -> float:
+    """``value`` as a reward: a real number (int, float, bool, a numpy scalar, ``Decimal``, ``Fraction``).
+
+    Refused, with a ``TypeError``/``ValueError`` whose message shows the value: anything else
+    (a string, even "42", which ``float()`` would read, bytes, complex, None), NaN and the
+    infinities, a number too large for a float, and a value whose ``__float__`` raises. What is a
+    real number is what C's ``PyFloat_AsDouble`` takes: a type with ``__float__`` or ``__index__``.
+    """
+    if type(value) is float:
+        reward = value
+    else:
+        kind = type(value)
+        if not (hasattr(kind, "__float__") or hasattr(kind, "__index__")):
+            raise TypeError(f"returned {_shown(value)} ({kind.__name__}), which is not a number")
+        try:
+            reward = float(value)
+        except OverflowError:
+            raise ValueError(f"returned {_shown(value)}, which is too large for a float") from None
+        except Exception as exc:
+            shown = f"{_shown(value)} ({kind.__name__})"
+            raise ValueError(f"returned {shown}, whose float() raised {_shown(exc)}") from None
     if not math.isfinite(reward):
-        raise ValueError(f"returned {value!r}, which is not a finite number")
+        raise ValueError(f"returned {_shown(value)}, which is not a finite number")
     return reward

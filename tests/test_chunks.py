@@ -73,8 +73,9 @@ async def test_a_chunk_holds_items_of_several_lanes_apart(config: EngineConfig) 
     [
         ("raise", "raised ArithmeticError: cannot score item 13577"),
         ("nan", "returned nan, which is not a finite number"),
-        ("none", "returned None (NoneType), which float() refuses"),
-        ("text", "returned 'high' (str), which float() refuses"),
+        ("none", "returned None (NoneType), which is not a number"),
+        ("text", "returned 'high' (str), which is not a number"),
+        ("numeric_text", "returned '0.5' (str), which is not a number"),  # an extracted answer is not a score
     ],
 )
 async def test_a_failure_inside_a_chunk_names_its_item(config: EngineConfig, mode: str, reason: str) -> None:
@@ -91,11 +92,11 @@ async def test_a_failure_inside_a_chunk_names_its_item(config: EngineConfig, mod
         assert await eng.score(batch(3_000)) == [(n % 7) / 7 for n in range(3_000)]  # usable afterwards
 
 
-async def test_values_float_accepts_are_accepted_inside_a_chunk(config: EngineConfig) -> None:
+async def test_an_int_is_a_reward_inside_a_chunk(config: EngineConfig) -> None:
     async with engine.Engine(config) as eng:
         await warm(eng)
-        rewards = await eng.score(batch(at10={"mode": "numeric_text"}, at11={"mode": "int"}))
-    assert rewards[10:12] == [0.5, 1.0]
+        rewards = await eng.score(batch(at11={"mode": "int"}))
+    assert rewards[10:12] == [(10 % 7) / 7, 1.0]
     assert all(type(r) is float for r in rewards)
 
 

@@ -101,7 +101,8 @@ async def test_other_environments_under_the_process_executor(envs: Path) -> None
 @pytest.mark.parametrize(
     ("bad", "error", "text"),
     [
-        (item("no_such_environment"), ValueError, "unknown environment 'no_such_environment'"),
+        (item("no_such_environment"), ValueError, "item 700: unknown environment 'no_such_environment'"),
+        (item("x" * 300), ValueError, "item 700: 'environment' must be an environment's directory name"),
         (["environment", "task"], TypeError, "item 700 is a list, not a mapping"),
         ({"task": {}, "trajectory": ""}, ValueError, "item 700 has no 'environment'"),
         ({"environment": "../cheap", "task": {}, "trajectory": ""}, ValueError, "item 700: 'environment'"),
@@ -123,6 +124,18 @@ async def test_a_malformed_item_in_a_guessed_batch_is_named(
             assert text in str(info.value)
             await warm(eng)
         assert await eng.score(items[:700]) == [reward(n) for n in range(700)]  # still usable
+
+
+@pytest.mark.parametrize("name", ["no_such_environment", "x" * 300])
+async def test_a_guessed_environment_that_does_not_exist_is_named_with_its_item(envs: Path, name: str) -> None:
+    # the first and last items agree: the engine guesses the batch is all that environment's
+    items = [item(name, item_id="first"), cheap(1), item(name, item_id="last")]
+    async with engine.Engine(EngineConfig(environments=envs, allow_unpinned=True)) as eng:
+        with pytest.raises(ValueError, match=r"^item 0 \(id 'first'\): ") as info:
+            await eng.score(items)
+        assert not isinstance(info.value, VerificationError)
+        assert name in str(info.value)
+        assert await eng.score([cheap(1)]) == [reward(1)]  # still usable
 
 
 async def test_a_failure_in_another_environment_aborts_at_once(envs: Path, caplog: pytest.LogCaptureFixture) -> None:

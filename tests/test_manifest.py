@@ -142,7 +142,9 @@ def no_request_handler_server() -> TestServer:
 @pytest.mark.parametrize(
     ("bad", "error", "text"),
     [
-        (item("no_such_environment"), ValueError, "unknown environment 'no_such_environment'"),
+        (item("no_such_environment"), ValueError, "item 1: unknown environment 'no_such_environment'"),
+        (item("no_such_environment", item_id="r-1"), ValueError, "item 1 (id 'r-1'): unknown environment"),
+        (item("x" * 300), ValueError, "item 1: 'environment' must be an environment's directory name"),
         (["environment", "task"], TypeError, "item 1 is a list, not a mapping"),
         ({"environment": "twin_a", "trajectory": ""}, ValueError, "item 1 has no 'task'"),
         ({"environment": "twin_a", "task": {}}, ValueError, "item 1 has no 'trajectory'"),

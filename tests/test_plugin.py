@@ -129,9 +129,10 @@ async def test_sys_exit_in_a_plugin_fails_the_item_not_the_process(config: Engin
 @pytest.mark.parametrize(
     ("mode", "reason"),
     [
-        ("none", "returned None (NoneType), which float() refuses"),
-        ("text", "returned 'high' (str), which float() refuses"),
-        ("list", "returned [1.0] (list), which float() refuses"),
+        ("none", "returned None (NoneType), which is not a number"),
+        ("text", "returned 'high' (str), which is not a number"),
+        ("numeric_text", "returned '0.75' (str), which is not a number"),
+        ("list", "returned [1.0] (list), which is not a number"),
         ("nan", "returned nan, which is not a finite number"),
         ("inf", "returned inf, which is not a finite number"),
     ],
@@ -142,13 +143,110 @@ async def test_bad_return_values(config: EngineConfig, mode: str, reason: str) -
     check(err, environment="faulty", ref="faults:by_task", index=2, item_id=mode, reason=reason)
 
 
-async def test_what_float_accepts_is_accepted(config: EngineConfig) -> None:
-    """The documented contract is ``float(value)``: a numeric string and a bool are rewards."""
-    async with engine.Engine(config) as eng:
-        rewards = await eng.score(
-            [item("faulty", mode="numeric_text"), item("faulty", mode="bool"), item("faulty", mode="ok")]
-        )
-    assert rewards == [0.75, 1.0, 0.5]
+# --- a reward is a real number: the same in a thread, on the event loop and in a worker process ---
+
+RETURNS = """\
+import decimal
+import fractions
+
+
+class Raising:
+    def __float__(self):
+        raise RuntimeError("no float for you")
+
+
+VALUES = {
+    "float": lambda: 0.5, "int": lambda: 1, "bool": lambda: True, "decimal": lambda: decimal.Decimal("0.25"),
+    "fraction": lambda: fractions.Fraction(1, 4), "text": lambda: "42", "bytes": lambda: b"1",
+    "bytearray": lambda: bytearray(b"1"), "complex": lambda: 1 + 0j, "huge_int": lambda: 10**400,
+    "huge_fraction": lambda: fractions.Fraction(10**400, 3), "huge_decimal": lambda: decimal.Decimal("1e400"),
+    "raising": Raising,
+}
+
+
+def value(mode):
+    if mode.startswith("numpy"):
+        import numpy
+
+        return {"numpy_float": numpy.float32(0.25), "numpy_int": numpy.int64(1), "numpy_bool": numpy.bool_(True)}[mode]
+    return VALUES[mode]()
+"""
+SYNC_SCORE = "\n\ndef score(task, trajectory):\n    return value(task.get('mode', 'float'))\n"
+ASYNC_SCORE = "\n\nasync def score(task, trajectory):\n    return value(task.get('mode', 'float'))\n"
+
+
+def returns_env(envs: Path, executor: str) -> str:
+    """An environment whose plugin returns the value its task's ``mode`` names, run by ``executor``."""
+    source = RETURNS + (ASYNC_SCORE if executor == "async" else SYNC_SCORE)
+    name = add_env(envs, "returns_async" if executor == "async" else "returns", "plugin", "verify:score")
+    (envs / name / "verify.py").write_text(source)
+    return process_twin(envs, name, workers=1) if executor == "process" else name
+
+
+EXECUTORS = ["thread", "async", "process"]
+NOT_NUMBERS = [
+    ("text", "returned '42' (str), which is not a number"),
+    ("bytes", "returned b'1' (bytes), which is not a number"),
+    ("bytearray", "returned bytearray(b'1') (bytearray), which is not a number"),
+    ("complex", "returned (1+0j) (complex), which is not a number"),
+    ("huge_int", "which is too large for a float"),
+    ("huge_fraction", "which is too large for a float"),
+    ("huge_decimal", "returned Decimal('1E+400'), which is not a finite number"),
+    ("raising", "(Raising), whose float() raised RuntimeError('no float for you')"),
+]
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize(("mode", "reason"), NOT_NUMBERS, ids=[mode for mode, _ in NOT_NUMBERS])
+async def test_a_reward_that_is_not_a_real_number_fails_its_item(
+    envs: Path, executor: str, mode: str, reason: str
+) -> None:
+    """A string is an extracted answer, not a score: "42" must fail, not score 42.0 (as an endpoint's does)."""
+    name = returns_env(envs, executor)
+    config = EngineConfig(environments=envs, allow_unpinned=True)
+    items = [item(name, item_id=f"r{n}", mode="float") for n in range(3)]
+    items[1] = item(name, item_id="bad", mode=mode)
+    err = await fails(config, items)
+    check(err, environment=name, ref="verify:score", index=1, item_id="bad", reason=reason)
+
+
+@pytest.mark.timeout(20)  # a worker process starts, and 10,000 calls
+@pytest.mark.parametrize("executor", ["thread", "process"])
+@pytest.mark.parametrize(("mode", "reason"), NOT_NUMBERS, ids=[mode for mode, _ in NOT_NUMBERS])
+async def test_a_reward_that_is_not_a_real_number_inside_a_chunk_names_its_item(
+    envs: Path, executor: str, mode: str, reason: str
+) -> None:
+    """In a chunk too (there, a raising ``__float__`` escaped as an IndexError, or killed the worker)."""
+    name = returns_env(envs, executor)
+    items = [item(name, item_id=f"r{n}", mode="float") for n in range(5_000)]
+    items[3_777] = item(name, item_id="bad", mode=mode)
+    async with engine.Engine(EngineConfig(environments=envs, allow_unpinned=True)) as eng:
+        assert await eng.score(items[:2_000]) == [0.5] * 2_000  # chunks form after this
+        assert eng.verifier_for(eng.environment(name)).chunk_size(5_000) > 1
+        with pytest.raises(VerificationError) as info:
+            await eng.score(items)
+        assert type(info.value) is VerificationError
+        check(info.value, environment=name, ref="verify:score", index=3_777, item_id="bad", reason=reason)
+        assert await eng.score(items[:3_000]) == [0.5] * 3_000  # the engine (and its worker) still scores
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+async def test_real_numbers_of_every_kind_are_rewards(envs: Path, executor: str) -> None:
+    name = returns_env(envs, executor)
+    modes = ["float", "int", "bool", "decimal", "fraction"]
+    async with engine.Engine(EngineConfig(environments=envs, allow_unpinned=True)) as eng:
+        rewards = await eng.score([item(name, mode=mode) for mode in modes])
+    assert rewards == [0.5, 1.0, 1.0, 0.25, 0.25]
+    assert all(type(r) is float for r in rewards)
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+async def test_numpy_scalars_are_rewards(envs: Path, executor: str) -> None:
+    pytest.importorskip("numpy")
+    name = returns_env(envs, executor)
+    async with engine.Engine(EngineConfig(environments=envs, allow_unpinned=True)) as eng:
+        rewards = await eng.score([item(name, mode=mode) for mode in ("numpy_float", "numpy_int", "numpy_bool")])
+    assert rewards == [0.25, 1.0, 1.0]
     assert all(type(r) is float for r in rewards)
 
 
