@@ -24,11 +24,12 @@ against httpx's own transport on the same bytes.
 Sending a request again: only when it went out on a *reused* connection and the connection then
 failed (EOF or reset) before *any byte* of a response arrived, and only once, on a fresh
 connection. That is a kept connection the server had already closed (an idle timeout, a cap on
-requests per connection, a load balancer), which the server never acted on; it is what well-kept
-clients do. A request on a new connection, or one that saw any byte of a response (an interim
-one included), or one that timed out, is never sent twice: the server may have acted on it. The one case the rule
-cannot tell apart: a server that reads a request on a kept connection and closes it without a byte
-of answer gets that request once more (a verifier's call is a pure computation; a judge's costs twice).
+requests per connection, a load balancer), which the server never acted on; well-kept clients
+do the same. A request on a new connection, one that saw any byte of a response (an interim one
+included), or one that timed out is never sent twice: the server may have acted on it. What the
+rule cannot tell apart: a server that reads a request on a kept connection and closes it without
+a byte of answer gets that request once more (harmless for a verifier's pure computation; a
+judge's call is paid twice).
 
 Closing a socket costs ~10 us of the event loop's time, so closing 1,024 of them when a batch
 aborts held its caller ~15 ms longer. Inside :meth:`PoolTransport.closes_deferred` (the engine
@@ -466,8 +467,9 @@ class PoolTransport(httpx.AsyncBaseTransport):
             break
         self._release(pool, connection)
         # stream=, not content=: the latter would add a Content-Length the server did not send (to a chunked reply)
-        extensions = {"http_version": b"HTTP/1.1"}
-        response = httpx.Response(status, headers=headers, stream=httpx.ByteStream(content), extensions=extensions)
+        response = httpx.Response(
+            status, headers=headers, stream=httpx.ByteStream(content), extensions={"http_version": b"HTTP/1.1"}
+        )
         response.read()
         return response
 
