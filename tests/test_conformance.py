@@ -69,7 +69,7 @@ EARLY_HINTS = b"HTTP/1.1 103 Early Hints\r\nlink: </style.css>; rel=preload\r\n\
 PROCESSING = b"HTTP/1.1 102 Processing\r\n\r\n"
 SWITCHING = b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n"
 CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n"
-SERVED = [Read(), Send(reply(2))]  # a connection that answers one request
+SERVED: list[Step] = [Read(), Send(reply(2))]  # a connection that answers one request
 
 
 @dataclass(frozen=True)
