@@ -8,9 +8,28 @@ timeouts, the client's API) is httpx's.
 
 Scope, kept deliberately small: HTTP/1.1 over TCP or TLS, one request at a time per connection
 (no pipelining), responses delimited by Content-Length, chunked encoding or connection close,
-parsed by httptools (the C parser uvicorn uses). No proxies, no HTTP/2, no upgrades. A connection is
-reused only after a complete response that allows keep-alive; a request that is cancelled or fails
-closes its connection, so the server sees an abort at once.
+parsed by httptools (the C parser uvicorn uses). No proxies, no HTTP/2, no upgrades. Interim
+responses (``100 Continue``, ``103 Early Hints``, any 1xx but 101) are skipped: the final response
+is the request's; a ``101 Switching Protocols`` nobody asked for is a protocol error. Trailers after
+a chunked body are read and dropped, as httpx drops them.
+
+Connections: one is reused only after a complete response that allows keep-alive, and never once
+it has seen EOF or bytes nobody asked for (a second response to one request, or anything arriving
+while it is idle): those are closed, not handed out. A request that is cancelled, times out or
+fails aborts its connection (a reset, not a graceful close: a graceful one waits for the unsent
+request body to drain, which a server that stopped reading never lets happen), so the server sees
+the abort at once and no socket outlives the call. tests/test_conformance.py checks all this
+against httpx's own transport on the same bytes.
+
+Sending a request again: only when it went out on a *reused* connection and the connection then
+failed (EOF or reset) before *any byte* of a response arrived, and only once, on a fresh
+connection. That is a kept connection the server had already closed (an idle timeout, a cap on
+requests per connection, a load balancer), which the server never acted on; well-kept clients
+do the same. A request on a new connection, one that saw any byte of a response (an interim one
+included), or one that timed out is never sent twice: the server may have acted on it. What the
+rule cannot tell apart: a server that reads a request on a kept connection and closes it without
+a byte of answer gets that request once more (harmless for a verifier's pure computation; a
+judge's call is paid twice).
 
 Closing a socket costs ~10 us of the event loop's time, so closing 1,024 of them when a batch
 aborts held its caller ~15 ms longer. Inside :meth:`PoolTransport.closes_deferred` (the engine
@@ -36,7 +55,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import ssl
+import struct
 from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -52,6 +73,7 @@ CLOSE_WAIT = 1.0  # seconds aclose() waits for closed sockets to be released
 MAX_HEAD = 64 * 1024  # bytes: a response's status line and headers
 MAX_BODY = "max_body"  # the request extension that caps the response body, in bytes
 TOTAL_TIMEOUT = "total_timeout"  # the request extension: seconds the whole call may take
+_LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: closing the socket sends a reset at once
 
 
 def size_text(size: int) -> str:
@@ -112,6 +134,10 @@ def _refusal(headers: list[tuple[bytes, bytes]], limit: int) -> Exception | None
     return None
 
 
+class _Unsolicited(Exception):
+    """A response began after the request's own was complete: the connection is out of step."""
+
+
 class _Connection(asyncio.Protocol):
     """One TCP connection and the response being read on it (httptools calls the ``on_*`` methods)."""
 
@@ -122,12 +148,13 @@ class _Connection(asyncio.Protocol):
         self._waiter: asyncio.Future[tuple[int, list[tuple[bytes, bytes]], bytes]] | None = None
         self._headers: list[tuple[bytes, bytes]] = []
         self._body: list[bytes] = []
-        self._headers_done = False
-        self._head_size = 0  # bytes received before the end of the head
+        self._headers_done = False  # the final response's head is complete (an interim one's does not count)
+        self._received = 0  # bytes received since the request was sent
         self._body_size = 0
         self._limit: int | None = None  # the cap on this response's body, if any
         self._timer: asyncio.TimerHandle | None = None  # the response's deadline
         self.reusable = False
+        self.sent = 0  # requests sent on this connection, the current one included
         self.lost: asyncio.Future[None] = loop.create_future()  # done once the socket is closed
 
     # asyncio.Protocol
@@ -135,16 +162,23 @@ class _Connection(asyncio.Protocol):
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not an asyncio.Transport subclass
 
     def data_received(self, data: bytes) -> None:
+        waiter = self._waiter
+        if waiter is None or waiter.done():  # bytes while idle, or after the response: nobody asked for them
+            self.reusable = False
+            self.close()
+            return
+        self._received += len(data)
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._fail(httpx.RemoteProtocolError("the server asked for a protocol upgrade"))
-        except httptools.HttpParserError as exc:
+        except httptools.HttpParserError as exc:  # _Unsolicited too: the response is delivered, this closes
             self._fail(httpx.RemoteProtocolError(f"malformed HTTP response: {exc}"))
-        if not self._headers_done:  # httptools buffers an unfinished head: bound it
-            self._head_size += len(data)
-            if self._head_size > MAX_HEAD:
-                self._fail(ResponseTooLarge(MAX_HEAD, head=True))
+        if not self._headers_done and self._received > MAX_HEAD:  # httptools buffers an unfinished head
+            self._fail(ResponseTooLarge(MAX_HEAD, head=True))
+
+    def eof_received(self) -> None:
+        self.reusable = False  # returning None: the transport closes itself, so it is never handed out again
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.reusable = False
@@ -153,8 +187,8 @@ class _Connection(asyncio.Protocol):
         waiter = self._waiter
         if waiter is None or waiter.done():
             return
-        if self._headers_done and self._parser.get_status_code() and not self._delimited():
-            self.on_message_complete()  # the body was delimited by the close itself
+        if exc is None and self._headers_done and not self._delimited():
+            self.on_message_complete()  # the body was delimited by the close itself (a reset is no delimiter)
         else:
             reason = f"the server closed the connection before the response was complete ({exc or 'EOF'})"
             self._fail(httpx.RemoteProtocolError(reason) if exc is None else httpx.ReadError(reason))
@@ -164,10 +198,21 @@ class _Connection(asyncio.Protocol):
         return b"content-length" in names or b"transfer-encoding" in names
 
     # httptools callbacks
+    def on_message_begin(self) -> None:
+        waiter = self._waiter
+        if waiter is None or waiter.done():  # a second response to one request: stop parsing, close
+            raise _Unsolicited
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append((name, value))
+        if not self._headers_done:  # after the head: a chunked body's trailers, dropped
+            self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if status < 200:  # an interim response: its end resets the head, the final one follows
+            if status == 101:
+                self._fail(httpx.RemoteProtocolError("the server switched protocols (101), which was not asked for"))
+            return
         self._headers_done = True
         if self._limit is not None:
             refusal = _refusal(self._headers, self._limit)
@@ -184,6 +229,9 @@ class _Connection(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        if not self._headers_done:  # the end of an interim (1xx) response
+            self._headers = []
+            return
         self.reusable = self._parser.should_keep_alive()
         waiter = self._waiter
         if waiter is not None and not waiter.done():
@@ -191,10 +239,14 @@ class _Connection(asyncio.Protocol):
 
     # used by the pool
     def _fail(self, exc: Exception) -> None:
-        self.reusable = False
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_exception(exc)
-        self.close()
+        self.abort()
+
+    @property
+    def replayable(self) -> bool:
+        """True if the request just sent may go again: the connection was reused and no response byte came."""
+        return self.sent > 1 and not self._received
 
     @property
     def alive(self) -> bool:
@@ -213,8 +265,9 @@ class _Connection(asyncio.Protocol):
         assert self._transport is not None
         self._waiter = waiter = self._loop.create_future()
         self._headers, self._body, self._headers_done, self.reusable = [], [], False, False
-        self._head_size = self._body_size = 0
+        self._received = self._body_size = 0
         self._limit = limit
+        self.sent += 1
         self._transport.write(data)
         if ends is not None:
             self._timer = self._loop.call_at(ends, self._expire)
@@ -231,9 +284,21 @@ class _Connection(asyncio.Protocol):
             self._timer = None
 
     def close(self) -> None:
+        """Close gracefully: for a connection with no request in flight."""
         self.reusable = False
         if self._transport is not None:
             self._transport.close()
+
+    def abort(self) -> None:
+        """Drop the connection now, with a reset: for one a request was cut short on (unsent bytes are discarded)."""
+        self.reusable = False
+        transport = self._transport
+        if transport is not None:
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):  # the socket may be gone already
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+            transport.abort()
 
 
 @dataclass(eq=False)
@@ -273,6 +338,7 @@ class PoolTransport(httpx.AsyncBaseTransport):
     def _close_cut_short(self) -> None:
         cut_short, self._cut_short = self._cut_short, []
         for pool, connection in cut_short:
+            connection.abort()
             self._release(pool, connection)
 
     def _ssl_context(self) -> ssl.SSLContext:
@@ -298,12 +364,21 @@ class PoolTransport(httpx.AsyncBaseTransport):
         return connection
 
     async def _acquire(
-        self, request: httpx.Request, pool: _Pool, origin: tuple[bytes, bytes, int], deadline: float | None
+        self,
+        request: httpx.Request,
+        pool: _Pool,
+        origin: tuple[bytes, bytes, int],
+        deadline: float | None,
+        fresh: bool = False,
     ) -> _Connection:
-        while pool.idle:
+        """A connection for ``request``: an idle one if there is one, else a new one (always new if ``fresh``)."""
+        while pool.idle and not fresh:
             connection = pool.idle.pop()
             if connection.alive:
                 return connection
+            pool.count -= 1
+        if fresh and pool.idle and pool.count >= pool.limit:  # make room: the idle ones may be as stale
+            pool.idle.popleft().close()
             pool.count -= 1
         if pool.count >= pool.limit:
             waiter = asyncio.get_running_loop().create_future()
@@ -318,7 +393,7 @@ class PoolTransport(httpx.AsyncBaseTransport):
                     waiter.cancel()
                 if waiter in pool.waiters:
                     pool.waiters.remove(waiter)
-            return await self._acquire(request, pool, origin, deadline)
+            return await self._acquire(request, pool, origin, deadline, fresh)
         pool.count += 1
         try:
             return await self._connect(request, origin, deadline)
@@ -362,34 +437,52 @@ class PoolTransport(httpx.AsyncBaseTransport):
         connection = await self._acquire(request, pool, origin, deadline)
         limit: int | None = extensions.get(MAX_BODY)
         ends = _ends(request, "read", deadline)
-        try:
+        replayed = False
+        while True:
             try:
-                status, headers, content = await connection.send(data, limit, ends)
-            except TimeoutError as exc:
-                raise httpx.ReadTimeout("timed out waiting for the response", request=request) from exc
-            except httpx.RequestError as exc:
-                exc.request = request
-                raise
-            finally:
-                connection.disarm()
-        except BaseException as exc:
-            connection.reusable = False  # so it is closed, not pooled
-            if self._deferring and isinstance(exc, asyncio.CancelledError):
-                self._cut_short.append((pool, connection))  # an abort: its caller goes first, the close right after
-            else:
+                try:
+                    status, headers, content = await connection.send(data, limit, ends)
+                except TimeoutError as exc:
+                    raise httpx.ReadTimeout("timed out waiting for the response", request=request) from exc
+                except httpx.RequestError as exc:
+                    exc.request = request
+                    raise
+                finally:
+                    connection.disarm()
+            except BaseException as exc:
+                connection.reusable = False  # so it is closed, not pooled
+                if self._deferring and isinstance(exc, asyncio.CancelledError):
+                    self._cut_short.append((pool, connection))  # an abort: its caller first, the close right after
+                    raise
+                connection.abort()
                 self._release(pool, connection)
-            raise
+                dropped = isinstance(exc, httpx.ReadError | httpx.RemoteProtocolError)  # EOF or reset, not a timeout
+                if replayed or not dropped or not connection.replayable:
+                    raise
+                # a kept connection the server had closed, before any byte of a response: once more, on a new one
+                replayed = True
+                connection = await self._acquire(request, pool, origin, deadline, fresh=True)
+                ends = _ends(request, "read", deadline)
+                continue
+            break
         self._release(pool, connection)
-        return httpx.Response(status, headers=headers, content=content, extensions={"http_version": b"HTTP/1.1"})
+        # stream=, not content=: the latter would add a Content-Length the server did not send (to a chunked reply)
+        response = httpx.Response(
+            status, headers=headers, stream=httpx.ByteStream(content), extensions={"http_version": b"HTTP/1.1"}
+        )
+        response.read()
+        return response
 
     async def aclose(self) -> None:
         """Close the idle connections (and any left by cancelled requests); wait until their sockets are closed."""
         self._closed = True
         closing = [connection for pool in self._pools.values() for connection in pool.idle]
-        closing += [connection for _, connection in self._cut_short]
-        self._cut_short.clear()
-        self._pools.clear()
         for connection in closing:
             connection.close()
+        for _, connection in self._cut_short:
+            connection.abort()
+            closing.append(connection)
+        self._cut_short.clear()
+        self._pools.clear()
         if closing:
             await asyncio.wait([connection.lost for connection in closing], timeout=CLOSE_WAIT)

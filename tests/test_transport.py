@@ -3,18 +3,28 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import json
+import shutil
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.abc
 import httpx
 import pytest
+from conftest import add_endpoint_env, add_rubric_env, item
 from httpserver import Request, Response, TestServer, json_handler
+from judgeserver import score
 from polling import eventually
+from rawserver import AwaitData, Close, Hold, RawServer, Read, Send, Sleep, established
 
+import engine
+from engine.judge import JudgeConfig
 from engine.transport import PoolTransport
 
 pytestmark = pytest.mark.timeout(10)
@@ -200,3 +210,186 @@ async def test_unsupported_scheme() -> None:
     async with httpx.AsyncClient(transport=PoolTransport()) as client:
         with pytest.raises(httpx.UnsupportedProtocol):
             await client.post("ftp://127.0.0.1/x", content=b"{}")
+
+
+# --- interim responses, stale connections, sockets left behind (raw-socket servers, tests/rawserver.py) ---
+
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+EARLY_HINTS = b"HTTP/1.1 103 Early Hints\r\nlink: </style.css>; rel=preload\r\n\r\n"
+RUBRICS = Path(__file__).parent / "rubrics"
+
+
+def answer(body: bytes) -> bytes:
+    """A complete JSON 200 (keep-alive) with ``body``."""
+    return b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+
+
+def reward(n: float) -> bytes:
+    return answer(json.dumps({"reward": n}).encode())
+
+
+def request_body(request: bytes) -> Any:
+    return json.loads(request.partition(b"\r\n\r\n")[2])
+
+
+def own_reward(request: bytes) -> bytes:
+    """The endpoint's answer to an engine item: the reward its task carries (``task["r"]``)."""
+    return reward(request_body(request)["task"]["r"])
+
+
+def interim_then(final: Any) -> list[Any]:
+    """Serve a request: a 100 Continue, a pause (the client has it alone), an Early Hints, then ``final``."""
+    return [Read(), Send(CONTINUE), Sleep(0.05), Send(EARLY_HINTS), Sleep(0.02), Send(final)]
+
+
+async def post(server: RawServer, client: httpx.AsyncClient, n: int = 0) -> Any:
+    return (await client.post(server.url, json={"n": n})).json()
+
+
+async def test_interim_responses_are_skipped_and_the_final_one_is_the_requests() -> None:
+    with RawServer([interim_then(reward(1)) + interim_then(reward(2))]) as server:
+        async with httpx.AsyncClient(transport=PoolTransport()) as client:
+            assert await post(server, client) == {"reward": 1}
+            assert await post(server, client) == {"reward": 2}
+        assert len(server.connections) == 1
+
+
+async def test_a_101_nobody_asked_for_is_a_protocol_error() -> None:
+    switching = b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n"
+    with RawServer([[Read(), Send(switching), Hold()]]) as server:
+        async with httpx.AsyncClient(transport=PoolTransport()) as client:
+            with pytest.raises(httpx.RemoteProtocolError, match="switched protocols"):
+                await post(server, client)
+
+
+async def test_endpoint_items_on_one_connection_each_get_their_own_reward_after_interim_responses(
+    envs: Path,
+) -> None:
+    with RawServer([interim_then(own_reward) * 3]) as server:
+        add_endpoint_env(envs, "remote", server.url)
+        config = engine.EngineConfig(environments=envs, max_in_flight=1)  # one connection, the items in turn
+        async with engine.Engine(config) as eng:
+            assert await eng.score([item("remote", r=r) for r in (0.25, 0.5, 0.75)]) == [0.25, 0.5, 0.75]
+        assert [len(connection.requests) for connection in server.connections] == [3]
+
+
+def judge_reply(request: bytes) -> bytes:
+    """A judge's completion scoring an item with the number its response says."""
+    messages = request_body(request)["messages"]
+    text = next(message["content"] for message in messages if message["role"] == "user")
+    answered = text.split("<response>\n", 1)[1].split("\n</response>", 1)[0]
+    return answer(score(int(answered)).body)
+
+
+async def test_judged_items_on_one_connection_each_get_their_own_score_after_interim_responses(
+    envs: Path, tmp_path: Path
+) -> None:
+    rubrics = tmp_path / "rubrics"
+    shutil.copytree(RUBRICS, rubrics)
+    add_rubric_env(envs, "judged", "alice/arithmetic-correctness")  # its latest version scores 0..10
+    with RawServer([interim_then(judge_reply) * 2]) as server:
+        judge = JudgeConfig(base_url=f"http://127.0.0.1:{server.port}/v1", model="judge-test", max_concurrency=1)
+        config = engine.EngineConfig(environments=envs, rubrics=rubrics, judge=judge, max_in_flight=1)
+        items = [item("judged", answer, prompt="What is 6 * 7?", reference="42") for answer in ("3", "7")]
+        async with engine.Engine(config) as eng:
+            assert await eng.score(items) == [0.3, 0.7]
+        assert [len(connection.requests) for connection in server.connections] == [2]
+
+
+def closes_when_the_next_request_comes(reply: Any) -> list[Any]:
+    """Serve one request, keep the connection (no ``Connection: close``), and close it when another arrives unread."""
+    return [Read(), Send(reply), AwaitData(), Close()]
+
+
+async def test_a_request_on_a_kept_connection_the_server_closed_goes_again_on_a_new_one() -> None:
+    with RawServer([closes_when_the_next_request_comes(reward(1)), [Read(), Send(reward(2))]]) as server:
+        async with httpx.AsyncClient(transport=PoolTransport()) as client:
+            assert await post(server, client) == {"reward": 1}
+            assert await post(server, client, 2) == {"reward": 2}
+        assert [request_body(request) for request in server.requests] == [{"n": 0}, {"n": 2}]  # each once
+        assert len(server.connections) == 2
+
+
+async def test_endpoint_items_survive_a_server_that_closes_each_kept_connection(envs: Path) -> None:
+    with RawServer([closes_when_the_next_request_comes(own_reward)]) as server:
+        add_endpoint_env(envs, "remote", server.url)
+        config = engine.EngineConfig(environments=envs, max_in_flight=1)
+        async with engine.Engine(config) as eng:
+            assert await eng.score([item("remote", r=r) for r in (1, 2, 3, 4)]) == [1, 2, 3, 4]
+        assert sorted(request_body(request)["task"]["r"] for request in server.requests) == [1, 2, 3, 4]
+
+
+async def test_a_request_is_sent_again_once_only() -> None:
+    with RawServer([closes_when_the_next_request_comes(reward(1)), [Close()]]) as server:
+        async with httpx.AsyncClient(transport=PoolTransport()) as client:
+            assert await post(server, client) == {"reward": 1}
+            with pytest.raises(httpx.TransportError):  # the new connection fails too: that is the end of it
+                await post(server, client)
+        assert len(server.connections) == 2
+
+
+@pytest.mark.parametrize(
+    "then",
+    [
+        pytest.param([Read(), Send(b"HTTP/1.1 200 OK\r\ncontent-le"), Close()], id="after-a-byte-of-response"),
+        pytest.param([Read(), Send(CONTINUE), Close()], id="after-an-interim-response"),
+    ],
+)
+async def test_a_request_that_may_have_been_acted_on_is_not_sent_again(then: list[Any]) -> None:
+    with RawServer([[Read(), Send(reward(1)), *then], [Read(), Send(reward(2))]]) as server:
+        async with httpx.AsyncClient(transport=PoolTransport()) as client:
+            assert await post(server, client) == {"reward": 1}
+            with pytest.raises(httpx.RemoteProtocolError):
+                await post(server, client)
+        assert len(server.connections) == 1
+
+
+async def test_a_request_that_timed_out_on_a_kept_connection_is_not_sent_again() -> None:
+    with RawServer([[Read(), Send(reward(1)), Read(), Hold()], [Read(), Send(reward(2))]]) as server:
+        async with httpx.AsyncClient(transport=PoolTransport(), timeout=httpx.Timeout(10, read=0.2)) as client:
+            assert await post(server, client) == {"reward": 1}
+            with pytest.raises(httpx.ReadTimeout):
+                await post(server, client)
+        assert len(server.connections) == 1
+
+
+BIG = b"x" * (8 << 20)  # a request body the kernel's buffers cannot hold while the server does not read
+
+
+async def released(server: RawServer) -> None:
+    """The server saw the client go (a FIN or a reset), and no socket of the client's is ESTABLISHED."""
+    (connection,) = server.connections
+    await eventually(lambda: connection.closed_by_client, message="the server never saw the client go")
+    assert not established(connection.peer_port)
+
+
+async def test_a_timed_out_request_whose_body_was_never_read_leaves_no_socket_behind() -> None:
+    with RawServer([[Hold()]]) as server:
+        async with httpx.AsyncClient(transport=PoolTransport(), timeout=httpx.Timeout(10, read=0.2)) as client:
+            with pytest.raises(httpx.ReadTimeout):
+                await client.post(server.url, content=BIG)
+        await released(server)
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["plain", "closes-deferred"])
+async def test_a_cancelled_request_whose_body_was_never_read_leaves_no_socket_behind(deferred: bool) -> None:
+    with RawServer([[Hold()]]) as server:
+        transport = PoolTransport()
+        async with httpx.AsyncClient(transport=transport) as client:
+            with transport.closes_deferred() if deferred else contextlib.nullcontext():
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(functools.partial(client.post, server.url, content=BIG))
+                    await eventually(lambda: server.connections)
+                    await anyio.sleep(0.05)  # the body is on its way, as far as the buffers take it
+                    tg.cancel_scope.cancel()
+        await released(server)
+
+
+async def test_an_endpoint_call_that_timed_out_on_an_unread_body_leaves_no_socket_behind(envs: Path) -> None:
+    with RawServer([[Hold()]]) as server:
+        add_endpoint_env(envs, "remote", server.url)
+        config = engine.EngineConfig(environments=envs, refs={server.url: engine.Limits(timeout=0.2)})
+        async with engine.Engine(config) as eng:
+            with pytest.raises(engine.VerificationError, match="timed out"):
+                await eng.score([item("remote", "x" * (8 << 20))])
+        await released(server)
