@@ -4,6 +4,7 @@ Importing the CLI takes a noticeable moment (pyarrow, httpx, rich): a Ctrl-C mea
 command with one line and exit 130, like a Ctrl-C later on, not with an import traceback.
 """
 
+import os
 import sys
 
 
@@ -13,7 +14,8 @@ def main() -> None:
         from .cli import main as cli_main
     except KeyboardInterrupt:
         sys.stderr.write("error: interrupted (Ctrl-C) while starting; nothing was written\n")
-        sys.exit(130)
+        sys.stderr.flush()
+        os._exit(130)  # not sys.exit: see engine.cli.main
     cli_main()
 
 

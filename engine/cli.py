@@ -18,6 +18,7 @@ no signal handler.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import time
@@ -87,9 +88,11 @@ def _fail(code: int, message: str) -> NoReturn:
 
 
 class _Signals:
-    """Whether SIGTERM stopped this process (set by :func:`_on_sigterm`, installed by :func:`main` only)."""
+    """How this process is stopping: SIGTERM received (:func:`_on_sigterm`, installed by :func:`main` only),
+    and whether an interrupt was reported (:func:`_interrupted`)."""
 
     terminated = False
+    reported = False
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -103,6 +106,7 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 
 def _interrupted(after: str = "") -> NoReturn:
+    _Signals.reported = True
     if _Signals.terminated:
         _fail(EXIT_TERMINATED, "terminated (SIGTERM)" + after)
     _fail(EXIT_INTERRUPTED, "interrupted (Ctrl-C)" + after)
@@ -368,16 +372,34 @@ def rubrics_show(registry: RubricRegistry, ref: str) -> None:
 
 def main() -> None:
     """Entry point of the ``engine`` command: the process is the CLI's, so it handles SIGTERM (as Ctrl-C)."""
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    # The CLI reports an abort itself, on stderr with its exit code; without a handler of its own
-    # the engine logger's ERROR record would reach Python's last-resort handler and say it twice.
-    logging.getLogger("engine").addHandler(logging.NullHandler())
     try:
-        # Not standalone: click would report Ctrl-C as "Aborted!" with exit 1; it is ours to report.
-        code = cli.main(prog_name="engine", standalone_mode=False)
-    except click.ClickException as exc:
-        exc.show()
-        sys.exit(exc.exit_code)
-    except (click.Abort, KeyboardInterrupt):
+        _main()
+    except SystemExit as exc:
+        if not _Signals.reported:
+            raise
+        # Interrupted, and said so: exit with our code now. A KeyboardInterrupt that went through
+        # code compiled from a string (a dataclass or namedtuple being created, as imports do)
+        # makes CPython end ``python -m engine`` by SIGINT whatever SystemExit says, so SIGTERM
+        # would look like Ctrl-C. The run has already unwound (files closed, lock released).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exc.code if isinstance(exc.code, int) else EXIT_INTERRUPTED)
+
+
+def _main() -> None:
+    try:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        # The CLI reports an abort itself, on stderr with its exit code; without a handler of its own
+        # the engine logger's ERROR record would reach Python's last-resort handler and say it twice.
+        logging.getLogger("engine").addHandler(logging.NullHandler())
+        try:
+            # Not standalone: click would report Ctrl-C as "Aborted!" with exit 1; it is ours to report.
+            code = cli.main(prog_name="engine", standalone_mode=False)
+        except click.ClickException as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            _interrupted()
+        sys.exit(code if isinstance(code, int) else EXIT_OK)
+    except KeyboardInterrupt:
         _interrupted()
-    sys.exit(code if isinstance(code, int) else EXIT_OK)
