@@ -94,8 +94,9 @@ PARQUET_BATCH_ROWS = 16_384  # records per row group when the spool becomes Parq
 SPOOL_PARSE_ROWS = 8_192  # records parsed at a time then (measured: peak RSS at 1M rows 261 -> 152 MiB)
 HASH_CHUNK = 1 << 20
 ID_HASH_BYTES = 16  # blake2b-128 of an id's JSON: two different ids share one with probability ~n^2 / 2^129
-ID_BUCKET_ROWS = 1 << 16  # hashes sorted at a time when counting repeated ids (~4 MiB of Python bytes)
-ID_MAX_BUCKETS = 256  # bucket files open at once; past 256 * 65,536 rows a bucket grows with the file
+ID_BUCKET_ROWS = 1 << 14  # hashes sorted at a time when counting repeated ids (~1 MiB as Python bytes)
+ID_MAX_BUCKET_BITS = 8  # at most 256 buckets: past 256 * 16,384 rows (4.2M) a bucket grows with the file
+ID_SPREAD_ROWS = 1 << 16  # hashes read at a time while spreading them over the buckets (1 MiB)
 JSON_COLUMNS_KEY = b"engine.json_columns"
 
 Format = Literal["jsonl", "parquet"]
@@ -539,33 +540,36 @@ def _count_repeated(ids: Path) -> tuple[int, int]:
     """``(records whose id an earlier one had, distinct ids occurring more than once)`` in ids file ``ids``.
 
     Memory stays bounded: the hashes are spread by their first byte over up to
-    :data:`ID_MAX_BUCKETS` temporary files of ~:data:`ID_BUCKET_ROWS` hashes each, and each bucket is
-    sorted on its own (equal hashes share a bucket). Exact unless two different ids share a
-    128-bit hash.
+    ``2 ** ID_MAX_BUCKET_BITS`` temporary files of ~:data:`ID_BUCKET_ROWS` hashes each (equal hashes
+    share a bucket; a file is opened only to append a block's worth, so few descriptors are used),
+    and each bucket is sorted on its own. Exact unless two different ids share a 128-bit hash.
     """
     try:
         total = ids.stat().st_size // ID_HASH_BYTES
     except FileNotFoundError:
         return 0, 0
-    buckets = 1
-    while buckets < ID_MAX_BUCKETS and total > buckets * ID_BUCKET_ROWS:
-        buckets *= 2
+    bits = 0
+    while bits < ID_MAX_BUCKET_BITS and total > ID_BUCKET_ROWS << bits:
+        bits += 1
     repeated = distinct = 0
     with tempfile.TemporaryDirectory(prefix="engine-ids-") as scratch:  # not beside the output: kill -9 leaves it
-        if buckets == 1:
-            parts = [ids]
-        else:
-            parts = [Path(scratch) / str(n) for n in range(buckets)]
-            with contextlib.ExitStack() as stack, ids.open("rb") as source:
-                files = [stack.enter_context(part.open("wb")) for part in parts]
-                while block := source.read(ID_HASH_BYTES * 4096):
+        parts = [ids] if bits == 0 else [Path(scratch) / str(n) for n in range(1 << bits)]
+        if bits:
+            pending = [bytearray() for _ in parts]
+            with ids.open("rb") as source:
+                while block := source.read(ID_HASH_BYTES * ID_SPREAD_ROWS):
+                    shift = 8 - bits
                     for start in range(0, len(block), ID_HASH_BYTES):
-                        files[block[start] * buckets >> 8].write(block[start : start + ID_HASH_BYTES])
+                        pending[block[start] >> shift] += block[start : start + ID_HASH_BYTES]
+                    for part, hashes in zip(parts, pending, strict=True):
+                        if hashes:
+                            with part.open("ab") as f:
+                                f.write(hashes)
+                            hashes.clear()
         for part in parts:
             data = part.read_bytes()
-            hashes = sorted(data[i : i + ID_HASH_BYTES] for i in range(0, len(data), ID_HASH_BYTES))
-            previous, run = None, 0
-            for value in hashes:
+            previous, run = b"", 0
+            for value in sorted(data[i : i + ID_HASH_BYTES] for i in range(0, len(data), ID_HASH_BYTES)):
                 if value == previous:
                     repeated += 1
                     run += 1

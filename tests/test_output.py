@@ -635,7 +635,7 @@ def test_a_changed_output_is_not_taken_for_a_finished_one(tmp_path: Path, fmt: s
 @pytest.mark.timeout(60)
 def test_repeated_ids_are_counted_exactly_in_buckets(tmp_path: Path, fmt: str) -> None:
     inp, out = write_input(tmp_path / "in.jsonl", 1), tmp_path / f"rewards.{fmt}"
-    n, distinct = 140_000, 100_000  # more hashes than one bucket holds: spread over four
+    n, distinct = 140_000, 100_000  # more hashes than one bucket holds: spread over several
     with open_output(out, input_path=inp, resume=False) as writer:
         for i in range(n):
             writer.write(f"id-{i % distinct}" if i % 1000 else None, 0.5, VERIFIER)
