@@ -7,7 +7,9 @@ checkpoint and produces the file an uninterrupted run would have. A verification
 run with the chunk before it checkpointed: fix the verifier, then ``--resume``.
 
 The run's summary (per verifier: items, mean reward, latency percentiles, retries) is carried in
-the checkpoints, so a resumed run reports on the whole file.
+the checkpoints, so a resumed run reports on the whole file; so is the count of repeated ids, taken
+over the whole output when the run finishes (``engine.output``). A resume of a run that was
+stopped after its output was complete, while cleaning up, only completes the cleanup.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import pyarrow.parquet as pq
 from .config import EngineConfig
 from .engine import Engine
 from .errors import ManifestError, VerificationError
-from .output import open_run
+from .output import RewardWriter, open_run
 from .report import VerifierTotals, add_reports
 from .rows import JSONL_SUFFIXES, InputError, Row, RowReader
 
@@ -37,12 +39,21 @@ Progress = Callable[[int], None]  # told how many rows are done, after each chun
 
 @dataclass
 class RunSummary:
-    """What ``score_file`` did: rows scored (this run and before a resume) and per-verifier totals."""
+    """What ``score_file`` did: rows scored (this run and before a resume) and per-verifier totals.
+
+    ``repeated_ids`` counts the rows whose ``id`` an earlier row already had (null ids aside) and
+    ``ids_repeated`` the distinct ids that occur more than once, over the whole output; both are
+    None when unknown (a run finished by an older version). ``already_finished``: the run had
+    finished before this resume, which only removed what it had left.
+    """
 
     output: Path
     rows: int
     resumed_at: int
     verifiers: dict[str, VerifierTotals]
+    repeated_ids: int | None = None
+    ids_repeated: int | None = None
+    already_finished: bool = False
 
 
 def count_rows(path: Path) -> int | None:
@@ -94,6 +105,9 @@ async def score_file(
             resumed_at = writer.rows_written
             previous = writer.last_checkpoint.meta.get("verifiers", {}) if resume else {}
             totals = {key: VerifierTotals.from_json(value) for key, value in previous.items()}
+            if writer.already_finished:
+                writer.finish()
+                return _summary(output, resumed_at, resumed_at, totals, writer, already_finished=True)
             if progress is not None:
                 progress(resumed_at)
             while chunk := list(islice(rows, chunk_size)):
@@ -113,4 +127,25 @@ async def score_file(
                 if progress is not None:
                     progress(rows.rows_read)
             writer.finish()
-            return RunSummary(output=output, rows=rows.rows_read, resumed_at=resumed_at, verifiers=totals)
+            return _summary(output, rows.rows_read, resumed_at, totals, writer)
+
+
+def _summary(
+    output: Path,
+    rows: int,
+    resumed_at: int,
+    totals: dict[str, VerifierTotals],
+    writer: RewardWriter,
+    *,
+    already_finished: bool = False,
+) -> RunSummary:
+    finished = writer.finished
+    return RunSummary(
+        output=output,
+        rows=rows,
+        resumed_at=resumed_at,
+        verifiers=totals,
+        repeated_ids=None if finished is None else finished.repeated_ids,
+        ids_repeated=None if finished is None else finished.ids_repeated,
+        already_finished=already_finished,
+    )

@@ -5,17 +5,27 @@ Exit codes (also in ``engine --help``):
 * 0 ``EXIT_OK``: done;
 * 1 ``EXIT_VERIFICATION``: a verification error aborted the run (``engine check``: a check failed);
 * 2 ``EXIT_BAD_INPUT``: bad usage, config, manifest, input, or an output that cannot be resumed;
-* 130 ``EXIT_INTERRUPTED``: interrupted (Ctrl-C); a backfill keeps its checkpoint for ``--resume``.
+* 3 ``EXIT_IO``: the output or its state could not be written (disk full, I/O error);
+* 130 ``EXIT_INTERRUPTED``: interrupted (Ctrl-C);
+* 143 ``EXIT_TERMINATED``: stopped by SIGTERM.
+
+A backfill stopped by any of these keeps its checkpoint, releases its lock, and says in one
+``error:`` line what happened and how to continue (``--resume``). SIGTERM is handled by
+:func:`main`, the entry point of the CLI's own process, as Ctrl-C is: the library itself installs
+no signal handler.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import NoReturn, TypeVar
 
 import anyio
@@ -32,14 +42,26 @@ from .check import check_environments
 from .config import EngineConfig, load_config
 from .digest import digest_directory
 from .errors import DigestError, EngineError, VerificationError
+from .output import Checkpoint, ResumeError, WriteError, state_path
 from .rubric import RubricRegistry
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_VERIFICATION", "cli", "main"]
+__all__ = [
+    "EXIT_BAD_INPUT",
+    "EXIT_INTERRUPTED",
+    "EXIT_IO",
+    "EXIT_OK",
+    "EXIT_TERMINATED",
+    "EXIT_VERIFICATION",
+    "cli",
+    "main",
+]
 
 EXIT_OK = 0
 EXIT_VERIFICATION = 1
 EXIT_BAD_INPUT = 2
+EXIT_IO = 3
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports a process the signal ended
 PLAIN_PROGRESS_EVERY = 10.0  # seconds between progress lines when stderr is not a terminal
 DEFAULT_CONFIG = "engine.toml"
 LOG_WIDTH = 200
@@ -65,8 +87,36 @@ def _fail(code: int, message: str) -> NoReturn:
     sys.exit(code)
 
 
-def _run(fn: Callable[[], Awaitable[T]]) -> T:
-    """Run ``fn`` on an asyncio loop, turning the engine's errors into messages and exit codes."""
+class _Signals:
+    """How this process is stopping: SIGTERM received (:func:`_on_sigterm`, installed by :func:`main` only),
+    and whether an interrupt was reported (:func:`_interrupted`)."""
+
+    terminated = False
+    reported = False
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    """Stop as Ctrl-C stops: the run unwinds, keeps its checkpoint and releases its lock; then say SIGTERM."""
+    _Signals.terminated = True
+    handler = signal.getsignal(signal.SIGINT)
+    if callable(handler):
+        handler(signal.SIGINT, frame)  # asyncio's (cancels the run) or Python's (raises KeyboardInterrupt)
+    else:
+        raise KeyboardInterrupt  # SIGINT ignored (a background job): SIGTERM must still stop the run
+
+
+def _interrupted(after: str = "") -> NoReturn:
+    _Signals.reported = True
+    if _Signals.terminated:
+        _fail(EXIT_TERMINATED, "terminated (SIGTERM)" + after)
+    _fail(EXIT_INTERRUPTED, "interrupted (Ctrl-C)" + after)
+
+
+def _run(fn: Callable[[], Awaitable[T]], kept: Callable[[], str] | None = None) -> T:
+    """Run ``fn`` on an asyncio loop, turning the engine's errors into messages and exit codes.
+
+    ``kept`` says, after a run stopped by an interrupt or a write error, what it kept and how to go on.
+    """
     try:
         return anyio.run(fn, backend="asyncio")
     except VerificationError as exc:
@@ -75,10 +125,28 @@ def _run(fn: Callable[[], Awaitable[T]]) -> T:
             lines.append(f"cause: {type(exc.__cause__).__name__}: {exc.__cause__}")
         lines += getattr(exc, "__notes__", [])
         _fail(EXIT_VERIFICATION, "\n  ".join(lines))
+    except WriteError as exc:
+        _fail(EXIT_IO, f"{exc}" + (f"; {kept()}" if kept is not None else ""))
     except (EngineError, ValueError, TypeError) as exc:
         _fail(EXIT_BAD_INPUT, str(exc))
     except KeyboardInterrupt:
-        _fail(EXIT_INTERRUPTED, "interrupted")
+        _interrupted(f"; {kept()}" if kept is not None else "")
+
+
+def _kept(output: Path) -> str:
+    """What a stopped ``engine score`` run left for ``output``, and how to continue it."""
+    state = state_path(output)
+    if not state.exists():
+        if output.exists():
+            return f"{output} is complete"
+        return "nothing was checkpointed yet: run the same command again"
+    try:
+        checkpoint = Checkpoint.load(state)
+    except ResumeError:
+        return f"{state} is kept: run the same command with --resume to continue"
+    if checkpoint.finished is not None:
+        return f"{output} was complete: run the same command with --resume to finish cleaning up"
+    return f"{checkpoint.rows_done:,} rows are checkpointed: run the same command with --resume to continue"
 
 
 def _config(path: Path) -> EngineConfig:
@@ -91,7 +159,7 @@ def _config(path: Path) -> EngineConfig:
 @click.group(
     context_settings={"help_option_names": ["-h", "--help"]},
     epilog="Exit codes: 0 done, 1 a verification error aborted the run, 2 bad usage, config or input, "
-    "130 interrupted.",
+    "3 the output or its state could not be written (disk full), 130 interrupted, 143 terminated (SIGTERM).",
 )
 def cli() -> None:
     """Score rollouts with rubric, plugin and endpoint verifiers: one reward per item, or one error."""
@@ -166,23 +234,44 @@ def _summary_table(summary: RunSummary) -> Table:
               help="Rows per batch and per checkpoint (at most this many are scored again on resume).")
 def score(input_path: Path, output: Path, config_path: Path, resume: bool, chunk_size: int) -> None:
     """Backfill rewards for a file of stored trajectories (JSON Lines or Parquet)."""
-    config = _config(config_path)
-    if not input_path.is_file():
-        _fail(EXIT_BAD_INPUT, f"{input_path}: no such input file")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with _progress(count_rows(input_path)) as progress:
-        summary = _run(
-            lambda: score_file(
-                input_path=input_path,
-                output=output,
-                config=config,
-                resume=resume,
-                chunk_size=chunk_size,
-                progress=progress,
+    try:
+        config = _config(config_path)
+        if not input_path.is_file():
+            _fail(EXIT_BAD_INPUT, f"{input_path}: no such input file")
+        try:
+            output.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            _fail(EXIT_IO, f"cannot create {output.parent}: {exc.strerror or exc}")
+        with _progress(count_rows(input_path)) as progress:
+            summary = _run(
+                lambda: score_file(
+                    input_path=input_path,
+                    output=output,
+                    config=config,
+                    resume=resume,
+                    chunk_size=chunk_size,
+                    progress=progress,
+                ),
+                kept=lambda: _kept(output),
             )
+    except KeyboardInterrupt:  # before or after the run itself (_run reports one during it)
+        _interrupted(f"; {_kept(output)}")
+    if summary.already_finished:
+        stdout.print(
+            f"the run had already finished: {summary.output} was complete; removed what it had left", soft_wrap=True
         )
     stdout.print(_summary_table(summary))
-    resumed = f" (resumed at row {summary.resumed_at:,})" if summary.resumed_at else ""
+    if summary.repeated_ids is None:
+        stdout.print("repeated ids: not counted (the run was finished by an older version)")
+    elif summary.repeated_ids:
+        stdout.print(
+            f"repeated ids: {summary.repeated_ids:,} rows have an id an earlier row had "
+            f"({summary.ids_repeated:,} distinct ids occur more than once)",
+            soft_wrap=True,
+        )
+    else:
+        stdout.print("repeated ids: none")
+    resumed = f" (resumed at row {summary.resumed_at:,})" if summary.resumed_at and not summary.already_finished else ""
     stdout.print(f"{summary.rows:,} rewards written to {summary.output}{resumed}", soft_wrap=True)
 
 
@@ -285,8 +374,35 @@ def rubrics_show(registry: RubricRegistry, ref: str) -> None:
 
 
 def main() -> None:
-    """Entry point of the ``engine`` command."""
-    # The CLI reports an abort itself, on stderr with its exit code; without a handler of its own
-    # the engine logger's ERROR record would reach Python's last-resort handler and say it twice.
-    logging.getLogger("engine").addHandler(logging.NullHandler())
-    cli.main(prog_name="engine")
+    """Entry point of the ``engine`` command: the process is the CLI's, so it handles SIGTERM (as Ctrl-C)."""
+    try:
+        _main()
+    except SystemExit as exc:
+        if not _Signals.reported:
+            raise
+        # Interrupted, and said so: exit with our code now. A KeyboardInterrupt that went through
+        # code compiled from a string (a dataclass or namedtuple being created, as imports do)
+        # makes CPython end ``python -m engine`` by SIGINT whatever SystemExit says, so SIGTERM
+        # would look like Ctrl-C. The run has already unwound (files closed, lock released).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exc.code if isinstance(exc.code, int) else EXIT_INTERRUPTED)
+
+
+def _main() -> None:
+    try:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        # The CLI reports an abort itself, on stderr with its exit code; without a handler of its own
+        # the engine logger's ERROR record would reach Python's last-resort handler and say it twice.
+        logging.getLogger("engine").addHandler(logging.NullHandler())
+        try:
+            # Not standalone: click would report Ctrl-C as "Aborted!" with exit 1; it is ours to report.
+            code = cli.main(prog_name="engine", standalone_mode=False)
+        except click.ClickException as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            _interrupted()
+        sys.exit(code if isinstance(code, int) else EXIT_OK)
+    except KeyboardInterrupt:
+        _interrupted()

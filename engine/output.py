@@ -11,12 +11,23 @@ Files, for an output ``OUT``:
   Parquet it is a spool, converted at the end);
 * ``OUT.state.json``: the last checkpoint (see :class:`Checkpoint`);
 * ``OUT.tmp``: for Parquet, the file being built from the spool at the end;
+* ``OUT.ids``: a 16-byte hash of each record's ``id``, to count repeated ids at the end (derived
+  data: rebuilt from the partial file on resume, so it needs no checkpoint of its own);
 * ``OUT.lock``: while a run writes ``OUT``, holding an exclusive ``flock`` and the run's pid. A
   second run for the same output (fresh or ``--resume``) is refused while the first holds it,
   instead of both appending to one partial file; the lock goes with the process, however it ends.
 
 ``OUT`` itself appears only when the run is complete, by ``os.replace`` after an fsync, so it is
 never half-written; a complete old ``OUT`` is replaced atomically.
+
+**Why finishing survives kill -9.** :meth:`RewardWriter.finish` builds the complete file (for
+Parquet, ``OUT.tmp`` from the spool), then saves a last checkpoint marked *finished* with that
+file's size and sha256, then renames it into place, then removes the other files, the state file
+last. A crash before the marker leaves an ordinary resumable run; after it, a resume that finds
+``OUT`` matching the marker only completes the cleanup (``RewardWriter.already_finished``), and
+one that does not (the rename never happened) builds ``OUT`` again from the partial file, which is
+still there. A state without the marker (written by an older version) whose partial file is gone
+is accepted when ``OUT`` is a JSON Lines file matching its checkpoint.
 
 **Why it survives kill -9.** :meth:`RewardWriter.checkpoint` first fsyncs the partial file, then
 replaces the state file atomically (temporary file, fsync, ``os.replace``, fsync of the
@@ -46,8 +57,9 @@ import fcntl
 import hashlib
 import math
 import os
+import tempfile
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import islice
 from pathlib import Path
 from types import MappingProxyType, TracebackType
@@ -63,10 +75,12 @@ from .rows import EMPTY_CHECKSUM, JSONL_SUFFIXES, PARQUET_SUFFIXES, RowReader, o
 __all__ = [
     "STATE_FORMAT",
     "Checkpoint",
+    "Finished",
     "OutputError",
     "ResumeError",
     "RewardRecord",
     "RewardWriter",
+    "WriteError",
     "lock_path",
     "open_output",
     "open_run",
@@ -79,6 +93,10 @@ STATE_FORMAT = "engine-score-state/1"
 PARQUET_BATCH_ROWS = 16_384  # records per row group when the spool becomes Parquet (~36 MiB less peak than 65,536)
 SPOOL_PARSE_ROWS = 8_192  # records parsed at a time then (measured: peak RSS at 1M rows 261 -> 152 MiB)
 HASH_CHUNK = 1 << 20
+ID_HASH_BYTES = 16  # blake2b-128 of an id's JSON: two different ids share one with probability ~n^2 / 2^129
+ID_BUCKET_ROWS = 1 << 14  # hashes sorted at a time when counting repeated ids (~1 MiB as Python bytes)
+ID_MAX_BUCKET_BITS = 8  # at most 256 buckets: past 256 * 16,384 rows (4.2M) a bucket grows with the file
+ID_SPREAD_ROWS = 1 << 16  # hashes read at a time while spreading them over the buckets (1 MiB)
 JSON_COLUMNS_KEY = b"engine.json_columns"
 
 Format = Literal["jsonl", "parquet"]
@@ -91,6 +109,19 @@ class OutputError(EngineError, ValueError):
 
 class ResumeError(OutputError):
     """A run cannot start or resume: the state is missing or does not match, or the input changed."""
+
+
+class WriteError(EngineError):
+    """The system refused to write the output, its partial file or its state (disk full, I/O error, ...).
+
+    Not a misuse and not a bad input: nothing checkpointed is lost, and ``--resume`` continues once
+    the cause is fixed. ``path`` is the file being written, ``rows_done`` the rows checkpointed.
+    """
+
+    def __init__(self, path: Path, exc: OSError, rows_done: int) -> None:
+        self.path = path
+        self.rows_done = rows_done
+        super().__init__(f"cannot write {path}: {exc.strerror or exc}")
 
 
 def partial_path(output: Path) -> Path:
@@ -168,13 +199,36 @@ def _fsync(path: Path) -> None:
 
 
 @dataclass(frozen=True)
+class Finished:
+    """The complete output a finishing run was about to rename into place: its size and sha256.
+
+    ``repeated_ids`` counts the records whose ``id`` (not null) an earlier record already had,
+    ``ids_repeated`` the distinct ids that occur more than once.
+    """
+
+    output_bytes: int
+    output_checksum: str
+    repeated_ids: int
+    ids_repeated: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "output_bytes": self.output_bytes,
+            "output_checksum": self.output_checksum,
+            "repeated_ids": self.repeated_ids,
+            "ids_repeated": self.ids_repeated,
+        }
+
+
+@dataclass(frozen=True)
 class Checkpoint:
     """What the state file records: enough to resume, and to refuse to resume wrongly.
 
     ``rows_done`` input rows (and as many records) are done; ``input_checksum`` is the input's
     checksum through them (:meth:`engine.rows.RowReader.checksum`); the partial file's first
     ``output_bytes`` bytes hold their records and have ``output_checksum``. ``meta`` is the
-    caller's own JSON object (counters for a summary, ...), handed back on resume.
+    caller's own JSON object (counters for a summary, ...), handed back on resume. ``finished`` is
+    set by the last checkpoint of a run, saved just before its output is renamed into place.
     """
 
     input: str
@@ -183,20 +237,21 @@ class Checkpoint:
     output_bytes: int
     output_checksum: str
     meta: Mapping[str, Any] = field(default_factory=dict)
+    finished: Finished | None = None
 
     def to_json(self) -> bytes:
-        return orjson.dumps(
-            {
-                "format": STATE_FORMAT,
-                "input": self.input,
-                "rows_done": self.rows_done,
-                "input_checksum": self.input_checksum,
-                "output_bytes": self.output_bytes,
-                "output_checksum": self.output_checksum,
-                "meta": dict(self.meta),
-            },
-            option=orjson.OPT_INDENT_2,
-        )
+        data = {
+            "format": STATE_FORMAT,
+            "input": self.input,
+            "rows_done": self.rows_done,
+            "input_checksum": self.input_checksum,
+            "output_bytes": self.output_bytes,
+            "output_checksum": self.output_checksum,
+            "meta": dict(self.meta),
+        }
+        if self.finished is not None:
+            data["finished"] = self.finished.to_json()
+        return orjson.dumps(data, option=orjson.OPT_INDENT_2)
 
     @classmethod
     def load(cls, path: Path) -> Checkpoint:
@@ -218,7 +273,16 @@ class Checkpoint:
                 raise ResumeError(f"{path}: field {key!r} is missing or not a {kind.__name__}; delete it to start over")
         if not isinstance(data.get("meta"), dict):
             raise ResumeError(f"{path}: field 'meta' is missing or not an object; delete it to start over")
-        return cls(**{key: data[key] for key in (*types, "meta")})
+        finished = data.get("finished")
+        if finished is not None:
+            kinds = {"output_bytes": int, "output_checksum": str, "repeated_ids": int, "ids_repeated": int}
+            if not isinstance(finished, dict) or any(
+                not isinstance(finished.get(key), kind) or isinstance(finished.get(key), bool)
+                for key, kind in kinds.items()
+            ):
+                raise ResumeError(f"{path}: field 'finished' is not a finished run's record; delete it to start over")
+            finished = Finished(**{key: finished[key] for key in kinds})
+        return cls(**{key: data[key] for key in (*types, "meta")}, finished=finished)
 
     def save(self, path: Path) -> None:
         """Replace state file ``path`` atomically and durably with this checkpoint."""
@@ -250,10 +314,14 @@ class RewardWriter:
 
     Get one from :func:`open_output` (or :func:`open_run`). As a context manager it closes the
     files on exit without finishing: unless :meth:`finish` ran, the partial and state files stay
-    for ``--resume``.
+    for ``--resume``. A resumed writer whose run had already finished (it was stopped while
+    cleaning up) has ``already_finished`` set: it writes nothing, and :meth:`finish` only completes
+    the cleanup. After :meth:`finish`, ``finished`` describes the output and its repeated ids.
     """
 
-    def __init__(self, output: Path, input_path: Path, data: BinaryIO, checkpoint: Checkpoint) -> None:
+    def __init__(
+        self, output: Path, input_path: Path, data: BinaryIO | None, checkpoint: Checkpoint, ids: BinaryIO | None
+    ) -> None:
         self.output = output
         self.input_path = input_path
         self.format: Format = _format(output)
@@ -261,14 +329,21 @@ class RewardWriter:
         self.state = state_path(output)
         self.last_checkpoint = checkpoint
         self.rows_written = checkpoint.rows_done
-        self._data: BinaryIO | None = data
+        self.already_finished = data is None
+        self.finished: Finished | None = checkpoint.finished if data is None else None
+        self._data = data
+        self._ids = ids
         self._bytes = checkpoint.output_bytes
         self._hash = hashlib.sha256()
 
     def _file(self) -> BinaryIO:
         if self._data is None:
-            raise ValueError(f"the writer of {self.output} is closed")
+            done = "had already finished" if self.already_finished else "is closed"
+            raise ValueError(f"the writer of {self.output} {done}")
         return self._data
+
+    def _failed(self, path: Path, exc: OSError) -> WriteError:
+        return WriteError(path, exc, self.last_checkpoint.rows_done)
 
     def write(self, row_id: Any, reward: float, verifier: Mapping[str, Any]) -> None:
         """Append the record of the next input row. ``verifier`` is written as given."""
@@ -278,7 +353,12 @@ class RewardWriter:
             line = orjson.dumps(record) + b"\n"
         except orjson.JSONEncodeError as exc:
             raise TypeError(f"the record of id {row_id!r} cannot be written as JSON: {exc}") from exc
-        f.write(line)
+        try:
+            f.write(line)
+            if row_id is not None and self._ids is not None:
+                self._ids.write(_id_hash(row_id))
+        except OSError as exc:
+            raise self._failed(self.partial, exc) from exc
         self._hash.update(line)
         self._bytes += len(line)
         self.rows_written += 1
@@ -295,8 +375,6 @@ class RewardWriter:
             raise ValueError(
                 f"checkpoint of {rows_done} rows, but {self.rows_written} records were written (one per input row)"
             )
-        f.flush()
-        os.fsync(f.fileno())
         checkpoint = Checkpoint(
             input=self.last_checkpoint.input,
             rows_done=rows_done,
@@ -305,11 +383,21 @@ class RewardWriter:
             output_checksum=self._output_checksum(),
             meta=MappingProxyType(dict(meta if meta is not None else self.last_checkpoint.meta)),
         )
-        checkpoint.save(self.state)
+        path = self.partial
+        try:
+            f.flush()
+            os.fsync(f.fileno())
+            path = self.state
+            checkpoint.save(self.state)
+        except OSError as exc:
+            raise self._failed(path, exc) from exc
         self.last_checkpoint = checkpoint
 
     def _rewind(self, checkpoint: Checkpoint) -> None:
-        """Check the partial file's checkpointed prefix, drop what follows it, and position for appending."""
+        """Check the partial file's checkpointed prefix, drop what follows it, and position for appending.
+
+        The ids file is derived data: it is rebuilt from the records of that prefix.
+        """
         data = self._file()
         size = os.fstat(data.fileno()).st_size
         if size < checkpoint.output_bytes:
@@ -327,8 +415,17 @@ class RewardWriter:
                 f"{self.partial} no longer holds what was checkpointed (checksum mismatch): it was changed; "
                 f"delete {self.state} to start over"
             )
-        data.truncate(checkpoint.output_bytes)
-        data.seek(checkpoint.output_bytes)
+        try:
+            data.truncate(checkpoint.output_bytes)
+            data.seek(0)
+            if self._ids is not None:
+                for line in islice(data, checkpoint.rows_done):
+                    row_id = orjson.loads(line)["id"]
+                    if row_id is not None:
+                        self._ids.write(_id_hash(row_id))
+            data.seek(checkpoint.output_bytes)
+        except OSError as exc:
+            raise self._failed(self.partial, exc) from exc
 
     def _output_checksum(self) -> str:
         return f"sha256:{self._hash.hexdigest()}"
@@ -350,30 +447,65 @@ class RewardWriter:
             )
 
     def finish(self) -> None:
-        """Put the complete output in place atomically and remove the partial and state files."""
+        """Put the complete output in place atomically and remove the other files; see the module docstring.
+
+        Steps, each safe to crash after: fsync the partial file; count
+        repeated ids; for Parquet, convert the spool to ``OUT.tmp`` and fsync it; save the last
+        checkpoint, marked finished with the output's size and sha256; rename the output into
+        place and fsync the directory; remove the partial, ids and temporary files, fsync the
+        directory; remove the state file, fsync the directory.
+        """
+        if self.already_finished:
+            try:
+                self._clean_up()
+            except OSError as exc:
+                raise self._failed(self.state, exc) from exc
+            return
         f = self._file()
-        f.flush()
-        os.fsync(f.fileno())
-        self.close()
-        if self.format == "parquet":
-            tmp = self.output.with_name(self.output.name + ".tmp")
-            _spool_to_parquet(self.partial, tmp)
-            _fsync(tmp)
-            os.replace(tmp, self.output)
-        else:
-            os.replace(self.partial, self.output)
+        path = self.partial
+        try:
+            f.flush()
+            os.fsync(f.fileno())
+            self.close()
+            path = _ids_path(self.output)
+            repeated, distinct = _count_repeated(path)
+            if self.format == "parquet":
+                path = _output_tmp(self.output)
+                _spool_to_parquet(self.partial, path)
+                _fsync(path)
+                source, size, checksum = path, path.stat().st_size, _file_checksum(path)
+            else:
+                source, size, checksum = self.partial, self._bytes, self._output_checksum()
+            finished = Finished(size, checksum, repeated, distinct)
+            path = self.state
+            replace(self.last_checkpoint, finished=finished).save(self.state)
+            self.finished = finished
+            path = self.output
+            os.replace(source, self.output)
+            _fsync(self.output.parent)
+            self._clean_up()
+        except OSError as exc:
+            raise self._failed(path, exc) from exc
+
+    def _clean_up(self) -> None:
+        """Remove what a finished run leaves but its output, the state file last (it marks the run unfinished)."""
+        for leftover in (self.partial, _ids_path(self.output), _output_tmp(self.output), _state_tmp(self.state)):
+            leftover.unlink(missing_ok=True)
         _fsync(self.output.parent)
-        # Only now is the run over: a crash before this line leaves a state that resumes to the same output.
         self.state.unlink(missing_ok=True)
-        self.partial.unlink(missing_ok=True)
-        _state_tmp(self.state).unlink(missing_ok=True)  # left by a crash inside a checkpoint, if any
         _fsync(self.output.parent)
 
     def close(self) -> None:
         """Close the partial file, leaving it and the state for ``--resume``."""
-        data, self._data = self._data, None
-        if data is not None:
-            data.close()
+        for name in ("_data", "_ids"):
+            f: BinaryIO | None = getattr(self, name)
+            setattr(self, name, None)
+            if f is not None:
+                # Only what follows the last checkpoint can still be buffered, and a resume drops
+                # it anyway: a write that fails here (disk full) loses nothing, so it is not raised
+                # again over the error that stopped the run.
+                with contextlib.suppress(OSError):
+                    f.close()
 
     def __enter__(self) -> Self:
         return self
@@ -382,6 +514,69 @@ class RewardWriter:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def _ids_path(output: Path) -> Path:
+    return output.with_name(output.name + ".ids")
+
+
+def _output_tmp(output: Path) -> Path:
+    return output.with_name(output.name + ".tmp")
+
+
+def _id_hash(row_id: Any) -> bytes:
+    return hashlib.blake2b(orjson.dumps(row_id), digest_size=ID_HASH_BYTES).digest()
+
+
+def _file_checksum(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(HASH_CHUNK):
+            digest.update(block)
+    return f"sha256:{digest.hexdigest()}"
+
+
+def _count_repeated(ids: Path) -> tuple[int, int]:
+    """``(records whose id an earlier one had, distinct ids occurring more than once)`` in ids file ``ids``.
+
+    Memory stays bounded: the hashes are spread by their first byte over up to
+    ``2 ** ID_MAX_BUCKET_BITS`` temporary files of ~:data:`ID_BUCKET_ROWS` hashes each (equal hashes
+    share a bucket; a file is opened only to append a block's worth, so few descriptors are used),
+    and each bucket is sorted on its own. Exact unless two different ids share a 128-bit hash.
+    """
+    try:
+        total = ids.stat().st_size // ID_HASH_BYTES
+    except FileNotFoundError:
+        return 0, 0
+    bits = 0
+    while bits < ID_MAX_BUCKET_BITS and total > ID_BUCKET_ROWS << bits:
+        bits += 1
+    repeated = distinct = 0
+    with tempfile.TemporaryDirectory(prefix="engine-ids-") as scratch:  # not beside the output: kill -9 leaves it
+        parts = [ids] if bits == 0 else [Path(scratch) / str(n) for n in range(1 << bits)]
+        if bits:
+            pending = [bytearray() for _ in parts]
+            with ids.open("rb") as source:
+                while block := source.read(ID_HASH_BYTES * ID_SPREAD_ROWS):
+                    shift = 8 - bits
+                    for start in range(0, len(block), ID_HASH_BYTES):
+                        pending[block[start] >> shift] += block[start : start + ID_HASH_BYTES]
+                    for part, hashes in zip(parts, pending, strict=True):
+                        if hashes:
+                            with part.open("ab") as f:
+                                f.write(hashes)
+                            hashes.clear()
+        for part in parts:
+            data = part.read_bytes()
+            previous, run = b"", 0
+            for value in sorted(data[i : i + ID_HASH_BYTES] for i in range(0, len(data), ID_HASH_BYTES)):
+                if value == previous:
+                    repeated += 1
+                    run += 1
+                    distinct += run == 1
+                else:
+                    previous, run = value, 0
+    return repeated, distinct
 
 
 def _resolved(path: Path) -> str:
@@ -395,8 +590,10 @@ def open_output(output: str | Path, *, input_path: str | Path, resume: bool) -> 
     otherwise starts an empty partial file and a state of 0 rows; an existing complete ``output``
     is replaced only when the new run finishes. A resumed run loads the state, refuses if it is
     missing, was made for another input, or if the partial file no longer holds what it
-    checkpointed, and truncates the partial file to the last checkpoint. The caller must then
-    check the input with :meth:`RewardWriter.check_input` (:func:`open_run` does it all).
+    checkpointed, and truncates the partial file to the last checkpoint; if the run had already
+    finished (``output`` matches its last checkpoint), the writer is ``already_finished``. The
+    caller must then check the input with :meth:`RewardWriter.check_input` (:func:`open_run` does
+    it all).
     """
     output, input_path = Path(output), Path(input_path)
     _format(output)
@@ -408,6 +605,15 @@ def open_output(output: str | Path, *, input_path: str | Path, resume: bool) -> 
 def _start(output: Path, input_path: Path) -> RewardWriter:
     state, partial = state_path(output), partial_path(output)
     if state.exists():
+        try:
+            finished = Checkpoint.load(state).finished is not None
+        except ResumeError:
+            finished = False
+        if finished:
+            raise ResumeError(
+                f"a run for {output} finished but was stopped while cleaning up ({state} is left): "
+                f"use --resume to complete it (nothing is scored again), or delete {state} to start over"
+            )
         raise ResumeError(
             f"an interrupted run exists for {output} ({state}): use --resume to continue it, "
             f"or delete {state} to start over"
@@ -424,12 +630,28 @@ def _start(output: Path, input_path: Path) -> RewardWriter:
     except OSError as exc:
         raise OutputError(f"cannot write {partial}: {exc}") from exc
     try:
+        ids: BinaryIO = _ids_path(output).open("wb")
         os.fsync(data.fileno())
-        checkpoint.save(state)  # from here on, --resume works whenever the run stops
-    except BaseException:
+    except OSError as exc:
         data.close()
+        raise WriteError(partial, exc, 0) from exc
+    writer = RewardWriter(output, input_path, data, checkpoint, ids)
+    try:
+        checkpoint.save(state)  # from here on, --resume works whenever the run stops
+    except BaseException as exc:
+        writer.close()
+        if isinstance(exc, OSError):
+            raise WriteError(state, exc, 0) from exc
         raise
-    return RewardWriter(output, input_path, data, checkpoint)
+    return writer
+
+
+def _matches(path: Path, size: int, checksum: str) -> bool:
+    """Whether ``path`` is a file of ``size`` bytes with sha256 ``checksum``."""
+    try:
+        return path.stat().st_size == size and _file_checksum(path) == checksum
+    except FileNotFoundError:
+        return False
 
 
 def _restore(output: Path, input_path: Path) -> RewardWriter:
@@ -440,15 +662,27 @@ def _restore(output: Path, input_path: Path) -> RewardWriter:
             f"the interrupted run of {output} read {checkpoint.input}, not {_resolved(input_path)}; "
             f"resume with that input, or delete {state} to start over"
         )
+    finished = checkpoint.finished
+    if finished is not None and _matches(output, finished.output_bytes, finished.output_checksum):
+        return RewardWriter(output, input_path, None, checkpoint, None)  # stopped while cleaning up
     try:
         data: BinaryIO = partial.open("r+b")
     except FileNotFoundError:
+        legacy = _format(output) == "jsonl" and finished is None
+        if legacy and _matches(output, checkpoint.output_bytes, checkpoint.output_checksum):
+            # left by a version that wrote no finished marker, stopped between the rename and the cleanup
+            return RewardWriter(output, input_path, None, checkpoint, None)
         raise ResumeError(
             f"{partial} is missing, so the interrupted run cannot continue; delete {state} to start over"
         ) from None
     except OSError as exc:
         raise OutputError(f"cannot write {partial}: {exc}") from exc
-    writer = RewardWriter(output, input_path, data, checkpoint)
+    try:
+        ids: BinaryIO = _ids_path(output).open("wb")
+    except OSError as exc:
+        data.close()
+        raise WriteError(_ids_path(output), exc, checkpoint.rows_done) from exc
+    writer = RewardWriter(output, input_path, data, checkpoint, ids)
     try:
         writer._rewind(checkpoint)
     except BaseException:

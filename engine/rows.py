@@ -185,7 +185,7 @@ class RowReader:
             try:
                 data = orjson.loads(raw)
             except orjson.JSONDecodeError as exc:
-                raise self._fail(number, f"invalid JSON: {exc}") from None
+                raise self._fail(number, _invalid_json(raw, number, exc)) from None
             if not isinstance(data, dict):
                 raise self._fail(number, f"must be a JSON object, got {type(data).__name__}")
             missing = [name for name in FIELDS if name not in data]
@@ -234,6 +234,18 @@ class RowReader:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def _invalid_json(line: bytes, number: int, exc: orjson.JSONDecodeError) -> str:
+    """Why a line is not JSON; for bytes that are not UTF-8, where (orjson's own message says "surrogates")."""
+    try:
+        line.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        return (
+            f"invalid UTF-8 at byte {bad.start + 1} of line {number} (counted from 1 within the line; "
+            f"{bad.reason}: {bad.object[bad.start : bad.end]!r})"
+        )
+    return f"invalid JSON: {exc}"
 
 
 def open_rows(path: str | Path, *, start: int = 0) -> RowReader:

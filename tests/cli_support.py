@@ -13,6 +13,7 @@ import importlib.util
 import itertools
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -31,7 +32,7 @@ ENVS = Path(__file__).resolve().parent / "envs"
 RUBRICS = Path(__file__).resolve().parent / "rubrics"
 PLUGIN_ENV = "backfill"  # tests/envs/backfill: the deterministic plugin these tests score with
 RUN_TIMEOUT = 30.0  # seconds for one engine command
-KNOBS = ("ENGINE_TEST_CALL_LOG", "ENGINE_TEST_SLEEP", "ENGINE_TEST_FIXED")
+KNOBS = ("ENGINE_TEST_CALL_LOG", "ENGINE_TEST_SLEEP", "ENGINE_TEST_FIXED", "FINISH_STOP")
 
 _packages = itertools.count()
 
@@ -178,3 +179,102 @@ def load_plugin(environment: Path, module: str, attr: str) -> Callable[..., Any]
 def plugin_score() -> Callable[..., Any]:
     """The ``backfill`` plugin's callable, to compute the rewards a run must have written."""
     return load_plugin(ENVS / PLUGIN_ENV, "verify", "score")
+
+
+# --- a crash at each step of finishing ---------------------------------------------------------
+
+FINISH_TRACE = """
+# Test harness (never part of the engine): from the moment a run calls RewardWriter.finish(), every
+# file-system call that moves, removes or syncs a file is a step. With FINISH_STOP=k the process says
+# "paused before <step k>" on stderr and waits there to be killed with SIGKILL; at exit it lists
+# the steps it took ("steps: a | b | ..."). The engine's code runs unchanged: the calls are only counted.
+import atexit
+import os
+import sys
+import tempfile
+import time
+
+import engine.output
+
+_STOP = int(os.environ.get("FINISH_STOP", "0"))
+_SCRATCH = tempfile.gettempdir()
+_steps = []
+_finishing = False
+
+
+def _name(value):
+    if isinstance(value, int):
+        value = os.readlink(f"/proc/self/fd/{value}")
+    if os.path.isdir(value):
+        return "<directory>"
+    folder, name = os.path.split(os.path.abspath(os.fspath(value)))
+    if folder == _SCRATCH or os.path.basename(folder).startswith("engine-ids-"):
+        return "<scratch>"  # temporary files, randomly named
+    return name
+
+
+def _traced(name, call):
+    def traced(*args, **kwargs):
+        if _finishing:
+            paths = args[:2] if name in ("replace", "rename") else args[:1]
+            _steps.append(f"{name} " + " -> ".join(_name(path) for path in paths))
+            if len(_steps) == _STOP:
+                print(f"paused before {_steps[-1]}", file=sys.stderr, flush=True)
+                time.sleep(600)
+        return call(*args, **kwargs)
+    return traced
+
+
+for _call in ("replace", "rename", "unlink", "rmdir", "fsync", "ftruncate"):
+    setattr(os, _call, _traced(_call, getattr(os, _call)))
+
+_finish = engine.output.RewardWriter.finish
+
+
+def _finish_traced(self):
+    global _finishing
+    _finishing = True
+    return _finish(self)
+
+
+engine.output.RewardWriter.finish = _finish_traced
+atexit.register(lambda: print("steps: " + " | ".join(_steps), file=sys.stderr, flush=True))
+"""
+
+ENGINE_UNDER_TRACE = FINISH_TRACE + """
+sys.argv[0] = "engine"
+from engine.cli import main
+
+main()
+"""
+
+
+def finish_steps(stderr: str) -> list[str]:
+    """The steps of finishing a traced run took, from its stderr."""
+    lines = [line for line in stderr.splitlines() if line.startswith("steps: ")]
+    assert lines, stderr
+    return lines[-1].removeprefix("steps: ").split(" | ")
+
+
+def kill_at_step(process: subprocess.Popen[str], step: int) -> str:
+    """Wait until a traced run pauses before finishing step ``step``, then kill -9 it; returns the step."""
+    assert process.stderr is not None
+    seen: list[str] = []
+    for _ in range(10_000):  # progress lines come first; bounded in count, and readline ends at EOF
+        line = process.stderr.readline()
+        seen.append(line)
+        if not line or line.startswith("paused before "):
+            break
+    try:
+        assert seen and seen[-1].startswith("paused before "), f"the run did not pause at step {step}: {seen[-20:]}"
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=RUN_TIMEOUT)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=RUN_TIMEOUT)
+        if process.stdout is not None:
+            process.stdout.close()
+        process.stderr.close()
+    assert process.returncode == -signal.SIGKILL
+    return seen[-1].removeprefix("paused before ").strip()

@@ -13,9 +13,11 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,20 +25,27 @@ import orjson
 import pyarrow.parquet as pq
 import pytest
 from cli_support import (
+    ENGINE_UNDER_TRACE,
     PLUGIN_ENV,
+    RUN_TIMEOUT,
     Workspace,
+    child_env,
+    finish_steps,
+    kill_at_step,
     make_workspace,
     partial_records,
     read_log,
+    row,
     rows,
     state_of,
     write_rows,
 )
 from conftest import add_endpoint_env
 from httpserver import Request, Response, TestServer
+from polling import wait_until
 
-from engine.cli import EXIT_INTERRUPTED
-from engine.output import partial_path, state_path
+from engine.cli import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_IO, EXIT_TERMINATED
+from engine.output import lock_path, partial_path, state_path
 
 ROWS = 1000
 CHUNK = 50
@@ -101,13 +110,26 @@ def wait_for_rows_done(output: Path, rows_done: int, process: subprocess.Popen[s
 STOPS = {  # how a run is stopped part-way: the signal, and the exit status it leaves
     "kill -9": (signal.SIGKILL, -signal.SIGKILL),
     "Ctrl-C": (signal.SIGINT, EXIT_INTERRUPTED),
+    "SIGTERM": (signal.SIGTERM, EXIT_TERMINATED),
 }
+
+
+def one_error_line(stderr: str) -> str:
+    """The run's one ``error:`` line; no traceback, nothing else but progress lines."""
+    assert "Traceback" not in stderr, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, stderr
+    others = [line for line in stderr.splitlines() if line and not line.startswith(("error: ", "scored "))]
+    assert others == [], stderr
+    return errors[0]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
-    ("stop", "fmt"), [("kill -9", "jsonl"), ("kill -9", "parquet"), ("Ctrl-C", "jsonl")], ids=lambda v: str(v)
+    ("stop", "fmt"),
+    [("kill -9", "jsonl"), ("kill -9", "parquet"), ("Ctrl-C", "jsonl"), ("SIGTERM", "jsonl")],
+    ids=lambda v: str(v),
 )
 def test_a_stopped_run_resumes_to_the_uninterrupted_output(space: Workspace, stop: str, fmt: str) -> None:
     inp = write_rows(space.root / f"in.{fmt}", rows(ROWS))
@@ -133,7 +155,12 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_output(space: Workspace, sto
             process.communicate(timeout=10)
     assert process.returncode == status, stderr
     if signum == signal.SIGINT:
-        assert "error: interrupted" in stderr
+        assert one_error_line(stderr).startswith("error: interrupted (Ctrl-C); ")
+    if signum == signal.SIGTERM:
+        assert one_error_line(stderr).startswith("error: terminated (SIGTERM); ")
+    if signum != signal.SIGKILL:
+        assert "rows are checkpointed: run the same command with --resume to continue" in stderr
+        assert not lock_path(out).exists()  # released on the way out
 
     assert not out.exists()
     done = int(state_of(out)["rows_done"])
@@ -253,6 +280,10 @@ BAD_ROWS: dict[str, tuple[bytes, str]] = {
     "task not an object": (
         b'{"id": "row-0129", "environment": "backfill", "task": [129], "trajectory": "x"}',
         "'task' must be an object, got list",
+    ),
+    "invalid UTF-8": (
+        b'{"id": "row-0129", "environment": "backfill", "task": {"n": 129}, "trajectory": "\xe9t\xe9"}',
+        "invalid UTF-8 at byte 82 of line 130 (counted from 1 within the line",
     ),
 }
 
@@ -379,3 +410,179 @@ def test_resume_without_an_interrupted_run_is_refused(space: Workspace) -> None:
     assert refused.returncode == 2
     assert "no interrupted run to resume" in refused.stderr
     assert not out.exists() and not partial_path(out).exists()
+
+
+# --- stopped while finishing ---------------------------------------------------------------------
+
+
+def start_traced(space: Workspace, inp: Path, out: Path, stop: int) -> subprocess.Popen[str]:
+    """``engine score`` under the finishing tracer (cli_support.FINISH_TRACE), pausing before step ``stop``."""
+    runner = space.root / "engine_traced.py"
+    runner.write_text(ENGINE_UNDER_TRACE)
+    return subprocess.Popen(
+        [sys.executable, str(runner), "score", str(inp), "-o", str(out), "--config", str(space.config), *chunk_args()],
+        cwd=space.root,
+        env=child_env({"FINISH_STOP": str(stop)}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_a_run_killed_after_its_output_is_complete_resumes_with_exit_0(space: Workspace, fmt: str) -> None:
+    inp = write_rows(space.root / "in.jsonl", rows(SMALL))
+    reference = space.root / "reference" / f"rewards.{fmt}"
+    traced = start_traced(space, inp, reference, 0)
+    _, stderr = traced.communicate(timeout=RUN_TIMEOUT)
+    assert traced.returncode == 0, stderr
+    steps = finish_steps(stderr)
+    renamed = next(i for i, step in enumerate(steps, 1) if re.fullmatch(rf"replace \S+ -> {reference.name}", step))
+
+    out = space.root / "out" / f"rewards.{fmt}"
+    # kill -9 right after the output was renamed into place, before the state file is removed
+    assert kill_at_step(start_traced(space, inp, out, renamed + 1), renamed + 1) == "fsync <directory>"
+    assert out.read_bytes() == reference.read_bytes() and state_path(out).exists()
+
+    fresh = space.score(inp, out, *chunk_args())
+    assert fresh.returncode == EXIT_BAD_INPUT, fresh.stderr
+    assert "finished but was stopped while cleaning up" in fresh.stderr and "use --resume" in fresh.stderr
+
+    log = space.root / "resumed.log"
+    resumed = ok(space.score(inp, out, *chunk_args(), "--resume", env=knobs(log)))
+    assert f"the run had already finished: {out} was complete" in resumed.stdout
+    assert read_log(log) == []  # nothing scored again
+    summary = [line.split("│") for line in resumed.stdout.splitlines() if line.startswith("│ plugin ")]
+    assert [cells[3].strip() for cells in summary] == [f"{SMALL:,}"]  # the whole run's summary
+    assert "repeated ids: none" in resumed.stdout
+    assert out.read_bytes() == reference.read_bytes()
+    assert sorted(p.name for p in out.parent.iterdir()) == [out.name]
+
+    ok(space.score(inp, out, *chunk_args()))  # a fresh run then starts over, as any run does
+    assert out.read_bytes() == reference.read_bytes()
+
+
+# --- a full disk, SIGTERM and an early Ctrl-C ---------------------------------------------------
+
+FILE_SIZE_LIMIT = 60_000  # bytes: RLIMIT_FSIZE, so the partial file (~180 bytes a row) fails around row 330
+LIMITED = (
+    "import resource, runpy, sys; "
+    "resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit})); "
+    "sys.argv[0] = 'engine'; runpy.run_module('engine', run_name='__main__')"
+)
+
+
+def test_a_full_disk_stops_with_exit_3_and_one_line_and_resume_continues(space: Workspace) -> None:
+    """A real write error from the kernel: EFBIG past RLIMIT_FSIZE (Python ignores SIGXFSZ), as ENOSPC would be."""
+    inp = write_rows(space.root / "in.jsonl", rows(ROWS))
+    reference = space.root / "reference.jsonl"
+    ok(space.score(inp, reference, *chunk_args()))
+
+    out = space.root / "out" / "rewards.jsonl"
+    full = subprocess.run(
+        [sys.executable, "-c", LIMITED.format(limit=FILE_SIZE_LIMIT), "score", str(inp), "-o", str(out),
+         "--config", str(space.config), *chunk_args()],
+        cwd=space.root, env=child_env(None), capture_output=True, text=True, timeout=RUN_TIMEOUT, check=False,
+    )  # fmt: skip
+    assert full.returncode == EXIT_IO, full.stderr
+    line = one_error_line(full.stderr)
+    assert line.startswith(f"error: cannot write {partial_path(out)}: File too large; ")
+    done = int(state_of(out)["rows_done"])  # the partial file may hold part of what followed: a resume drops it
+    assert 0 < done < ROWS and f"{done:,} rows are checkpointed: run the same command with --resume" in line
+    assert not out.exists() and not lock_path(out).exists()
+
+    ok(space.score(inp, out, *chunk_args(), "--resume"))  # the space is free again
+    assert out.read_bytes() == reference.read_bytes()
+    assert sorted(p.name for p in out.parent.iterdir()) == [out.name]
+
+
+def signal_handlers(pid: int) -> int:
+    """The mask of signals process ``pid`` catches (``SigCgt`` in /proc/PID/status); 0 once it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+
+
+def maps_pyarrow(pid: int) -> bool:
+    try:
+        return "libarrow" in Path(f"/proc/{pid}/maps").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def reached(process: subprocess.Popen[str], moment: str) -> bool:
+    """Whether ``process`` has reached ``moment`` of EARLY (or ended: the test then fails on its status)."""
+    if process.poll() is not None:
+        return True
+    if moment == "importing the engine":
+        return maps_pyarrow(process.pid)
+    return bool(signal_handlers(process.pid) & 1 << (signal.SIGTERM - 1))
+
+
+EARLY = [  # when the Ctrl-C is sent: the moment the process reaches, then a delay in seconds
+    ("importing the engine", 0.0),  # pyarrow is being loaded: the CLI is still being imported
+    ("in main", 0.0),  # the CLI's own SIGTERM handler is installed: reading the config comes next
+    ("in main", 0.05),
+    ("in main", 0.1),
+    ("in main", 0.2),
+    ("in main", 0.4),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_an_early_ctrl_c_exits_130_with_one_line_and_the_run_goes_on(space: Workspace) -> None:
+    inp = write_rows(space.root / "in.jsonl", rows(SMALL))
+    reference = space.root / "reference.jsonl"
+    ok(space.score(inp, reference, *chunk_args()))
+    space.write_config(f'[refs."{PLUGIN_ENV}/verify:score"]\nmax_concurrency = 1\n')  # a slow run: still going
+
+    for moment, delay in EARLY:
+        out = space.root / f"{moment.replace(' ', '-')}-{delay}" / "rewards.jsonl"
+        slow = knobs(space.root / "calls.log", sleep=0.02)
+        process = space.start("score", inp, "-o", out, "--config", space.config, *chunk_args(), env=slow)
+        try:
+            wait_until(partial(reached, process, moment), message=f"the run never reached {moment!r}")
+            time.sleep(delay)
+            process.send_signal(signal.SIGINT)
+            _, stderr = process.communicate(timeout=RUN_TIMEOUT)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.communicate(timeout=RUN_TIMEOUT)
+        assert process.returncode == EXIT_INTERRUPTED, (moment, delay, stderr)
+        line = one_error_line(stderr)
+        assert line.startswith("error: interrupted (Ctrl-C)"), line
+        assert not out.exists() and not lock_path(out).exists()
+        # The line says how to go on; doing what it says completes the run.
+        again = ["--resume"] if "--resume" in line else []
+        assert again or not state_path(out).exists(), line
+        ok(space.score(inp, out, *chunk_args(), *again))
+        assert out.read_bytes() == reference.read_bytes(), (moment, delay)
+
+
+# --- repeated ids ---------------------------------------------------------------------------------
+
+
+def test_repeated_ids_are_counted_over_the_whole_run_across_a_resume(space: Workspace) -> None:
+    items = rows(SMALL, poison=[BAD_LINE - 1])
+    for n in range(150, 160):  # after the failure: ten rows reuse the ids of rows 0-9 (before it)
+        items[n] = {**row(n), "id": items[n - 150]["id"]}
+    items[170] = {**row(170), "id": items[0]["id"]}  # a third row-0000
+    for n in (180, 181):
+        items[n] = {**row(n), "id": None}  # rows without an id are no repeat
+    items[190] = {**row(190), "id": 7}  # an int is not the string "7", nor row-0007
+    items[191] = {**row(191), "id": "7"}
+    inp = write_rows(space.root / "in.jsonl", items)
+    out = space.root / "rewards.jsonl"
+    fixed = space.root / "fixed"
+    assert space.score(inp, out, *chunk_args(), env=knobs(space.root / "1.log", fixed)).returncode == 1
+    assert last_checkpoint(out) == (BAD_LINE - 1) // CHUNK * CHUNK  # rows 0-99 before, their repeats after
+    fixed.touch()
+    resumed = ok(space.score(inp, out, *chunk_args(), "--resume", env=knobs(space.root / "2.log", fixed)))
+    repeats = "repeated ids: 11 rows have an id an earlier row had (10 distinct ids occur more than once)"
+    assert repeats in resumed.stdout

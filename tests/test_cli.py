@@ -235,9 +235,9 @@ def space(tmp_path: Path) -> Workspace:
 def test_help_documents_the_exit_codes() -> None:
     result = invoke("--help")
     assert result.exit_code == EXIT_OK
-    assert "Exit codes: 0 done, 1 a verification error aborted the run, 2 bad usage, config or input" in " ".join(
-        result.stdout.split()
-    )
+    text = " ".join(result.stdout.split())
+    assert "Exit codes: 0 done, 1 a verification error aborted the run, 2 bad usage, config or input" in text
+    assert "3 the output or its state could not be written (disk full), 130 interrupted, 143 terminated" in text
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from cli_support import FINISH_TRACE, child_env, finish_steps, kill_at_step
 
 from engine.errors import VerificationError
 from engine.output import (
@@ -521,3 +522,125 @@ def test_kill_9_then_resume_gives_the_uninterrupted_output(tmp_path: Path, fmt: 
     assert lines[-1] == "done"
     assert out.read_bytes() == reference.read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["backfill.py", "in.jsonl", reference.name, out.name])
+
+
+# --- kill -9 while finishing --------------------------------------------------------------------
+
+FINISH_SCRIPT = """
+sys.argv[0] = "score"
+from itertools import islice
+
+from engine.output import open_run
+
+input_path, output = sys.argv[1], sys.argv[2]
+VERIFIER = {"kind": "endpoint", "ref": "http://127.0.0.1:1/score", "environment": "arith"}
+with open_run(input_path, output) as (rows, writer):
+    while batch := list(islice(rows, 10)):
+        for row in batch:
+            writer.write(row.id, row.task["i"] / 7, VERIFIER)
+        writer.checkpoint(rows.rows_read, rows.checksum())
+    writer.finish()
+"""
+
+
+def start_finishing(tmp_path: Path, inp: Path, out: Path, stop: int) -> subprocess.Popen[str]:
+    script = tmp_path / "finish.py"
+    script.write_text(FINISH_TRACE + FINISH_SCRIPT)
+    return subprocess.Popen(
+        [sys.executable, str(script), str(inp), str(out)],
+        env=child_env({"FINISH_STOP": str(stop)}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_kill_9_at_every_step_of_finishing_resumes_to_the_same_output(tmp_path: Path, fmt: str) -> None:
+    """A run killed before any one step of finish() (fsyncs, renames, removals, the lock) is never stuck."""
+    inp = write_input(tmp_path / "in.jsonl", 45)
+    (tmp_path / "ref").mkdir()
+    reference = tmp_path / "ref" / f"rewards.{fmt}"
+    uninterrupted = start_finishing(tmp_path, inp, reference, 0)
+    _, stderr = uninterrupted.communicate(timeout=60)
+    assert uninterrupted.returncode == 0, stderr
+    steps = finish_steps(stderr)
+    built = f"rewards.{fmt}.partial" if fmt == "jsonl" else "rewards.parquet.tmp"
+    assert f"replace {built} -> rewards.{fmt}" in steps
+    assert steps[-1] == f"unlink rewards.{fmt}.lock"
+
+    completed = 0
+    for step, name in enumerate(steps, 1):
+        work = tmp_path / f"step-{step}"
+        work.mkdir()
+        out = work / f"rewards.{fmt}"
+        assert kill_at_step(start_finishing(tmp_path, inp, out, step), step) == name
+        tmp = out.with_name(out.name + ".tmp")  # Parquet's output while it is built
+        if tmp.exists():  # a crash while writing it, or before its fsync, may leave any prefix
+            with tmp.open("r+b") as f:
+                f.truncate(tmp.stat().st_size // 2)
+        if not state_path(out).exists():
+            # Past the last step that matters: the output is complete and nothing is left to resume.
+            assert out.read_bytes() == reference.read_bytes(), name
+            with pytest.raises(ResumeError, match="no interrupted run to resume"), open_run(inp, out, resume=True):
+                pass
+        else:
+            with pytest.raises(ResumeError, match="--resume"), open_run(inp, out):
+                pass  # a fresh run is refused while the state is there, as documented
+            renamed = out.exists() and out.read_bytes() == reference.read_bytes()
+            with open_run(inp, out, resume=True) as (rows, writer):
+                assert writer.already_finished == renamed, name  # complete: only the cleanup is left
+                assert list(rows) == []
+                writer.finish()
+            completed += renamed
+        assert out.read_bytes() == reference.read_bytes(), name
+        assert sorted(p.name for p in work.iterdir()) == [out.name], name
+        again = start_finishing(tmp_path, inp, out, 0)  # and a fresh run starts over as usual
+        assert again.communicate(timeout=60)[0] == "" and again.returncode == 0, name
+        assert out.read_bytes() == reference.read_bytes(), name
+    assert completed >= 2  # killed after the rename, before the state's removal, at least twice
+
+
+def test_a_run_left_complete_by_an_older_version_resumes_to_its_cleanup(tmp_path: Path) -> None:
+    """The state an older finish() left when killed after its JSON Lines rename: no finished marker, no partial."""
+    inp, out = write_input(tmp_path / "in.jsonl", 20), tmp_path / "rewards.jsonl"
+    reference = tmp_path / "ref" / "rewards.jsonl"
+    reference.parent.mkdir()
+    score_all(inp, reference)
+    with open_run(inp, out) as (rows, writer):
+        write_chunk(writer, list(rows))
+        writer.checkpoint(rows.rows_read, rows.checksum())
+    os.replace(partial_path(out), out)
+    assert "finished" not in state_of(out)
+    with open_run(inp, out, resume=True) as (rows, writer):
+        assert writer.already_finished and writer.finished is None  # repeated ids: not counted then
+        writer.finish()
+    assert out.read_bytes() == reference.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["in.jsonl", "ref", out.name])
+
+
+def test_a_changed_output_is_not_taken_for_a_finished_one(tmp_path: Path, fmt: str, reference: Path) -> None:
+    inp, out = tmp_path / "in.jsonl", tmp_path / f"rewards.{fmt}"
+    with open_run(inp, out) as (rows, writer):
+        write_chunk(writer, list(rows))
+        writer.checkpoint(rows.rows_read, rows.checksum())
+    out.write_bytes(reference.read_bytes()[:-1])  # a complete-looking output that is not this run's
+    with open_run(inp, out, resume=True) as (rows, writer):
+        assert not writer.already_finished  # the partial file is there: the output is built again
+        writer.finish()
+    assert out.read_bytes() == reference.read_bytes()
+
+
+@pytest.mark.timeout(60)
+def test_repeated_ids_are_counted_exactly_in_buckets(tmp_path: Path, fmt: str) -> None:
+    inp, out = write_input(tmp_path / "in.jsonl", 1), tmp_path / f"rewards.{fmt}"
+    n, distinct = 140_000, 100_000  # more hashes than one bucket holds: spread over several
+    with open_output(out, input_path=inp, resume=False) as writer:
+        for i in range(n):
+            writer.write(f"id-{i % distinct}" if i % 1000 else None, 0.5, VERIFIER)
+        writer.finish()
+        assert writer.finished is not None
+    repeats = [i for i in range(distinct, n) if i % 1000]  # rows with an id an earlier row had
+    assert writer.finished.repeated_ids == len(repeats)
+    assert writer.finished.ids_repeated == len({i % distinct for i in repeats})

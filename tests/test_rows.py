@@ -115,7 +115,8 @@ def test_last_line_without_newline_and_crlf(tmp_path: Path) -> None:
     ("line", "reason"),
     [
         (b'{"id": 1, "environment": "arith", "task": {}', "invalid JSON"),
-        (b"\xff\xfe not utf-8", "invalid JSON"),
+        (b"\xff\xfe not utf-8", "invalid UTF-8 at byte 1 of line 4 (counted from 1 within the line"),
+        (b'{"id": "r\xc3(", "environment": "arith", "task": {}}', "invalid UTF-8 at byte 10 of line 4"),
         (b'[1, 2, 3]', "must be a JSON object, got list"),
         (b'"just a string"', "must be a JSON object, got str"),
         (b'{"environment": "arith", "task": {}, "trajectory": ""}', "missing field(s) 'id'"),
