@@ -32,6 +32,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.timeout(TEST_TIMEOUT))
 
 
+PROXY_VARIABLES = [f"{name}_proxy" for name in ("http", "https", "all", "no")]
+
+
+@pytest.fixture(autouse=True)
+def no_proxies(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """No proxy variable set, in either case, whatever the machine's environment says: every test server is
+    on 127.0.0.1, which the engine would send through a proxy as httpx does. A test sets the ones it wants
+    with the returned monkeypatch (subprocesses inherit the result)."""
+    for name in PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    monkeypatch.delenv("REQUEST_METHOD", raising=False)  # urllib ignores HTTP_PROXY under CGI
+    return monkeypatch
+
+
 @pytest.fixture(scope="module")
 def anyio_backend() -> str:
     # the test plugins use asyncio directly (faulty_async, arith_async)

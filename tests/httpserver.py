@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+import polling
 
 
 @dataclass
@@ -117,11 +118,10 @@ class TestServer:
 
     def wait_until(self, predicate: Callable[[TestServer], bool], timeout: float = 5.0) -> bool:
         """Poll ``predicate(self)`` until it holds or ``timeout`` passes; returns its last value."""
-        deadline = time.monotonic() + timeout
-        while not predicate(self):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.01)
+        try:
+            polling.wait_until(lambda: predicate(self), timeout)
+        except AssertionError:
+            return False
         return True
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -93,18 +93,17 @@ def space(tmp_path: Path) -> Workspace:
 
 def wait_for_rows_done(output: Path, rows_done: int, process: subprocess.Popen[str]) -> int:
     """Poll the run's state file until it records ``rows_done`` rows; the output must not appear meanwhile."""
-    deadline = time.monotonic() + WAIT_SECONDS
-    while time.monotonic() < deadline:
+
+    def done() -> int:
         assert process.poll() is None, f"the run ended (exit {process.returncode}) before its checkpoint"
         assert not output.exists(), "the output appeared before the run finished"
         try:
-            done = int(state_of(output)["rows_done"])
+            count = int(state_of(output)["rows_done"])
         except FileNotFoundError:
-            done = 0  # the run has not started its state yet
-        if done >= rows_done:
-            return done
-        time.sleep(0.002)
-    raise AssertionError(f"no checkpoint of {rows_done} rows within {WAIT_SECONDS:g} s")
+            return 0  # the run has not started its state yet
+        return count if count >= rows_done else 0
+
+    return wait_until(done, WAIT_SECONDS, message=f"no checkpoint of {rows_done} rows within {WAIT_SECONDS:g} s")
 
 
 STOPS = {  # how a run is stopped part-way: the signal, and the exit status it leaves

@@ -8,6 +8,8 @@ judge on 127.0.0.1. Commands that never reach the engine (usage and config error
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import math
 import os
@@ -16,7 +18,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from click.testing import CliRunner, Result
 from conftest import add_endpoint_env, add_rubric_env
 from httpserver import Request, Response, TestServer
 from judgeserver import JudgeServer, score
+from polling import wait_until
 
 from engine import digest_directory
 from engine.cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_VERIFICATION, cli
@@ -592,6 +594,15 @@ def free_port() -> int:
     return port
 
 
+def listening(port: int) -> bool:
+    """Whether something accepts connections on 127.0.0.1:``port``."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
 def start_service(examples: Path) -> tuple[subprocess.Popen[bytes], int]:
     """Start the example verifier service on a free port (retrying if the port is taken meanwhile)."""
     for _ in range(3):
@@ -600,13 +611,11 @@ def start_service(examples: Path) -> tuple[subprocess.Popen[bytes], int]:
             [sys.executable, str(examples / "service.py"), "--port", str(port)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + 10
-        while service.poll() is None and time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                    return service, port
-            except OSError:
-                time.sleep(0.02)
+        # until it listens, or exits (its port was taken meanwhile)
+        with contextlib.suppress(AssertionError):
+            wait_until(functools.partial(lambda s, p: s.poll() is not None or listening(p), service, port))
+        if service.poll() is None and listening(port):
+            return service, port
         service.kill()
         service.wait(10)
     raise AssertionError("the example service did not start")

@@ -315,19 +315,6 @@ def test_a_bad_ca_bundle_is_a_config_error_naming_the_key(
 
 # --- proxies from the environment -----------------------------------------------------------------
 
-PROXY_VARIABLES = [f"{name}_proxy" for name in ("http", "https", "all", "no")]
-
-
-@pytest.fixture
-def no_proxies(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    """No proxy variable set, in either case; set the ones a test wants with the returned monkeypatch."""
-    for name in PROXY_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-        monkeypatch.delenv(name.upper(), raising=False)
-    monkeypatch.delenv("REQUEST_METHOD", raising=False)  # urllib ignores HTTP_PROXY under CGI
-    return monkeypatch
-
-
 class ForwardProxy(TestServer):
     """A plain HTTP forward proxy: takes ``POST http://host:port/path`` (absolute form) and forwards it.
 

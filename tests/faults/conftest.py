@@ -10,12 +10,12 @@ from __future__ import annotations
 import multiprocessing.resource_tracker
 import os
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from polling import wait_until
 
 SETTLE_SECONDS = 5.0  # how long abandoned threads and dying processes get to finish
 
@@ -81,10 +81,11 @@ class Snapshot:
 
     def settled(self) -> None:
         """Assert that nothing outlives the test, once abandoned threads and dying processes have ended."""
-        deadline = time.monotonic() + SETTLE_SECONDS
-        while (leaks := self.leaks()) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not leaks, f"left behind after {SETTLE_SECONDS:g} s: {'; '.join(leaks)}"
+        wait_until(
+            lambda: not self.leaks(),
+            SETTLE_SECONDS,
+            message=f"left behind after {SETTLE_SECONDS:g} s: {'; '.join(self.leaks())}",
+        )
 
 
 @pytest.fixture

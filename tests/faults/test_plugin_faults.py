@@ -26,7 +26,7 @@ import anyio
 import orjson
 import pytest
 from conftest import item, process_twin
-from polling import wait_until
+from polling import eventually, wait_until
 
 from engine import (
     BlockingEngine,
@@ -87,18 +87,12 @@ def ok(environment: str, count: int = 1) -> list[dict[str, Any]]:
 
 
 def wait_for_file(path: Path, seconds: float = 10.0) -> str:
-    deadline = time.monotonic() + seconds
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path} did not appear within {seconds:g} s"
-        time.sleep(0.005)
+    wait_until(path.exists, seconds, message=f"{path} did not appear within {seconds:g} s")
     return path.read_text()
 
 
 def wait_until_gone(pid: int, seconds: float = 5.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not process_gone(pid):
-        assert time.monotonic() < deadline, f"process {pid} still exists after {seconds:g} s"
-        time.sleep(0.005)
+    wait_until(lambda: process_gone(pid), seconds, message=f"process {pid} still exists after {seconds:g} s")
 
 
 def dead(pid: int) -> bool:
@@ -116,10 +110,7 @@ def dead(pid: int) -> bool:
 
 
 def wait_until_dead(pid: int, seconds: float = 5.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not dead(pid):
-        assert time.monotonic() < deadline, f"process {pid} still runs after {seconds:g} s"
-        time.sleep(0.005)
+    wait_until(lambda: dead(pid), seconds, message=f"process {pid} still runs after {seconds:g} s")
 
 
 def plugin(eng: BlockingEngine | Engine, environment: str) -> PluginVerifier:
@@ -268,10 +259,7 @@ async def test_closing_the_engine_mid_call_leaves_no_worker(fault_envs: Path, tm
     busy = item(PROCESS, mode="block", release=str(tmp_path / "never"), pidfile=str(pidfile))
     async with Engine(config(fault_envs, timeout=10)) as eng, anyio.create_task_group() as tg:
         tg.start_soon(eng.score, [busy, *ok(PROCESS)])
-        for _ in range(2000):  # bounded: the worker writes its pid within a few seconds
-            if pidfile.exists():
-                break
-            await anyio.sleep(0.005)
+        await eventually(pidfile.exists, message="the worker never wrote its pid")
         pids = plugin(eng, PROCESS).worker_pids
         assert int(pidfile.read_text()) in pids
         tg.cancel_scope.cancel()  # the caller gives up on the batch, then closes the engine
@@ -509,14 +497,16 @@ def test_too_many_abandoned_threads_refuse_new_calls(fault_envs: Path, tmp_path:
         assert eng.score(ok(PROCESS)) == [0.5]  # other verifiers are not concerned
 
         release.touch()  # the abandoned calls return; then they stop counting
-        deadline = time.monotonic() + 5
-        while True:
+
+        def scores() -> bool:
             try:
                 assert eng.score(ok(THREAD, 3)) == [0.5] * 3
-                break
             except VerificationError as exc:
-                assert "refusing to start more" in exc.reason and time.monotonic() < deadline
-                time.sleep(0.01)
+                assert "refusing to start more" in exc.reason
+                return False
+            return True
+
+        wait_until(scores, message="the abandoned calls still count after they returned")
 
 
 def test_max_abandoned_is_validated() -> None:
