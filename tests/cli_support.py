@@ -241,12 +241,30 @@ engine.output.RewardWriter.finish = _finish_traced
 atexit.register(lambda: print("steps: " + " | ".join(_steps), file=sys.stderr, flush=True))
 """
 
-ENGINE_UNDER_TRACE = FINISH_TRACE + """
+ENGINE_UNDER_TRACE = """
 sys.argv[0] = "engine"
 from engine.cli import main
 
 main()
 """
+
+
+def start_under_trace(
+    script: Path, program: str, args: list[str], stop: int, *, cwd: Path | None = None
+) -> subprocess.Popen[str]:
+    """Run ``program`` (Python source) under the finishing tracer, pausing before finishing step ``stop`` (0: never).
+
+    The source is written to ``script`` after :data:`FINISH_TRACE`; its output is piped as text.
+    """
+    script.write_text(FINISH_TRACE + program)
+    return subprocess.Popen(
+        [sys.executable, str(script), *args],
+        cwd=cwd,
+        env=child_env({"FINISH_STOP": str(stop)}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def finish_steps(stderr: str) -> list[str]:

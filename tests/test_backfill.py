@@ -37,6 +37,7 @@ from cli_support import (
     read_log,
     row,
     rows,
+    start_under_trace,
     state_of,
     write_rows,
 )
@@ -416,16 +417,8 @@ def test_resume_without_an_interrupted_run_is_refused(space: Workspace) -> None:
 
 def start_traced(space: Workspace, inp: Path, out: Path, stop: int) -> subprocess.Popen[str]:
     """``engine score`` under the finishing tracer (cli_support.FINISH_TRACE), pausing before step ``stop``."""
-    runner = space.root / "engine_traced.py"
-    runner.write_text(ENGINE_UNDER_TRACE)
-    return subprocess.Popen(
-        [sys.executable, str(runner), "score", str(inp), "-o", str(out), "--config", str(space.config), *chunk_args()],
-        cwd=space.root,
-        env=child_env({"FINISH_STOP": str(stop)}),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    args = ["score", str(inp), "-o", str(out), "--config", str(space.config), *chunk_args()]
+    return start_under_trace(space.root / "engine_traced.py", ENGINE_UNDER_TRACE, args, stop, cwd=space.root)
 
 
 @pytest.mark.slow

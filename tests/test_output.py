@@ -16,7 +16,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from cli_support import FINISH_TRACE, child_env, finish_steps, kill_at_step
+from cli_support import finish_steps, kill_at_step, start_under_trace
 
 from engine.errors import VerificationError
 from engine.output import (
@@ -544,15 +544,7 @@ with open_run(input_path, output) as (rows, writer):
 
 
 def start_finishing(tmp_path: Path, inp: Path, out: Path, stop: int) -> subprocess.Popen[str]:
-    script = tmp_path / "finish.py"
-    script.write_text(FINISH_TRACE + FINISH_SCRIPT)
-    return subprocess.Popen(
-        [sys.executable, str(script), str(inp), str(out)],
-        env=child_env({"FINISH_STOP": str(stop)}),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return start_under_trace(tmp_path / "finish.py", FINISH_SCRIPT, [str(inp), str(out)], stop)
 
 
 @pytest.mark.slow
