@@ -318,9 +318,19 @@ def _kill_live_workers() -> None:
         worker.kill()
 
 
-# A pipe whose write end this process holds until it dies: each worker is handed the read end (see
-# _watch_parent). Neither end is inherited otherwise. Made once, at import: it lives as long as the process.
-_ALIVE_FD, _ALIVE_WRITER = os.pipe()
+_alive_pipe: tuple[int, int] | None = None
+_alive_lock = threading.Lock()
+
+
+def _alive_fd() -> int:
+    """The read end of a pipe whose write end this process holds until it dies: each worker is handed it
+    (see _watch_parent). Neither end is inherited otherwise. Made once, when the first worker starts
+    (importing the engine opens nothing), and kept for the life of the process."""
+    global _alive_pipe
+    with _alive_lock:
+        if _alive_pipe is None:
+            _alive_pipe = os.pipe()
+        return _alive_pipe[0]
 
 
 def _progress_file() -> int:
@@ -446,7 +456,7 @@ class _Worker:
         self._progress_fd: int | None = _progress_file()
         self._memory = mmap.mmap(self._progress_fd, PROGRESS_BYTES)
         self._progress = memoryview(self._memory).cast("d")
-        self.process = _Child((self._child_end, self._progress_fd, _ALIVE_FD), spec)
+        self.process = _Child((self._child_end, self._progress_fd, _alive_fd()), spec)
         self.busy = False  # taken by a caller (set and cleared on the event loop)
         self.killed = False
         self.closed = False
