@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from polling import wait_until
 
+import engine.process
+
 SETTLE_SECONDS = 5.0  # how long abandoned threads and dying processes get to finish
 
 
@@ -64,6 +66,8 @@ class Snapshot:
         # spawning a process starts multiprocessing's resource tracker, once for the life of this
         # process: it is not a leak of any one test
         multiprocessing.resource_tracker.ensure_running()
+        # likewise the pipe that tells workers this process died, made when the first worker starts
+        engine.process._alive_fd()
         return cls(frozenset(threading.enumerate()), frozenset(child_pids()), frozenset(channels()))
 
     def leaks(self) -> list[str]:
