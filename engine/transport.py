@@ -10,8 +10,10 @@ Scope, kept deliberately small: HTTP/1.1 over TCP or TLS, one request at a time 
 (no pipelining), responses delimited by Content-Length, chunked encoding or connection close,
 parsed by httptools (the C parser uvicorn uses). No proxies, no HTTP/2, no upgrades. Interim
 responses (``100 Continue``, ``103 Early Hints``, any 1xx but 101) are skipped: the final response
-is the request's; a ``101 Switching Protocols`` nobody asked for is a protocol error. Trailers after
-a chunked body are read and dropped, as httpx drops them.
+is the request's, and nothing of an interim one is kept. An interim response that carries a body
+(none may: a server that sends one is out of step), a status under 100, and a ``101 Switching
+Protocols`` nobody asked for are protocol errors. Trailers after a chunked body are read and
+dropped, as httpx drops them.
 
 Connections: one is reused only after a complete response that allows keep-alive, and never once
 it has seen EOF or bytes nobody asked for (a second response to one request, or anything arriving
@@ -33,15 +35,23 @@ judge's call is paid twice).
 
 Closing a socket costs ~10 us of the event loop's time, so closing 1,024 of them when a batch
 aborts held its caller ~15 ms longer. Inside :meth:`PoolTransport.closes_deferred` (the engine
-scores each batch inside it), the connections of cancelled requests are closed just after the
-block is left instead: the abort reaches the caller first, the closes follow in the next turn of
-the event loop. Their connections count against the pool's limit until then.
+scores each batch inside it), the connections of requests cancelled in that block are closed just
+after it is left instead: the abort reaches the caller first, the closes follow in the next turn of
+the event loop. Their connections count against the pool's limit until then. Each block closes its
+own (a context variable says which block a request runs in), so one batch's abort does not wait
+for another batch that is still running. A request woken for a free connection that is cancelled
+before it takes it hands the wake-up to the next one waiting.
+
+Closing the transport closes idle connections gracefully and resets, after ``CLOSE_WAIT``, any whose
+peer never completes the close (a TLS server that does not answer ``close_notify``).
 
 Bounds: a request may carry ``extensions["max_body"]`` (bytes). A response announcing a longer
 body is refused before its body is read, one whose body grows past the cap is cut off (the
 connection closed) as soon as it does, and a compressed one is refused (under a cap the engine asks
 for ``identity``: a small compressed body can inflate to any size). A response's head is bounded
-too (``MAX_HEAD``).
+too (``MAX_HEAD``, interim heads included), and so are the bytes around a chunked body (chunk
+extensions, trailers: httptools buffers them whole), to ``MAX_HEAD`` plus ``FRAMING`` bytes per
+byte of body.
 
 Deadlines: httpx's timeouts apply to each phase in turn (waiting for a connection, connecting,
 reading), so a call can take several times its timeout. A request may also carry
@@ -55,6 +65,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import socket
 import ssl
 import struct
@@ -70,7 +81,8 @@ __all__ = ["MAX_BODY", "TOTAL_TIMEOUT", "CallTimeout", "PoolTransport", "Respons
 
 DEFAULT_MAX_CONNECTIONS = 1024
 CLOSE_WAIT = 1.0  # seconds aclose() waits for closed sockets to be released
-MAX_HEAD = 64 * 1024  # bytes: a response's status line and headers
+MAX_HEAD = 64 * 1024  # bytes: a response's status line and headers (interim responses' included)
+FRAMING = 8  # bytes of chunk framing, extensions and trailers allowed per body byte, beyond MAX_HEAD
 MAX_BODY = "max_body"  # the request extension that caps the response body, in bytes
 TOTAL_TIMEOUT = "total_timeout"  # the request extension: seconds the whole call may take
 _LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: closing the socket sends a reset at once
@@ -87,9 +99,11 @@ def size_text(size: int) -> str:
 class ResponseTooLarge(httpx.TransportError):
     """A response longer than the caller's cap (``max_body``), refused without reading the rest."""
 
-    def __init__(self, limit: int, announced: int | None = None, *, head: bool = False) -> None:
+    def __init__(self, limit: int, announced: int | None = None, *, head: bool = False, framing: bool = False) -> None:
         if head:
             self.reason = f"response headers over {size_text(limit)}"
+        elif framing:
+            self.reason = f"response chunk framing and trailers over {size_text(limit)} beyond the body's own size"
         elif announced is not None:
             self.reason = f"response body of {announced} bytes is over the {size_text(limit)} limit (max_body)"
         else:
@@ -150,6 +164,7 @@ class _Connection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._headers_done = False  # the final response's head is complete (an interim one's does not count)
         self._received = 0  # bytes received since the request was sent
+        self._head_end = 0  # bytes received when the final head was complete (its data_received call's end)
         self._body_size = 0
         self._limit: int | None = None  # the cap on this response's body, if any
         self._timer: asyncio.TimerHandle | None = None  # the response's deadline
@@ -174,8 +189,12 @@ class _Connection(asyncio.Protocol):
             self._fail(httpx.RemoteProtocolError("the server asked for a protocol upgrade"))
         except httptools.HttpParserError as exc:  # _Unsolicited too: the response is delivered, this closes
             self._fail(httpx.RemoteProtocolError(f"malformed HTTP response: {exc}"))
-        if not self._headers_done and self._received > MAX_HEAD:  # httptools buffers an unfinished head
-            self._fail(ResponseTooLarge(MAX_HEAD, head=True))
+        if not self._headers_done:
+            if self._received > MAX_HEAD:  # httptools buffers an unfinished head
+                self._fail(ResponseTooLarge(MAX_HEAD, head=True))
+        elif self._received - self._head_end - self._body_size > MAX_HEAD + FRAMING * self._body_size:
+            # chunk extensions and trailers are buffered by httptools too, and count against no body cap
+            self._fail(ResponseTooLarge(MAX_HEAD, framing=True))
 
     def eof_received(self) -> None:
         self.reusable = False  # returning None: the transport closes itself, so it is never handed out again
@@ -210,27 +229,32 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
         if status < 200:  # an interim response: its end resets the head, the final one follows
-            if status == 101:
+            if status < 100:
+                self._fail(httpx.RemoteProtocolError(f"invalid status code {status:03d}"))
+            elif status == 101:
                 self._fail(httpx.RemoteProtocolError("the server switched protocols (101), which was not asked for"))
             return
         self._headers_done = True
+        self._head_end = self._received
         if self._limit is not None:
             refusal = _refusal(self._headers, self._limit)
             if refusal is not None:
                 self._fail(refusal)
 
     def on_body(self, body: bytes) -> None:
+        if not self._headers_done:  # httptools reads a body after some 1xx heads; none may have one (RFC 9110)
+            self._fail(httpx.RemoteProtocolError("an interim (1xx) response carries a body"))
+            return
+        self._body_size += len(body)
         limit = self._limit
-        if limit is not None:
-            self._body_size += len(body)
-            if self._body_size > limit:
-                self._fail(ResponseTooLarge(limit))
-                return
+        if limit is not None and self._body_size > limit:
+            self._fail(ResponseTooLarge(limit))
+            return
         self._body.append(body)
 
     def on_message_complete(self) -> None:
-        if not self._headers_done:  # the end of an interim (1xx) response
-            self._headers = []
+        if not self._headers_done:  # the end of an interim (1xx) response: nothing of it is the final one's
+            self._headers, self._body, self._body_size = [], [], 0
             return
         self.reusable = self._parser.should_keep_alive()
         waiter = self._waiter
@@ -265,7 +289,7 @@ class _Connection(asyncio.Protocol):
         assert self._transport is not None
         self._waiter = waiter = self._loop.create_future()
         self._headers, self._body, self._headers_done, self.reusable = [], [], False, False
-        self._received = self._body_size = 0
+        self._received = self._head_end = self._body_size = 0
         self._limit = limit
         self.sent += 1
         self._transport.write(data)
@@ -301,6 +325,13 @@ class _Connection(asyncio.Protocol):
             transport.abort()
 
 
+# The connections of requests cancelled inside the current closes_deferred() block (a batch): a context
+# variable, so each block closes its own, whatever other blocks run on the same transport meanwhile.
+_cut_short_here: contextvars.ContextVar[list[_Connection] | None] = contextvars.ContextVar(
+    "engine_transport_cut_short", default=None
+)
+
+
 @dataclass(eq=False)
 class _Pool:
     """The connections to one origin: idle ones to reuse, and a bound on how many exist."""
@@ -321,25 +352,27 @@ class PoolTransport(httpx.AsyncBaseTransport):
         self._ssl = ssl_context
         self._pools: dict[tuple[bytes, bytes, int], _Pool] = {}
         self._closed = False
-        self._deferring = 0  # blocks inside closes_deferred()
-        self._cut_short: list[tuple[_Pool, _Connection]] = []  # their connections, to close on leaving
+        self._cut_short: dict[_Connection, _Pool] = {}  # connections of cancelled requests, not yet closed
 
     @contextlib.contextmanager
     def closes_deferred(self) -> Iterator[None]:
-        """Inside it, a cancelled request's connection is closed once the last such block is left (soon after)."""
-        self._deferring += 1
+        """Inside it, a request cancelled in this block (or a task started in it) has its connection closed
+        just after the block is left (in the next turn of the loop), not at once; other blocks' are theirs."""
+        mine: list[_Connection] = []
+        token = _cut_short_here.set(mine)
         try:
             yield
         finally:
-            self._deferring -= 1
-            if self._cut_short and not self._deferring:
-                asyncio.get_running_loop().call_soon(self._close_cut_short)
+            _cut_short_here.reset(token)
+            if mine:
+                asyncio.get_running_loop().call_soon(self._close_cut_short, mine)
 
-    def _close_cut_short(self) -> None:
-        cut_short, self._cut_short = self._cut_short, []
-        for pool, connection in cut_short:
-            connection.abort()
-            self._release(pool, connection)
+    def _close_cut_short(self, connections: list[_Connection]) -> None:
+        for connection in connections:
+            pool = self._cut_short.pop(connection, None)
+            if pool is not None:  # (aclose() may have closed it already)
+                connection.abort()
+                self._release(pool, connection)
 
     def _ssl_context(self) -> ssl.SSLContext:
         if self._ssl is None:
@@ -386,13 +419,16 @@ class PoolTransport(httpx.AsyncBaseTransport):
             try:
                 async with asyncio.timeout_at(_ends(request, "pool", deadline)):
                     await waiter
-            except TimeoutError as exc:
-                raise httpx.PoolTimeout("timed out waiting for a connection", request=request) from exc
-            finally:
-                if not waiter.done():
+            except BaseException as exc:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake(pool)  # woken, but leaving (an abort, the deadline): the next waiter goes instead
+                else:
                     waiter.cancel()
-                if waiter in pool.waiters:
-                    pool.waiters.remove(waiter)
+                    if waiter in pool.waiters:
+                        pool.waiters.remove(waiter)
+                if isinstance(exc, TimeoutError):
+                    raise httpx.PoolTimeout("timed out waiting for a connection", request=request) from exc
+                raise
             return await self._acquire(request, pool, origin, deadline, fresh)
         pool.count += 1
         try:
@@ -409,6 +445,11 @@ class PoolTransport(httpx.AsyncBaseTransport):
             if connection is not None:
                 connection.close()
             pool.count -= 1
+        self._wake(pool)
+
+    @staticmethod
+    def _wake(pool: _Pool) -> None:
+        """Wake one request waiting for a connection of ``pool``, if any waits."""
         while pool.waiters:
             waiter = pool.waiters.popleft()
             if not waiter.done():
@@ -451,8 +492,10 @@ class PoolTransport(httpx.AsyncBaseTransport):
                     connection.disarm()
             except BaseException as exc:
                 connection.reusable = False  # so it is closed, not pooled
-                if self._deferring and isinstance(exc, asyncio.CancelledError):
-                    self._cut_short.append((pool, connection))  # an abort: its caller first, the close right after
+                deferred = _cut_short_here.get()
+                if deferred is not None and isinstance(exc, asyncio.CancelledError):
+                    deferred.append(connection)  # an abort: its caller first, the close right after its block
+                    self._cut_short[connection] = pool
                     raise
                 connection.abort()
                 self._release(pool, connection)
@@ -479,10 +522,16 @@ class PoolTransport(httpx.AsyncBaseTransport):
         closing = [connection for pool in self._pools.values() for connection in pool.idle]
         for connection in closing:
             connection.close()
-        for _, connection in self._cut_short:
+        for connection in self._cut_short:
             connection.abort()
             closing.append(connection)
         self._cut_short.clear()
         self._pools.clear()
-        if closing:
-            await asyncio.wait([connection.lost for connection in closing], timeout=CLOSE_WAIT)
+        if not closing:
+            return
+        _, open_still = await asyncio.wait([connection.lost for connection in closing], timeout=CLOSE_WAIT)
+        if open_still:  # a graceful close the peer never completes (a TLS close_notify unanswered): reset them
+            for connection in closing:
+                if not connection.lost.done():
+                    connection.abort()
+            await asyncio.wait(open_still, timeout=CLOSE_WAIT)

@@ -23,11 +23,15 @@ length-and-chunked          reads the chunked body,      a protocol error (httpt
                             ignoring Content-Length      RFC 9112 6.1 says both headers at once
                                                          "ought to be handled as an error" (it is
                                                          how responses are smuggled)
+100-continue-with-          skips the 100 and reads the  a protocol error: httptools refuses bytes
+connection-close            200                          after a message that said "close", and an
+                                                         interim response that says it is odd
 ==========================  ===========================  ==========================================
 
 Also stricter, but not a case here because it depends on how the bytes arrive: a head over 64 KiB
 that comes in pieces is refused (``MAX_HEAD``, as ``ResponseTooLarge``, counted as a protocol error;
-httpx allows 100 KiB); a 1 MiB head is refused by both (head-over-1m). And a limit of every HTTP/1.1
+httpx allows 100 KiB); a 1 MiB head is refused by both (head-over-1m). httptools (llhttp, strict)
+also refuses obsolete header folding and bare-LF line endings, which h11 accepts. And a limit of every HTTP/1.1
 client: a stray response is caught while the connection is idle only once the client's event loop
 has run (extra-response-while-idle lets it); one that races the next request on the wire cannot be
 told from that request's answer.
@@ -69,6 +73,8 @@ EARLY_HINTS = b"HTTP/1.1 103 Early Hints\r\nlink: </style.css>; rel=preload\r\n\
 PROCESSING = b"HTTP/1.1 102 Processing\r\n\r\n"
 SWITCHING = b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n"
 CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n"
+CHUNKED_BODY = b'5\r\n{"rew\r\n0\r\n\r\n'
+EMPTY_200 = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"
 SERVED: list[Step] = [Read(), Send(reply(2))]  # a connection that answers one request
 
 
@@ -107,6 +113,29 @@ CASES = [
     ),
     Case("101-unasked", [[Read(), Send(SWITCHING + b"\x00\x01binary"), Hold()]], ["error: protocol"]),
     Case("1xx-then-close", [[Read(), Send(CONTINUE), Close()]], ["error: protocol"]),
+    # an interim response has no body (RFC 9110 15.2): one that carries one must not become the answer
+    Case(
+        "1xx-with-body",
+        [[Read(), Send(b'HTTP/1.1 150 X\r\ncontent-length: 15\r\n\r\n{"reward": 0.9}' + EMPTY_200), Hold()]],
+        ["error: protocol"],
+    ),
+    Case(
+        "1xx-with-chunked-body",
+        [[Read(), Send(b"HTTP/1.1 199 X\r\ntransfer-encoding: chunked\r\n\r\n" + CHUNKED_BODY + EMPTY_200), Hold()]],
+        ["error: protocol"],
+    ),
+    Case(
+        "status-under-100",
+        [[Read(), Send(b'HTTP/1.1 099 X\r\ncontent-length: 15\r\n\r\n{"reward": 0.9}' + EMPTY_200), Hold()]],
+        ["error: protocol"],
+    ),
+    Case("status-under-100-no-length", [[Read(), Send(b"HTTP/1.1 099 X\r\n\r\n"), Hold()]], ["error: protocol"]),
+    Case(
+        "100-continue-with-connection-close",
+        [[Read(), Send(b"HTTP/1.1 100 Continue\r\nconnection: close\r\n\r\n" + reply(1)), Hold()]],
+        ["error: protocol"],
+        httpx_gives=[r(1)],
+    ),
     # a kept connection the server closes
     Case(
         "stale-reset-on-reuse",
@@ -201,6 +230,16 @@ CASES = [
     ),
     # limits and timing
     Case("head-over-1m", [[Read(), Send(reply(1, "x-big: " + "a" * 1_000_000)), Hold()]], ["error: protocol"]),
+    Case(
+        "trailers-over-1m",
+        [[Read(), Send(CHUNKED_HEAD + b"\r\n2\r\nok\r\n0\r\nx-big: " + b"a" * 1_000_000 + b"\r\n\r\n"), Hold()]],
+        ["error: protocol"],
+    ),
+    Case(
+        "chunk-extension-over-1m",
+        [[Read(), Send(CHUNKED_HEAD + b"\r\n2;x=" + b"a" * 1_000_000 + b"\r\nok\r\n0\r\n\r\n"), Hold()]],
+        ["error: protocol"],
+    ),
     Case(
         "slow-drip", [[Read(), Drip(CONTINUE + reply(1)), Read(), Drip(reply(2), size=7)]], [r(1), r(2)], connections=1
     ),

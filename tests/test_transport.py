@@ -7,6 +7,8 @@ import contextlib
 import functools
 import json
 import shutil
+import socket
+import ssl
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -17,6 +19,7 @@ import anyio
 import anyio.abc
 import httpx
 import pytest
+import trustme
 from conftest import add_endpoint_env, add_rubric_env, item
 from httpserver import Request, Response, TestServer, json_handler
 from judgeserver import score
@@ -168,20 +171,49 @@ async def cut_short(client: httpx.AsyncClient, server: TestServer, count: int) -
         tg.cancel_scope.cancel()
 
 
-async def test_connections_of_cancelled_requests_close_once_the_deferring_block_is_left() -> None:
+async def test_connections_of_cancelled_requests_close_once_their_block_is_left() -> None:
     with TestServer(never) as server:
         transport = PoolTransport(2)
         async with httpx.AsyncClient(transport=transport) as client:
-            with transport.closes_deferred():
-                with transport.closes_deferred():  # blocks nest (two batches at once): the last one out closes
+            with transport.closes_deferred():  # another batch, still running: it holds nothing up
+                with transport.closes_deferred():  # this batch
                     await cut_short(client, server, 2)
-                await anyio.sleep(0.1)  # the client had time to close them, and the server to see it
-                assert server.open_connections == 2
-            await eventually(lambda: server.open_connections == 0)
-            server.handler = json_handler(lambda r: {"again": True})
-            assert (await client.post(server.url, content=b"{}")).json() == {"again": True}  # the slots are free
+                    await anyio.sleep(0.1)  # the client had time to close them, and the server to see it
+                    assert server.open_connections == 2  # not yet: the abort reaches its caller first
+                await eventually(lambda: server.open_connections == 0)
+                server.handler = json_handler(lambda r: {"again": True})
+                assert (await client.post(server.url, content=b"{}")).json() == {"again": True}  # the slots are free
 
 
+async def test_a_request_woken_for_a_connection_and_then_cancelled_hands_it_on() -> None:
+    # Pool of one: the first request holds the connection, two more wait for it. As the first one's
+    # response comes, the first waiter is woken and, in the same step, cancelled (as an abort does):
+    # the second must get the connection, not wait out its pool timeout while it lies idle.
+    release = threading.Event()
+
+    async def first_held(request: Request) -> Response:
+        while request.body == b"first" and not release.is_set():
+            await asyncio.sleep(0.005)
+        return Response.json({"ok": request.body.decode()})
+
+    with TestServer(first_held) as server:
+        async with httpx.AsyncClient(transport=PoolTransport(1), timeout=httpx.Timeout(30)) as client:
+
+            async def first_then_cancel_the_waiter() -> None:
+                await client.post(server.url, content=b"first")
+                woken.cancel()  # the waiter was handed the connection, and has not run yet
+
+            first = asyncio.create_task(first_then_cancel_the_waiter())
+            await eventually(lambda: server.in_flight == 1)
+            woken = asyncio.create_task(client.post(server.url, content=b"woken"))
+            await anyio.wait_all_tasks_blocked()
+            second = asyncio.create_task(client.post(server.url, content=b"second"))
+            await anyio.wait_all_tasks_blocked()
+            release.set()
+            await first
+            response = await second  # the pytest timeout fails it if it waits for a free connection
+            assert response.json() == {"ok": "second"}
+            assert woken.cancelled()  # (so this did test a woken waiter that gave up)
 async def test_connections_held_for_closing_count_against_the_limit_and_close_with_the_transport() -> None:
     with TestServer(never) as server:
         transport = PoolTransport(1)
@@ -393,3 +425,37 @@ async def test_an_endpoint_call_that_timed_out_on_an_unread_body_leaves_no_socke
             with pytest.raises(engine.VerificationError, match="timed out"):
                 await eng.score([item("remote", "x" * (8 << 20))])
         await released(server)
+
+
+async def test_closing_resets_a_kept_tls_connection_whose_server_never_answers_the_close(tmp_path: Path) -> None:
+    # A graceful TLS close waits for the server's close_notify (asyncio: up to 30 s); a server that
+    # answers one request and then holds its socket without reading never sends it.
+    ca = trustme.CA()
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(context)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    peers: list[int] = []
+    done = threading.Event()
+
+    def serve() -> None:
+        raw, (_, peer) = listener.accept()
+        peers.append(peer)
+        with context.wrap_socket(raw, server_side=True) as tls:
+            tls.recv(65536)  # the request (small: one read)
+            tls.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+            done.wait(30)  # holds the connection, reading nothing
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        client_context = ssl.create_default_context()
+        ca.configure_trust(client_context)
+        transport = PoolTransport(ssl_context=client_context)
+        async with httpx.AsyncClient(transport=transport) as client:
+            assert (await client.post(f"https://127.0.0.1:{port}/", content=b"{}")).json() == {}
+        assert peers and not established(peers[0])  # reset by aclose() once the graceful close went unanswered
+    finally:
+        done.set()
+        listener.close()
+        server.join(30)
