@@ -116,7 +116,7 @@ class TestServer:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    def wait_until(self, predicate: Callable[[TestServer], bool], timeout: float = 5.0) -> bool:
+    def wait_until(self, predicate: Callable[[TestServer], bool], timeout: float = polling.POLL_TIMEOUT) -> bool:
         """Poll ``predicate(self)`` until it holds or ``timeout`` passes; returns its last value."""
         try:
             polling.wait_until(lambda: predicate(self), timeout)
@@ -230,9 +230,8 @@ def json_handler(reply: Callable[[Request], Any]) -> Handler:
     return handle
 
 
-async def all_closed(server: TestServer, timeout: float = 5.0) -> None:
+async def all_closed(server: TestServer, timeout: float = polling.POLL_TIMEOUT) -> None:
     """Wait, without blocking the event loop, until the server has no open connection."""
-    deadline = time.monotonic() + timeout
-    while server.open_connections:
-        assert time.monotonic() < deadline, f"{server.open_connections} connection(s) still open"
-        await asyncio.sleep(0.005)
+    await polling.eventually(
+        lambda: not server.open_connections, timeout, message=f"{server.open_connections} connection(s) still open"
+    )

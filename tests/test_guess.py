@@ -14,7 +14,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 from conftest import item, plugin_module, process_twin
 
@@ -138,16 +137,14 @@ async def test_a_guessed_environment_that_does_not_exist_is_named_with_its_item(
         assert await eng.score([cheap(1)]) == [reward(1)]  # still usable
 
 
+@pytest.mark.timeout(8)  # the guessed lane's calls take 10 s: waiting for them fails here
 async def test_a_failure_in_another_environment_aborts_at_once(envs: Path, caplog: pytest.LogCaptureFixture) -> None:
-    # the guessed lane's calls hold their threads for 2 s; the failing item must not wait for them
-    items = [item("spy", sleep=2.0) for _ in range(8)]
+    # the guessed lane's calls hold their threads for 10 s; the failing item must not wait for them
+    items = [item("spy", sleep=10.0) for _ in range(8)]
     items[4] = item("faulty", mode="raise", item_id="bad")
     async with engine.Engine(EngineConfig(environments=envs, allow_unpinned=True)) as eng:
-        start = anyio.current_time()
         with caplog.at_level(logging.ERROR, logger="engine"), pytest.raises(VerificationError) as info:
             await eng.score(items)
-        elapsed = anyio.current_time() - start
     assert (info.value.environment, info.value.index, info.value.item_id) == ("faulty", 4, "bad")
-    assert elapsed < 1.0
     records = [r for r in caplog.records if r.name == "engine" and r.levelno >= logging.ERROR]
     assert len(records) == 1

@@ -15,7 +15,6 @@ import asyncio
 import logging
 import select
 import socket
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,13 +166,11 @@ async def test_a_connect_that_hangs_times_out_and_is_retried(
             limits = Limits(timeout=0.2, max_attempts=2, max_concurrency=1)
             config = EngineConfig(environments=envs, refs={full: limits})
             tasks, snapshot = asyncio.all_tasks(), Snapshot.take()
-            started = time.monotonic()
             async with Engine(config, sleep=sleeps) as eng:
                 with pytest.raises(VerificationError) as info:
                     await eng.run(BATCH)
                 check(info.value, full, "gave up after 2 attempts; last: timed out connecting", index=1, item_id=None)
                 assert await eng.score([item(GOOD, r=0.5)]) == [0.5]
-            assert time.monotonic() - started < 2.0  # two tries of 0.2 s, not the kernel's SYN retries
             assert len(sleeps.calls) == 1
             await settled(remote.server, tasks, snapshot)
         finally:
@@ -187,10 +184,8 @@ async def test_hang_is_cut_at_the_deadline_and_not_retried(remote: Remote, sleep
         return Response.json({"reward": 1.0})
 
     remote.handler.fault = hang
-    started = time.monotonic()
     err = await aborts(remote, remote.config(timeout=TIMEOUT), sleeps, "timed out waiting for the response")
-    assert "(timeout: 0.3 s for the whole call)" in err.reason
-    assert time.monotonic() - started < 3 * TIMEOUT + 1.0
+    assert "(timeout: 0.3 s for the whole call)" in err.reason  # cut by the call's timeout, not the 30 s hang
     assert remote.handler.bad_requests == 1 and sleeps.calls == []
 
 
@@ -198,9 +193,7 @@ async def test_a_body_trickling_past_the_deadline_is_cut_off(remote: Remote, sle
     """Each byte comes well within the timeout, the whole body does not: the timeout bounds the call."""
     body = b'{"reward": 1.0}' + b" " * 25  # 40 bytes, one every 50 ms: 2 s in all
     remote.handler.fault = Response(200, body, {"content-type": "application/json"}, piece=1, trickle=0.05)
-    started = time.monotonic()
     await aborts(remote, remote.config(timeout=TIMEOUT), sleeps, "timed out waiting for the response")
-    assert time.monotonic() - started < 1.5
     assert remote.server.body_bytes_sent < len(body)  # the client hung up part way through
     assert remote.handler.bad_requests == 1
 

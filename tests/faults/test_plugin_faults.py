@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -168,9 +167,7 @@ def test_a_hanging_call_times_out(fault_envs: Path, tmp_path: Path, no_leaks: Sn
     release, pidfile = tmp_path / "release", tmp_path / "pid"
     with BlockingEngine(config(fault_envs)) as eng:
         assert eng.score(ok(env, 2)) == [0.5] * 2  # both workers are up: the time below is the call's alone
-        started = time.monotonic()
         err = fails(eng, [*ok(env), item(env, item_id="h", mode="block", release=str(release), pidfile=str(pidfile))])
-        assert time.monotonic() - started < 4 * TIMEOUT
         check(err, env, 1, "h", re.escape(f"timed out after {TIMEOUT:g} s"))
         pid = int(pidfile.read_text())
         if executor == "process":  # killed, and replaced for the next batch
@@ -486,9 +483,7 @@ def test_too_many_abandoned_threads_refuse_new_calls(fault_envs: Path, tmp_path:
     with BlockingEngine(config(fault_envs, timeout=0.2, max_abandoned=1)) as eng:
         for n in range(2):  # the first leaves one abandoned thread (not more than 1): the second still runs
             check(fails(eng, [item(THREAD, item_id=n, **block)]), THREAD, 0, n, re.escape("timed out after 0.2 s"))
-        started = time.monotonic()
-        err = fails(eng, [item(THREAD, item_id="next", mode="ok")])
-        assert time.monotonic() - started < 0.2  # refused at once, not timed out
+        err = fails(eng, [item(THREAD, item_id="next", mode="ok")])  # refused at once (the reason), not timed out
         reason = (
             "2 of its calls that timed out or were cut short by an abort are still running in threads; "
             "refusing to start more until they finish (max_abandoned=1)"
