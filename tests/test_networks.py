@@ -8,13 +8,16 @@ counts what it forwards.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import re
 import ssl
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Self
 
 import httpx
+import orjson
 import pytest
 import trustme
 from cli_support import make_workspace, row, write_rows
@@ -26,6 +29,7 @@ import engine
 from engine import ConfigError, EngineConfig, Limits, VerificationError, load_config
 from engine.cli import EXIT_BAD_INPUT
 from engine.endpoint import EndpointVerifier
+from engine.errors import Scrubber
 from engine.judge import JudgeConfig
 from engine.network import Proxies, ssl_context
 
@@ -129,6 +133,85 @@ async def test_the_judge_sends_basic_auth_from_a_header_variable_and_never_shows
     )
     assert "judge answered HTTP 403" in echoed.value.reason and "[redacted]" in echoed.value.reason
     assert not leaked(str(echoed.value), repr(echoed.value), all_logs.text)
+
+
+# How a server may echo a secret in a JSON body: escaped as json writes it (ensure_ascii), as orjson
+# writes it, and with '/' escaped too (PHP, Go's HTML-safe encoder).
+ECHOES = {
+    "json": lambda value: json.dumps(value).encode(),
+    "orjson": orjson.dumps,
+    "slashes": lambda value: json.dumps(value).replace("/", "\\/").encode(),
+}
+ESCAPED_KEY = f'q"u\\o/te-{SECRET}-b\\a"ck/'  # printable ASCII, as a header carries: '"', '\' and '/' in JSON
+
+
+def test_the_scrubber_removes_every_json_form_of_a_secret() -> None:
+    """Also non-ASCII (escaped as \\uXXXX in either case, a surrogate pair beyond the BMP), which no header carries."""
+    secret = f'"\\/é😀{SECRET}'
+    scrub = Scrubber([secret, "other"])
+    ascii_json = json.dumps(secret)[1:-1]
+    forms = {
+        secret,
+        ascii_json,
+        re.sub(r"\\u([0-9a-f]{4})", lambda match: f"\\u{match[1].upper()}", ascii_json),  # upper-case hex
+        json.dumps(secret, ensure_ascii=False)[1:-1],
+        orjson.dumps(secret).decode()[1:-1],
+    }
+    forms |= {form.replace("/", "\\/") for form in forms}
+    assert len(forms) == 8
+    for form in forms:
+        assert scrub(f"bad key {form}!") == "bad key [redacted]!", form
+        assert scrub.body(f"bad key {form}!".encode()) == b"bad key [redacted]!", form
+
+
+@pytest.mark.parametrize("echo", list(ECHOES))
+async def test_an_endpoint_echoing_a_header_secret_json_escaped_never_shows_it(
+    envs: Path, monkeypatch: pytest.MonkeyPatch, all_logs: pytest.LogCaptureFixture, echo: str
+) -> None:
+    encode = ECHOES[echo]
+
+    async def echoing(request: Request) -> Response:
+        return Response(401, encode({"error": f"bad token {request.headers['authorization']}"}))
+
+    monkeypatch.setenv("ENGINE_TEST_TOKEN", ESCAPED_KEY)
+    with TestServer(echoing) as server:
+        url = f"{server.url}/score"
+        add_endpoint_env(envs, "remote", url)
+        limits = Limits(headers={"Authorization": "Bearer ${ENGINE_TEST_TOKEN}"})
+        config = EngineConfig(environments=envs, refs={url: limits})
+        async with engine.Engine(config) as eng:
+            with pytest.raises(VerificationError) as info:
+                await eng.score([item("remote")])
+        assert [request.headers["authorization"] for request in server.requests] == [f"Bearer {ESCAPED_KEY}"]
+    assert "HTTP 401" in info.value.reason and "[redacted]" in info.value.reason, info.value.reason
+    assert not leaked(str(info.value), repr(info.value), all_logs.text)
+
+
+@pytest.mark.parametrize("echo", list(ECHOES))
+@pytest.mark.parametrize("where", ["error", "reply"])
+async def test_a_judge_echoing_its_api_key_json_escaped_never_shows_it(
+    envs: Path, monkeypatch: pytest.MonkeyPatch, all_logs: pytest.LogCaptureFixture, echo: str, where: str
+) -> None:
+    """In an error body, or in the reply's content (decoded, it is the key as it is: the body is scrubbed first)."""
+    encode = ECHOES[echo]
+
+    def echoing(request: Request) -> Response:
+        said = f"your key was {request.headers['authorization']}"
+        if where == "error":
+            return Response(401, encode({"error": {"message": said}}))
+        return Response(200, encode({"choices": [{"message": {"content": said}, "finish_reason": "stop"}]}))
+
+    add_rubric_env(envs, "graded", f"{ARITH}@1")
+    monkeypatch.setenv("ENGINE_TEST_JUDGE_KEY", ESCAPED_KEY)
+    with JudgeServer(echoing) as judge:
+        judge_config = JudgeConfig(base_url=judge.base_url, model="m", api_key_env="ENGINE_TEST_JUDGE_KEY")
+        config = EngineConfig(environments=envs, rubrics=RUBRICS, judge=judge_config)
+        async with engine.Engine(config) as eng:
+            with pytest.raises(VerificationError) as info:
+                await eng.score([item("graded", "42", prompt="6 * 7?")])
+        assert [request.headers["authorization"] for request in judge.requests] == [f"Bearer {ESCAPED_KEY}"]
+    assert "[redacted]" in info.value.reason, info.value.reason
+    assert not leaked(str(info.value), repr(info.value), all_logs.text)
 
 
 @pytest.mark.parametrize(
