@@ -247,6 +247,10 @@ def test_an_endpoint_verifier_built_in_code_refuses_credentials_too() -> None:
     assert not leaked(str(info.value))
 
 
+# A password with an unencoded '/', '?' or '#': where the authority ends is ambiguous, and httpx's own
+# error ("Invalid port: 'pa'") quotes the start of the password.
+AMBIGUOUS = [f"alice:pa/{SECRET}", f"alice:123/{SECRET}", f"alice:pa#{SECRET}", f"alice:pa?{SECRET}"]
+
 
 # --- TLS: failing verification, and a private CA added to the default trust ---------------------------
 
@@ -514,14 +518,76 @@ async def test_the_judge_goes_through_the_proxy_unless_no_proxy_covers_it(
         assert len(proxy.requests) == 1 and len(judge.requests) == 2
 
 
-async def test_a_proxy_httpx_cannot_use_is_a_config_error_at_open(envs: Path, no_proxies: pytest.MonkeyPatch) -> None:
-    no_proxies.setenv("HTTPS_PROXY", f"ftp://carol:{SECRET}@127.0.0.1:21")
+@pytest.mark.parametrize("userinfo", [f"carol:{SECRET}", SECRET])  # httpx masks a password, not a lone token
+async def test_a_proxy_httpx_cannot_use_is_a_config_error_at_open(
+    envs: Path, no_proxies: pytest.MonkeyPatch, userinfo: str
+) -> None:
+    no_proxies.setenv("HTTPS_PROXY", f"ftp://{userinfo}@127.0.0.1:21")
     with pytest.raises(ConfigError) as info:
         async with engine.Engine(EngineConfig(environments=envs)):
             pass
     message = str(info.value)
     assert message.startswith("HTTPS_PROXY (or https_proxy) names a proxy httpx cannot use, ftp://127.0.0.1:21: ")
-    assert not leaked(message)
+    assert "httpx proxies through http://, https://, socks5:// and socks5h:// only (ValueError)" in message, message
+    assert not leaked(message, repr(info.value))
+
+
+@pytest.mark.parametrize("userinfo", AMBIGUOUS)
+async def test_a_proxy_url_with_an_ambiguous_password_is_a_config_error_that_never_shows_it(
+    envs: Path, no_proxies: pytest.MonkeyPatch, all_logs: pytest.LogCaptureFixture, userinfo: str
+) -> None:
+    """Not a raw httpx.InvalidURL quoting the password's start; and not the proxy ``alice:123`` httpx would
+    read from ``alice:123/...@host``, logged at INFO password and all."""
+    no_proxies.setenv("HTTP_PROXY", f"http://{userinfo}@127.0.0.1:9")
+    with pytest.raises(ConfigError) as info:
+        async with engine.Engine(EngineConfig(environments=envs)):
+            pass
+    message = str(info.value)
+    assert message.startswith("HTTP_PROXY (or http_proxy): ") and "http://127.0.0.1:9" in message, message
+    assert not leaked(message, repr(info.value), all_logs.text)
+
+
+@pytest.mark.parametrize("no_proxy", ["[::1]", "host:notaport", "[::1]:x"])
+async def test_no_proxy_is_not_read_when_no_proxy_is_set(
+    envs: Path, target: TestServer, no_proxies: pytest.MonkeyPatch, no_proxy: str
+) -> None:
+    """It changes nothing then, so an entry httpx cannot read does not stop the engine from opening."""
+    no_proxies.setenv("NO_PROXY", no_proxy)
+    async with engine.Engine(EngineConfig(environments=envs)) as eng:
+        assert await eng.score([item("remote", r=0.5)]) == [0.5]
+    assert len(target.requests) == 1
+
+
+@pytest.mark.parametrize("no_proxy", ["host:notaport", "example.com, [::1]:x"])
+async def test_a_no_proxy_entry_httpx_cannot_read_is_a_config_error_naming_it(
+    envs: Path, no_proxies: pytest.MonkeyPatch, no_proxy: str
+) -> None:
+    no_proxies.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    no_proxies.setenv("no_proxy", no_proxy)
+    with pytest.raises(ConfigError) as info:
+        async with engine.Engine(EngineConfig(environments=envs)):
+            pass
+    entry = no_proxy.rpartition(" ")[2]
+    assert str(info.value).startswith(f"NO_PROXY (or no_proxy) holds {entry!r}, which httpx cannot read"), info.value
+
+
+@pytest.mark.parametrize(
+    ("no_proxy", "url", "direct"),
+    [
+        ("[::1]", "http://[::1]/score", True),
+        ("[::1]", "http://[::1]:8080/score", True),
+        ("[::1]", "http://[::2]/score", False),
+        ("[::1]:8080", "http://[::1]:8080/score", True),
+        ("[::1]:8080", "http://[::1]/score", False),
+    ],
+)
+def test_a_bracketed_ipv6_no_proxy_entry_is_that_address(
+    no_proxies: pytest.MonkeyPatch, no_proxy: str, url: str, direct: bool
+) -> None:
+    """httpx itself raises on ``[::1]`` (it reads it as a domain); curl and others take it for ::1."""
+    no_proxies.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
+    no_proxies.setenv("NO_PROXY", no_proxy)
+    assert Proxies.from_environment().proxy_for(httpx.URL(url)) == (None if direct else "http://proxy.invalid:3128")
 
 
 @pytest.mark.parametrize(
