@@ -250,6 +250,66 @@ def test_an_endpoint_verifier_built_in_code_refuses_credentials_too() -> None:
 # A password with an unencoded '/', '?' or '#': where the authority ends is ambiguous, and httpx's own
 # error ("Invalid port: 'pa'") quotes the start of the password.
 AMBIGUOUS = [f"alice:pa/{SECRET}", f"alice:123/{SECRET}", f"alice:pa#{SECRET}", f"alice:pa?{SECRET}"]
+CARRIES = "the URL carries credentials"
+UNREADABLE = "httpx cannot read it as a URL"
+
+
+@pytest.mark.parametrize("userinfo", AMBIGUOUS)
+async def test_an_endpoint_url_with_an_ambiguous_password_is_refused_at_load_without_showing_it(
+    envs: Path, all_logs: pytest.LogCaptureFixture, userinfo: str
+) -> None:
+    """A ManifestError when the manifest is read, not a raw httpx.InvalidURL from the first call."""
+    with TestServer(json_handler(lambda request: {"reward": 1.0})) as server:
+        add_endpoint_env(envs, "secret", f"{server.url}/score".replace("://", f"://{userinfo}@"))
+        async with engine.Engine(EngineConfig(environments=envs)) as eng:
+            with pytest.raises(ConfigError) as info:
+                await eng.score([item("secret")])
+        assert server.requests == []
+    message = str(info.value)
+    assert "field 'verifier.ref': " in message and f"{server.url}/score" in message, message
+    assert (CARRIES if "/" in userinfo else UNREADABLE) in message, message
+    assert not leaked(message, repr(info.value), all_logs.text)
+
+
+def test_an_endpoint_verifier_built_in_code_refuses_a_url_httpx_cannot_read_without_showing_it() -> None:
+    with pytest.raises(ValueError, match=UNREADABLE) as info:
+        EndpointVerifier(f"http://u:pa#{SECRET}@127.0.0.1:1/score", Limits(), httpx.AsyncHTTPTransport())
+    assert not leaked(str(info.value))
+
+
+@pytest.mark.parametrize("userinfo", [*AMBIGUOUS, f"alice:pa {SECRET}"])
+def test_a_judge_base_url_with_an_ambiguous_password_is_refused_without_showing_it(
+    tmp_path: Path, userinfo: str
+) -> None:
+    """Refused with the config, not as a raw httpx.InvalidURL when the engine opens; no part of it repeated."""
+    path = tmp_path / "engine.toml"
+    path.write_text(f'[judge]\nbase_url = "http://{userinfo}@127.0.0.1:9/v1"\nmodel = "m"\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: judge.base_url: "), message
+    assert "http://127.0.0.1:9/v1" in message and not leaked(message, repr(info.value)), message
+
+
+def test_a_judge_base_url_httpx_cannot_read_is_a_config_error() -> None:
+    with pytest.raises(ConfigError) as info:
+        JudgeConfig(base_url="http://127.0.0.1:notaport/v1", model="m")
+    assert str(info.value) == (
+        "judge.base_url: httpx cannot read it as a URL: http://127.0.0.1:notaport/v1 (Invalid port: 'notaport')"
+    )
+
+
+@pytest.mark.parametrize("userinfo", AMBIGUOUS)
+def test_a_refs_key_with_an_ambiguous_password_is_refused_without_showing_it(tmp_path: Path, userinfo: str) -> None:
+    path = tmp_path / "engine.toml"
+    path.write_text(f'[refs."http://{userinfo}@127.0.0.1:8080/score"]\nmax_concurrency = 2\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: refs.'http://127.0.0.1:8080/score': "), message
+    assert (CARRIES if "/" in userinfo else UNREADABLE) in message, message
+    assert not leaked(message, repr(info.value))
+
 
 
 # --- TLS: failing verification, and a private CA added to the default trust ---------------------------
