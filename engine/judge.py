@@ -394,6 +394,10 @@ class Judge:
             key = os.environ.get(name, "")
             if not key:
                 raise VerificationError("rubric", ref, f"the judge's API key variable {name} is not set (or empty)")
+            if not (key.isascii() and key.isprintable()):  # httpx would fail on it, in words that say nothing
+                raise VerificationError(
+                    "rubric", ref, f"the judge's API key variable {name} holds characters a header cannot carry"
+                )
             headers["authorization"] = f"Bearer {key}"
             secrets.append(key)
         return headers, Scrubber(secrets)
