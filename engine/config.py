@@ -37,7 +37,7 @@ from typing import Any
 from .errors import ConfigError
 from .headers import check_headers
 from .judge import JudgeConfig
-from .network import ca_bundle_problem, credentials_refusal, without_credentials
+from .network import ca_bundle_problem, credentials_refusal, shown_url, url_problem, without_credentials
 
 __all__ = [
     "DEFAULT_MAX_ABANDONED",
@@ -245,6 +245,8 @@ def config_from_mapping(data: Mapping[str, Any], *, base_dir: Path, source: Path
     for key in refs_table:
         if _is_endpoint_key(key) and (plain := without_credentials(key)) is not None:
             raise _fail(source, f"refs.{plain!r}", credentials_refusal(plain))  # never echo the key
+        if _is_endpoint_key(key) and (problem := url_problem(key)) is not None:
+            raise _fail(source, f"refs.{shown_url(key)!r}", problem)
     refs = {key: Limits.parse(table, defaults, f"refs.{key!r}", source) for key, table in refs_table.items()}
     return EngineConfig(
         environments=base_dir / environments,

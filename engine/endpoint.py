@@ -26,7 +26,7 @@ import tenacity
 from .config import Limits
 from .errors import Scrubber, VerificationError, describe, excerpt
 from .headers import fill_headers
-from .network import credentials_refusal, read_capped, without_credentials
+from .network import credentials_refusal, read_capped, shown_url, url_problem, without_credentials
 from .retry import RETRY_STATUSES, Scrub, Sleep, TransientStatus, is_transient, last_failure, make_retrying
 from .transport import MAX_BODY, TOTAL_TIMEOUT, CallTimeout, PoolTransport, check_size
 from .verifier import check_reward
@@ -104,9 +104,12 @@ class EndpointVerifier:
         plain = without_credentials(url)
         if plain is not None:  # never echo the URL: it holds a password
             raise ValueError(f"an endpoint's URL must not carry credentials: {credentials_refusal(plain)}")
+        problem = url_problem(url)
+        if problem is not None:
+            raise ValueError(f"an endpoint's URL is unusable: {problem}")
         self._url = httpx.URL(url)
         if self._url.scheme not in ("http", "https"):
-            raise ValueError(f"an endpoint's URL must be http:// or https://, got {url!r}")
+            raise ValueError(f"an endpoint's URL must be http:// or https://, got {shown_url(url)!r}")
         self._transport = transport
         self._sleep = sleep
         self._timeout = limits.timeout

@@ -15,6 +15,7 @@ plain ``TypeError``/``ValueError``: those are bugs in the caller, not verifier f
 
 from __future__ import annotations
 
+import functools
 import re
 import ssl
 from collections.abc import Iterable
@@ -166,23 +167,60 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
+# How a JSON encoder may write a character inside a string besides itself and \uXXXX: json and orjson
+# escape these short; '/' only some encoders escape (PHP's, Go's HTML-safe one ...), as '\/'.
+_JSON_SHORT_ESCAPES = {
+    '"': '\\"', "\\": "\\\\", "/": "\\/", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r", "\t": "\\t"
+}
+
+
+def _unicode_escapes(char: str) -> list[str]:
+    """``char`` as JSON's ``\\uXXXX`` escapes (a surrogate pair beyond the BMP), as regex parts of either case."""
+    point = ord(char)
+    if point > 0xFFFF:
+        point -= 0x10000
+        units = [0xD800 + (point >> 10), 0xDC00 + (point & 0x3FF)]
+    else:
+        units = [point]
+    return [rf"\\u(?i:{unit:04x})" for unit in units]
+
+
+@functools.lru_cache(maxsize=256)
+def _secret_pattern(secret: str) -> tuple[str, bytes]:
+    """A regex (text, and bytes for UTF-8 bodies) matching ``secret`` however a JSON encoder wrote it.
+
+    Each character may appear as itself, as its short escape (``\\"``, ``\\\\``, ``\\/``, ...) or as
+    ``\\uXXXX`` in either case, mixed in any way: json with ensure_ascii, orjson, and encoders that
+    escape '/' or more than they must all write one of these.
+    """
+    text: list[str] = []
+    data: list[bytes] = []
+    for char in secret:
+        short = _JSON_SHORT_ESCAPES.get(char)
+        escapes = ["".join(_unicode_escapes(char)), *([re.escape(short)] if short else [])]  # all ASCII
+        text.append(f"(?:{'|'.join([*escapes, re.escape(char)])})")
+        data.append(b"(?:" + b"|".join([*(part.encode() for part in escapes), re.escape(char.encode())]) + b")")
+    return "".join(text), b"".join(data)
+
+
 class Scrubber:
     """Removes secrets (header values read from the environment) from a text or a body, for messages.
 
-    Each secret is removed as it is and as a JSON encoder that escapes '/' writes it. Scrub a body
+    Each secret is removed as it is and in every form a JSON encoder may write it in (a server that
+    echoes the key in a JSON body escapes its '"', '\\', '/' or non-ASCII characters). Scrub a body
     before cutting it to an excerpt: a cut through a secret would leave a part of it behind.
     """
 
     def __init__(self, secrets: Iterable[str]) -> None:
-        forms = {form for secret in secrets if secret for form in (secret, secret.replace("/", "\\/"))}
-        self._forms = sorted(forms, key=len, reverse=True)  # the longest first, so none leaves a part behind
-        self._pattern = re.compile("|".join(map(re.escape, self._forms))) if forms else None
+        # the longest first, so that a secret inside another leaves no part of the longer one behind
+        ordered = sorted({secret for secret in secrets if secret}, key=len, reverse=True)
+        patterns = [_secret_pattern(secret) for secret in ordered]
+        self._pattern = re.compile("|".join(text for text, _ in patterns)) if patterns else None
+        self._bytes = re.compile(b"|".join(data for _, data in patterns)) if patterns else None
 
     def __call__(self, text: str) -> str:
         return text if self._pattern is None else self._pattern.sub(REDACTED, text)
 
     def body(self, content: bytes) -> bytes:
         """``content`` with every secret replaced, byte for byte the same elsewhere (it may still be parsed)."""
-        for form in self._forms:
-            content = content.replace(form.encode(), REDACTED.encode())
-        return content
+        return content if self._bytes is None else self._bytes.sub(REDACTED.encode(), content)

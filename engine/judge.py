@@ -38,7 +38,7 @@ import tenacity
 
 from .errors import ConfigError, Scrubber, VerificationError, describe, excerpt
 from .headers import check_headers, fill_headers
-from .network import read_capped, without_credentials
+from .network import read_capped, shown_url, url_problem, without_credentials
 from .retry import RETRY_STATUSES, Sleep, TransientStatus, last_failure, make_retrying
 from .rubric import Rubric, normalise
 from .scheduler import rate_limiter
@@ -299,7 +299,10 @@ class JudgeConfig:
                 "user:password), or name the variable holding an API key in api_key_env (sent as a Bearer token)",
             )
         if not isinstance(self.base_url, str) or not re.fullmatch(r"https?://[^\s/?#]+[^\s?#]*", self.base_url):
-            raise _fail(src, "base_url", f"must be an http:// or https:// URL, got {self.base_url!r}")
+            shown = shown_url(self.base_url) if isinstance(self.base_url, str) else self.base_url  # a password?
+            raise _fail(src, "base_url", f"must be an http:// or https:// URL, got {shown!r}")
+        if (problem := url_problem(self.base_url)) is not None:  # found now, not when the engine opens
+            raise _fail(src, "base_url", problem)
         if not isinstance(self.model, str) or not self.model.strip():
             raise _fail(src, "model", f"must be the model's name, got {self.model!r}")
         if self.api_key_env is not None and (
@@ -391,6 +394,10 @@ class Judge:
             key = os.environ.get(name, "")
             if not key:
                 raise VerificationError("rubric", ref, f"the judge's API key variable {name} is not set (or empty)")
+            if not (key.isascii() and key.isprintable()):  # httpx would fail on it, in words that say nothing
+                raise VerificationError(
+                    "rubric", ref, f"the judge's API key variable {name} holds characters a header cannot carry"
+                )
             headers["authorization"] = f"Bearer {key}"
             secrets.append(key)
         return headers, Scrubber(secrets)

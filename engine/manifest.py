@@ -30,7 +30,7 @@ from typing import Any, Literal
 import orjson
 
 from .errors import ManifestError
-from .network import credentials_refusal, without_credentials
+from .network import credentials_refusal, shown_url, url_problem, without_credentials
 
 __all__ = ["EXECUTORS", "KINDS", "Environment", "VerifierSpec", "load_environment", "parse_verifier"]
 
@@ -115,7 +115,10 @@ def parse_verifier(value: Any, where: str) -> VerifierSpec:
         raise ManifestError(f"{where}: field 'verifier.ref': {credentials_refusal(plain)}")  # never echo the URL
     pattern, form = _REF_FORMS[kind]
     if not isinstance(ref, str) or not pattern.fullmatch(ref):
-        raise ManifestError(f"{where}: field 'verifier.ref' is {ref!r}; a {kind} ref must be {form}")
+        given: Any = shown_url(ref) if kind == "endpoint" and isinstance(ref, str) else ref  # a password?
+        raise ManifestError(f"{where}: field 'verifier.ref' is {given!r}; a {kind} ref must be {form}")
+    if kind == "endpoint" and (problem := url_problem(ref)) is not None:
+        raise ManifestError(f"{where}: field 'verifier.ref': {problem}")  # found now, not at the first call
     executor = value.get("executor", "thread")
     if executor not in EXECUTORS:
         raise ManifestError(

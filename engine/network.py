@@ -3,6 +3,7 @@
 * A URL that carries credentials (``https://user:secret@host/...``) is refused where it is
   configured: a URL is logged, shown in errors and written with every reward, so a password in it
   would leak everywhere. Credentials go in a header whose value is read from an environment variable.
+  A URL is shown (in a refusal, or a proxy's in a log line) without anything up to its last '@'.
 * HTTPS is verified against httpx's default trust (certifi's bundle, or ``SSL_CERT_FILE`` /
   ``SSL_CERT_DIR`` when set), plus the config's ``ca_bundle``: a private CA is added to the default
   trust, never in place of it, so a public judge still verifies.
@@ -10,8 +11,10 @@
   reads them (``urllib.request.getproxies()``, then httpx's rules for NO_PROXY: ``*`` turns proxies
   off, ``.example.com`` covers its subdomains, ``example.com`` covers itself and them, an IP address
   or ``localhost`` only itself; loopback addresses are proxied unless NO_PROXY names them, as in
-  httpx). A URL the environment proxies is sent through httpx's own transport with that proxy; every
-  other URL keeps the engine's transport. The environment is read once, when an engine opens.
+  httpx; ``[::1]`` is the IPv6 address, where httpx raises). NO_PROXY is read only when a proxy is
+  set, and an entry httpx cannot read is a ``ConfigError``. A URL the environment proxies is sent
+  through httpx's own transport with that proxy; every other URL keeps the engine's transport. The
+  environment is read once, when an engine opens.
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ __all__ = [
     "ca_bundle_problem",
     "credentials_refusal",
     "read_capped",
+    "shown_url",
     "ssl_context",
+    "url_problem",
     "without_credentials",
 ]
 
@@ -44,16 +49,43 @@ logger = logging.getLogger("engine")
 _PROXY_SCHEMES = ("http", "https", "all")  # the keys of getproxies() that httpx uses
 
 
-def without_credentials(url: str) -> str | None:
-    """``url`` without its ``user:password@`` part, or None when it has none (then it is fine as it is)."""
+def shown_url(url: str) -> str:
+    """``url`` fit for a message or a log line whatever it holds: without anything between ``://`` and its last '@'.
+
+    Where the authority ends is not certain: a password may hold an unencoded '/', '?', '#' or '@'
+    (``http://user:pa/ss@host``), so everything up to the last '@' is taken for credentials. A URL
+    with an '@' in its path or query loses more than its credentials; it is only shown, never used.
+    """
     scheme, sep, rest = url.partition("://")
     if not sep:
+        return url.rpartition("@")[2]
+    return f"{scheme}://{rest.rpartition('@')[2]}"
+
+
+def without_credentials(url: str) -> str | None:
+    """``url`` as :func:`shown_url` shows it when it may carry credentials, or None when it carries none.
+
+    It may carry them when an '@' comes after ``://`` and before any '?' or '#': a reading that
+    ends the authority at the first '/' would let ``http://user:pa/ss@host/`` through.
+    """
+    _, sep, rest = url.partition("://")
+    if not sep or "@" not in re.split("[?#]", rest, maxsplit=1)[0]:
         return None
-    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
-    authority = rest[:end]
-    if "@" not in authority:
-        return None
-    return f"{scheme}://{authority.rpartition('@')[2]}{rest[end:]}"
+    return shown_url(url)
+
+
+def url_problem(url: str) -> str | None:
+    """Why httpx cannot read ``url``, in words that never repeat credentials it may hold; None if it can.
+
+    httpx's own message quotes the part it choked on, which may be a piece of a password, so it is
+    given only for a URL without an '@'.
+    """
+    try:
+        httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        why = f" ({exc})" if "@" not in url else " (httpx's reason would quote what comes before its '@': a password?)"
+        return f"httpx cannot read it as a URL: {shown_url(url)}{why}"
+    return None
 
 
 def credentials_refusal(plain: str) -> str:
@@ -89,11 +121,6 @@ def ca_bundle_problem(path: Path) -> str | None:
     return None
 
 
-def _shown(url: str) -> str:
-    """A URL fit for a log line: without its credentials (a proxy's URL may carry them)."""
-    return without_credentials(url) or url
-
-
 @dataclass(frozen=True)
 class _Bypass:
     """One NO_PROXY entry, matched as httpx matches its ``all://*host`` patterns."""
@@ -104,15 +131,23 @@ class _Bypass:
 
     @classmethod
     def parse(cls, entry: str) -> _Bypass:
-        if "://" in entry:
-            pattern = entry
+        """The entry as httpx reads it, and ``[::1]`` (with or without a port) as the IPv6 address it is;
+        an entry httpx cannot read (``host:notaport``) is a ``ConfigError`` (httpx itself raises on it)."""
+        if "://" in entry or entry.startswith("["):
+            pattern = entry if "://" in entry else f"all://{entry}"
         elif _is_ip(entry, ipaddress.IPv4Address) or entry.lower() == "localhost":
             pattern = f"all://{entry}"
         elif _is_ip(entry, ipaddress.IPv6Address):
             pattern = f"all://[{entry}]"
         else:
             pattern = f"all://*{entry}"
-        url = httpx.URL(pattern)
+        try:
+            url = httpx.URL(pattern)
+        except httpx.InvalidURL as exc:
+            raise ConfigError(
+                f"NO_PROXY (or no_proxy) holds {entry!r}, which httpx cannot read as a host, domain, IP address "
+                f"or URL ({exc})"
+            ) from None
         host = url.host
         if not host or host == "*":
             regex = None
@@ -129,6 +164,26 @@ class _Bypass:
             (not self.scheme or self.scheme == url.scheme)
             and (self.host is None or self.host.match(url.host) is not None)
             and (self.port is None or self.port == url.port)
+        )
+
+
+def _check_proxy(proxy: str, variable: str) -> None:
+    """Refuse a proxy URL httpx cannot read, or one whose host httpx would read elsewhere than it seems.
+
+    ``http://user:pa/ss@proxy:3128`` parses as the host ``user``, the port ``pa`` (invalid) and a
+    path; with a numeric start of the password it parses, and the proxy would be ``user:123``. The
+    URL is named without anything up to its last '@' (:func:`shown_url`), never as httpx quotes it.
+    """
+    named = f"{variable} (or {variable.lower()})"
+    problem = url_problem(proxy)
+    if problem is not None:
+        raise ConfigError(f"{named}: {problem}")
+    rest = proxy.partition("://")[2]
+    after_host = re.split("[/?#]", rest, maxsplit=1)[1:]
+    if after_host and "@" in after_host[0]:
+        raise ConfigError(
+            f"{named}: httpx would not read the proxy {shown_url(proxy)} as it seems to be: an '@' follows a "
+            "'/', '?' or '#' (one in a password must be percent-encoded)"
         )
 
 
@@ -149,19 +204,21 @@ class Proxies:
 
     @classmethod
     def from_environment(cls) -> Proxies:
+        """The proxies the environment names; a proxy URL or a NO_PROXY entry that cannot be read is a ConfigError.
+
+        NO_PROXY is read only when a proxy is set: it changes nothing otherwise.
+        """
         info = urllib.request.getproxies()
         by_scheme = {}
         for scheme in _PROXY_SCHEMES:
             value = info.get(scheme)
             if value:
-                by_scheme[scheme] = value if "://" in value else f"http://{value}"
-        bypass = []
-        for entry in (part.strip() for part in info.get("no", "").split(",")):
-            if entry == "*":
-                return cls({})
-            if entry:
-                bypass.append(_Bypass.parse(entry))
-        return cls(by_scheme, tuple(bypass))
+                by_scheme[scheme] = proxy = value if "://" in value else f"http://{value}"
+                _check_proxy(proxy, f"{scheme.upper()}_PROXY")
+        entries = [part.strip() for part in info.get("no", "").split(",")]
+        if not by_scheme or "*" in entries:
+            return cls({})
+        return cls(by_scheme, tuple(_Bypass.parse(entry) for entry in entries if entry))
 
     def proxy_for(self, url: httpx.URL) -> str | None:
         """The proxy ``url`` goes through, or None for a direct connection."""
@@ -199,12 +256,18 @@ class Routes:
                         proxy=proxy, verify=tls if tls is not None else True, limits=limits
                     )
                 except (ValueError, ImportError) as exc:
+                    # httpx's message quotes the URL, with a token that is not user:password unmasked
                     variable = f"{scheme.upper()}_PROXY"
+                    if isinstance(exc, ImportError):
+                        why = "SOCKS needs the socksio package (pip install 'httpx[socks]')"
+                    else:
+                        why = "httpx proxies through http://, https://, socks5:// and socks5h:// only"
                     raise ConfigError(
-                        f"{variable} (or {variable.lower()}) names a proxy httpx cannot use, {_shown(proxy)}: {exc}"
+                        f"{variable} (or {variable.lower()}) names a proxy httpx cannot use, {shown_url(proxy)}: "
+                        f"{why} ({type(exc).__name__})"
                     ) from None
             where = "every URL" if scheme == "all" else f"{scheme}:// URLs"
-            logger.info("requests to %s go through the proxy %s (%s_PROXY)", where, _shown(proxy), scheme.upper())
+            logger.info("requests to %s go through the proxy %s (%s_PROXY)", where, shown_url(proxy), scheme.upper())
 
     def transport_for(self, url: str | httpx.URL) -> httpx.AsyncBaseTransport:
         """The transport for requests to ``url`` (its proxy's, or the engine's)."""
@@ -215,7 +278,7 @@ class Routes:
         origin = f"{url.scheme}://{url.netloc.decode('ascii')}"
         if (origin, proxy) not in self._logged:
             self._logged.add((origin, proxy))
-            logger.info("%s is reached through the proxy %s", origin, _shown(proxy))
+            logger.info("%s is reached through the proxy %s", origin, shown_url(proxy))
         return self._via[proxy]
 
     def mounts_for(self, url: str | httpx.URL) -> dict[str, httpx.AsyncBaseTransport]:

@@ -177,6 +177,18 @@ async def test_an_unset_key_variable_fails_before_any_request(
     assert server.requests[0].headers["authorization"] == "Bearer sk-now-set"
 
 
+@pytest.mark.parametrize("key", ["sk-é-SECRET", "sk-line\nbreak-SECRET"])
+async def test_a_key_a_header_cannot_carry_fails_saying_so_before_any_request(
+    serve: Serve, client: httpx.AsyncClient, registry: RubricRegistry, monkeypatch: pytest.MonkeyPatch, key: str
+) -> None:
+    """Not httpx's "ordinal not in range(128)"; and the key itself is never shown."""
+    monkeypatch.setenv(KEY_VAR, key)
+    server = serve()
+    err = await failure(make_judge(server, client, api_key_env=KEY_VAR), registry.resolve(ARITH))
+    assert err.reason == f"the judge's API key variable {KEY_VAR} holds characters a header cannot carry", err.reason
+    assert server.requests == []
+
+
 # --- versions ------------------------------------------------------------------------------------
 
 

@@ -8,13 +8,16 @@ counts what it forwards.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import re
 import ssl
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Self
 
 import httpx
+import orjson
 import pytest
 import trustme
 from cli_support import make_workspace, row, write_rows
@@ -26,6 +29,7 @@ import engine
 from engine import ConfigError, EngineConfig, Limits, VerificationError, load_config
 from engine.cli import EXIT_BAD_INPUT
 from engine.endpoint import EndpointVerifier
+from engine.errors import Scrubber
 from engine.judge import JudgeConfig
 from engine.network import Proxies, ssl_context
 
@@ -131,6 +135,85 @@ async def test_the_judge_sends_basic_auth_from_a_header_variable_and_never_shows
     assert not leaked(str(echoed.value), repr(echoed.value), all_logs.text)
 
 
+# How a server may echo a secret in a JSON body: escaped as json writes it (ensure_ascii), as orjson
+# writes it, and with '/' escaped too (PHP, Go's HTML-safe encoder).
+ECHOES = {
+    "json": lambda value: json.dumps(value).encode(),
+    "orjson": orjson.dumps,
+    "slashes": lambda value: json.dumps(value).replace("/", "\\/").encode(),
+}
+ESCAPED_KEY = f'q"u\\o/te-{SECRET}-b\\a"ck/'  # printable ASCII, as a header carries: '"', '\' and '/' in JSON
+
+
+def test_the_scrubber_removes_every_json_form_of_a_secret() -> None:
+    """Also non-ASCII (escaped as \\uXXXX in either case, a surrogate pair beyond the BMP), which no header carries."""
+    secret = f'"\\/é😀{SECRET}'
+    scrub = Scrubber([secret, "other"])
+    ascii_json = json.dumps(secret)[1:-1]
+    forms = {
+        secret,
+        ascii_json,
+        re.sub(r"\\u([0-9a-f]{4})", lambda match: f"\\u{match[1].upper()}", ascii_json),  # upper-case hex
+        json.dumps(secret, ensure_ascii=False)[1:-1],
+        orjson.dumps(secret).decode()[1:-1],
+    }
+    forms |= {form.replace("/", "\\/") for form in forms}
+    assert len(forms) == 8
+    for form in forms:
+        assert scrub(f"bad key {form}!") == "bad key [redacted]!", form
+        assert scrub.body(f"bad key {form}!".encode()) == b"bad key [redacted]!", form
+
+
+@pytest.mark.parametrize("echo", list(ECHOES))
+async def test_an_endpoint_echoing_a_header_secret_json_escaped_never_shows_it(
+    envs: Path, monkeypatch: pytest.MonkeyPatch, all_logs: pytest.LogCaptureFixture, echo: str
+) -> None:
+    encode = ECHOES[echo]
+
+    async def echoing(request: Request) -> Response:
+        return Response(401, encode({"error": f"bad token {request.headers['authorization']}"}))
+
+    monkeypatch.setenv("ENGINE_TEST_TOKEN", ESCAPED_KEY)
+    with TestServer(echoing) as server:
+        url = f"{server.url}/score"
+        add_endpoint_env(envs, "remote", url)
+        limits = Limits(headers={"Authorization": "Bearer ${ENGINE_TEST_TOKEN}"})
+        config = EngineConfig(environments=envs, refs={url: limits})
+        async with engine.Engine(config) as eng:
+            with pytest.raises(VerificationError) as info:
+                await eng.score([item("remote")])
+        assert [request.headers["authorization"] for request in server.requests] == [f"Bearer {ESCAPED_KEY}"]
+    assert "HTTP 401" in info.value.reason and "[redacted]" in info.value.reason, info.value.reason
+    assert not leaked(str(info.value), repr(info.value), all_logs.text)
+
+
+@pytest.mark.parametrize("echo", list(ECHOES))
+@pytest.mark.parametrize("where", ["error", "reply"])
+async def test_a_judge_echoing_its_api_key_json_escaped_never_shows_it(
+    envs: Path, monkeypatch: pytest.MonkeyPatch, all_logs: pytest.LogCaptureFixture, echo: str, where: str
+) -> None:
+    """In an error body, or in the reply's content (decoded, it is the key as it is: the body is scrubbed first)."""
+    encode = ECHOES[echo]
+
+    def echoing(request: Request) -> Response:
+        said = f"your key was {request.headers['authorization']}"
+        if where == "error":
+            return Response(401, encode({"error": {"message": said}}))
+        return Response(200, encode({"choices": [{"message": {"content": said}, "finish_reason": "stop"}]}))
+
+    add_rubric_env(envs, "graded", f"{ARITH}@1")
+    monkeypatch.setenv("ENGINE_TEST_JUDGE_KEY", ESCAPED_KEY)
+    with JudgeServer(echoing) as judge:
+        judge_config = JudgeConfig(base_url=judge.base_url, model="m", api_key_env="ENGINE_TEST_JUDGE_KEY")
+        config = EngineConfig(environments=envs, rubrics=RUBRICS, judge=judge_config)
+        async with engine.Engine(config) as eng:
+            with pytest.raises(VerificationError) as info:
+                await eng.score([item("graded", "42", prompt="6 * 7?")])
+        assert [request.headers["authorization"] for request in judge.requests] == [f"Bearer {ESCAPED_KEY}"]
+    assert "[redacted]" in info.value.reason, info.value.reason
+    assert not leaked(str(info.value), repr(info.value), all_logs.text)
+
+
 @pytest.mark.parametrize(
     ("headers", "key", "message"),
     [
@@ -162,6 +245,70 @@ def test_an_endpoint_verifier_built_in_code_refuses_credentials_too() -> None:
     with pytest.raises(ValueError, match="must not carry credentials") as info:
         EndpointVerifier(f"http://u:{SECRET}@127.0.0.1:1/score", Limits(), httpx.AsyncHTTPTransport())
     assert not leaked(str(info.value))
+
+
+# A password with an unencoded '/', '?' or '#': where the authority ends is ambiguous, and httpx's own
+# error ("Invalid port: 'pa'") quotes the start of the password.
+AMBIGUOUS = [f"alice:pa/{SECRET}", f"alice:123/{SECRET}", f"alice:pa#{SECRET}", f"alice:pa?{SECRET}"]
+CARRIES = "the URL carries credentials"
+UNREADABLE = "httpx cannot read it as a URL"
+
+
+@pytest.mark.parametrize("userinfo", AMBIGUOUS)
+async def test_an_endpoint_url_with_an_ambiguous_password_is_refused_at_load_without_showing_it(
+    envs: Path, all_logs: pytest.LogCaptureFixture, userinfo: str
+) -> None:
+    """A ManifestError when the manifest is read, not a raw httpx.InvalidURL from the first call."""
+    with TestServer(json_handler(lambda request: {"reward": 1.0})) as server:
+        add_endpoint_env(envs, "secret", f"{server.url}/score".replace("://", f"://{userinfo}@"))
+        async with engine.Engine(EngineConfig(environments=envs)) as eng:
+            with pytest.raises(ConfigError) as info:
+                await eng.score([item("secret")])
+        assert server.requests == []
+    message = str(info.value)
+    assert "field 'verifier.ref': " in message and f"{server.url}/score" in message, message
+    assert (CARRIES if "/" in userinfo else UNREADABLE) in message, message
+    assert not leaked(message, repr(info.value), all_logs.text)
+
+
+def test_an_endpoint_verifier_built_in_code_refuses_a_url_httpx_cannot_read_without_showing_it() -> None:
+    with pytest.raises(ValueError, match=UNREADABLE) as info:
+        EndpointVerifier(f"http://u:pa#{SECRET}@127.0.0.1:1/score", Limits(), httpx.AsyncHTTPTransport())
+    assert not leaked(str(info.value))
+
+
+@pytest.mark.parametrize("userinfo", [*AMBIGUOUS, f"alice:pa {SECRET}"])
+def test_a_judge_base_url_with_an_ambiguous_password_is_refused_without_showing_it(
+    tmp_path: Path, userinfo: str
+) -> None:
+    """Refused with the config, not as a raw httpx.InvalidURL when the engine opens; no part of it repeated."""
+    path = tmp_path / "engine.toml"
+    path.write_text(f'[judge]\nbase_url = "http://{userinfo}@127.0.0.1:9/v1"\nmodel = "m"\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: judge.base_url: "), message
+    assert "http://127.0.0.1:9/v1" in message and not leaked(message, repr(info.value)), message
+
+
+def test_a_judge_base_url_httpx_cannot_read_is_a_config_error() -> None:
+    with pytest.raises(ConfigError) as info:
+        JudgeConfig(base_url="http://127.0.0.1:notaport/v1", model="m")
+    assert str(info.value) == (
+        "judge.base_url: httpx cannot read it as a URL: http://127.0.0.1:notaport/v1 (Invalid port: 'notaport')"
+    )
+
+
+@pytest.mark.parametrize("userinfo", AMBIGUOUS)
+def test_a_refs_key_with_an_ambiguous_password_is_refused_without_showing_it(tmp_path: Path, userinfo: str) -> None:
+    path = tmp_path / "engine.toml"
+    path.write_text(f'[refs."http://{userinfo}@127.0.0.1:8080/score"]\nmax_concurrency = 2\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: refs.'http://127.0.0.1:8080/score': "), message
+    assert (CARRIES if "/" in userinfo else UNREADABLE) in message, message
+    assert not leaked(message, repr(info.value))
 
 
 
@@ -431,14 +578,76 @@ async def test_the_judge_goes_through_the_proxy_unless_no_proxy_covers_it(
         assert len(proxy.requests) == 1 and len(judge.requests) == 2
 
 
-async def test_a_proxy_httpx_cannot_use_is_a_config_error_at_open(envs: Path, no_proxies: pytest.MonkeyPatch) -> None:
-    no_proxies.setenv("HTTPS_PROXY", f"ftp://carol:{SECRET}@127.0.0.1:21")
+@pytest.mark.parametrize("userinfo", [f"carol:{SECRET}", SECRET])  # httpx masks a password, not a lone token
+async def test_a_proxy_httpx_cannot_use_is_a_config_error_at_open(
+    envs: Path, no_proxies: pytest.MonkeyPatch, userinfo: str
+) -> None:
+    no_proxies.setenv("HTTPS_PROXY", f"ftp://{userinfo}@127.0.0.1:21")
     with pytest.raises(ConfigError) as info:
         async with engine.Engine(EngineConfig(environments=envs)):
             pass
     message = str(info.value)
     assert message.startswith("HTTPS_PROXY (or https_proxy) names a proxy httpx cannot use, ftp://127.0.0.1:21: ")
-    assert not leaked(message)
+    assert "httpx proxies through http://, https://, socks5:// and socks5h:// only (ValueError)" in message, message
+    assert not leaked(message, repr(info.value))
+
+
+@pytest.mark.parametrize("userinfo", AMBIGUOUS)
+async def test_a_proxy_url_with_an_ambiguous_password_is_a_config_error_that_never_shows_it(
+    envs: Path, no_proxies: pytest.MonkeyPatch, all_logs: pytest.LogCaptureFixture, userinfo: str
+) -> None:
+    """Not a raw httpx.InvalidURL quoting the password's start; and not the proxy ``alice:123`` httpx would
+    read from ``alice:123/...@host``, logged at INFO password and all."""
+    no_proxies.setenv("HTTP_PROXY", f"http://{userinfo}@127.0.0.1:9")
+    with pytest.raises(ConfigError) as info:
+        async with engine.Engine(EngineConfig(environments=envs)):
+            pass
+    message = str(info.value)
+    assert message.startswith("HTTP_PROXY (or http_proxy): ") and "http://127.0.0.1:9" in message, message
+    assert not leaked(message, repr(info.value), all_logs.text)
+
+
+@pytest.mark.parametrize("no_proxy", ["[::1]", "host:notaport", "[::1]:x"])
+async def test_no_proxy_is_not_read_when_no_proxy_is_set(
+    envs: Path, target: TestServer, no_proxies: pytest.MonkeyPatch, no_proxy: str
+) -> None:
+    """It changes nothing then, so an entry httpx cannot read does not stop the engine from opening."""
+    no_proxies.setenv("NO_PROXY", no_proxy)
+    async with engine.Engine(EngineConfig(environments=envs)) as eng:
+        assert await eng.score([item("remote", r=0.5)]) == [0.5]
+    assert len(target.requests) == 1
+
+
+@pytest.mark.parametrize("no_proxy", ["host:notaport", "example.com, [::1]:x"])
+async def test_a_no_proxy_entry_httpx_cannot_read_is_a_config_error_naming_it(
+    envs: Path, no_proxies: pytest.MonkeyPatch, no_proxy: str
+) -> None:
+    no_proxies.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    no_proxies.setenv("no_proxy", no_proxy)
+    with pytest.raises(ConfigError) as info:
+        async with engine.Engine(EngineConfig(environments=envs)):
+            pass
+    entry = no_proxy.rpartition(" ")[2]
+    assert str(info.value).startswith(f"NO_PROXY (or no_proxy) holds {entry!r}, which httpx cannot read"), info.value
+
+
+@pytest.mark.parametrize(
+    ("no_proxy", "url", "direct"),
+    [
+        ("[::1]", "http://[::1]/score", True),
+        ("[::1]", "http://[::1]:8080/score", True),
+        ("[::1]", "http://[::2]/score", False),
+        ("[::1]:8080", "http://[::1]:8080/score", True),
+        ("[::1]:8080", "http://[::1]/score", False),
+    ],
+)
+def test_a_bracketed_ipv6_no_proxy_entry_is_that_address(
+    no_proxies: pytest.MonkeyPatch, no_proxy: str, url: str, direct: bool
+) -> None:
+    """httpx itself raises on ``[::1]`` (it reads it as a domain); curl and others take it for ::1."""
+    no_proxies.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
+    no_proxies.setenv("NO_PROXY", no_proxy)
+    assert Proxies.from_environment().proxy_for(httpx.URL(url)) == (None if direct else "http://proxy.invalid:3128")
 
 
 @pytest.mark.parametrize(
