@@ -65,11 +65,13 @@ def shown_url(url: str) -> str:
 def without_credentials(url: str) -> str | None:
     """``url`` as :func:`shown_url` shows it when it may carry credentials, or None when it carries none.
 
-    It may carry them when an '@' comes after ``://`` and before any '?' or '#': a reading that
-    ends the authority at the first '/' would let ``http://user:pa/ss@host/`` through.
+    It may carry them whenever an '@' comes after ``://``: a reading that ends the authority at the
+    first '/', '?' or '#' would let ``http://user:pa/ss@host/`` or ``http://user:1?pw@host/`` through
+    (httpx reads the latter as host ``user``, port 1, and a query holding the password). A literal
+    '@' in a path or query is written ``%40``.
     """
     _, sep, rest = url.partition("://")
-    if not sep or "@" not in re.split("[?#]", rest, maxsplit=1)[0]:
+    if not sep or "@" not in rest:
         return None
     return shown_url(url)
 
@@ -91,7 +93,8 @@ def url_problem(url: str) -> str | None:
 def credentials_refusal(plain: str) -> str:
     """Why a URL with credentials is refused, and what to write instead; names ``plain``, the URL without them."""
     return (
-        "the URL carries credentials (user:password@), which would be logged and written with every reward; "
+        "the URL carries credentials (user:password@) or may (an '@' anywhere in it: write a literal one %40), "
+        "which would be logged and written with every reward; "
         f'use {plain} and send them in a header read from an environment variable: in the config, [refs."{plain}"] '
         'headers = { Authorization = "Basic ${VERIFIER_AUTH}" } (the variable holding base64 of user:password)'
     )

@@ -267,12 +267,14 @@ async def test_an_endpoint_url_with_an_ambiguous_password_is_refused_at_load_wit
         assert server.requests == []
     message = str(info.value)
     assert "field 'verifier.ref': " in message and f"{server.url}/score" in message, message
-    assert (CARRIES if "/" in userinfo else UNREADABLE) in message, message
+    assert CARRIES in message, message  # an '@' anywhere: it may carry them
     assert not leaked(message, repr(info.value), all_logs.text)
 
 
-def test_an_endpoint_verifier_built_in_code_refuses_a_url_httpx_cannot_read_without_showing_it() -> None:
-    with pytest.raises(ValueError, match=UNREADABLE) as info:
+def test_an_endpoint_verifier_built_in_code_refuses_a_url_httpx_cannot_read() -> None:
+    with pytest.raises(ValueError, match=UNREADABLE):
+        EndpointVerifier("http://127.0.0.1:notaport/score", Limits(), httpx.AsyncHTTPTransport())
+    with pytest.raises(ValueError, match=CARRIES) as info:  # and one that may hold a password, without showing it
         EndpointVerifier(f"http://u:pa#{SECRET}@127.0.0.1:1/score", Limits(), httpx.AsyncHTTPTransport())
     assert not leaked(str(info.value))
 
@@ -307,7 +309,7 @@ def test_a_refs_key_with_an_ambiguous_password_is_refused_without_showing_it(tmp
         load_config(path)
     message = str(info.value)
     assert message.startswith(f"{path}: refs.'http://127.0.0.1:8080/score': "), message
-    assert (CARRIES if "/" in userinfo else UNREADABLE) in message, message
+    assert CARRIES in message, message  # an '@' anywhere: it may carry them
     assert not leaked(message, repr(info.value))
 
 
