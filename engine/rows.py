@@ -23,7 +23,9 @@ batch at a time, and only the current row (or batch) is ever held.
 **Checksum.** A resumed run must refuse an input that changed under it, so the reader keeps a
 running sha256 of what it has consumed; :meth:`RowReader.checksum` is that digest through the
 rows read so far. For JSON Lines it is the sha256 of the file's bytes up to the end of the last
-row's line (blank lines before it included), i.e. literally what was read. For Parquet, whose
+row's line (blank lines before it included, blank lines after it not): reading on to the end of
+the file, as the last short chunk does, must not change it, since a resume skipping those rows
+stops right after the last one. For Parquet, whose
 bytes depend on the writer, it is the sha256 of the rows' values: each row's four values, as read
 and before any JSON-text decoding, encoded as one orjson array.
 """
@@ -119,6 +121,7 @@ class RowReader:
         self.path = path
         self.rows_read = 0
         self._hash = hashlib.sha256()
+        self._through_last_row: hashlib._Hash | None = None  # a copy of _hash at the last row, while blank lines follow it
         self._file: BinaryIO | None = None
         self._parquet: pq.ParquetFile | None = None
         try:
@@ -146,9 +149,13 @@ class RowReader:
         number = 0
         for line in file:
             number += 1
-            self._hash.update(line)
             if line.isspace():
+                if self._through_last_row is None:
+                    self._through_last_row = self._hash.copy()
+                self._hash.update(line)
                 continue
+            self._hash.update(line)
+            self._through_last_row = None
             self.rows_read += 1
             yield number, line
 
@@ -210,7 +217,8 @@ class RowReader:
 
     def checksum(self) -> str:
         """``sha256:<hex>`` of the rows consumed so far (see the module docstring)."""
-        return f"sha256:{self._hash.hexdigest()}"  # hexdigest() leaves the running hash as it was
+        done = self._hash if self._through_last_row is None else self._through_last_row
+        return f"sha256:{done.hexdigest()}"  # hexdigest() leaves the running hash as it was
 
     def __iter__(self) -> Self:
         return self

@@ -456,6 +456,28 @@ def test_a_run_killed_after_its_output_is_complete_resumes_with_exit_0(space: Wo
     assert out.read_bytes() == reference.read_bytes()
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tail", [b"\n", b"\n  \n\t", b"no final newline", b"parquet"], ids=repr)
+def test_a_run_killed_while_finishing_an_input_with_a_tail_resumes(space: Workspace, tail: bytes) -> None:
+    """The last, short chunk reads to the end of the input: its checkpoint must be one a resume agrees with."""
+    count = SMALL + 7  # not a multiple of the chunk size
+    fmt = "parquet" if tail == b"parquet" else "jsonl"
+    inp = write_rows(space.root / f"in.{fmt}", rows(count))
+    if tail == b"no final newline":
+        inp.write_bytes(inp.read_bytes()[:-1])
+    elif fmt == "jsonl":
+        inp.write_bytes(inp.read_bytes() + tail)
+    reference = space.root / "reference.jsonl"
+    ok(space.score(inp, reference, *chunk_args()))
+
+    out = space.root / "out" / "rewards.jsonl"
+    kill_at_step(start_traced(space, inp, out, 1), 1)  # before anything of finishing: the last checkpoint is all
+    assert state_of(out)["rows_done"] == count and "finished" not in state_of(out)
+    resumed = ok(space.score(inp, out, *chunk_args(), "--resume"))
+    assert f"{count:,} rewards written" in resumed.stdout
+    assert out.read_bytes() == reference.read_bytes()
+
+
 # --- a full disk, SIGTERM and an early Ctrl-C ---------------------------------------------------
 
 FILE_SIZE_LIMIT = 60_000  # bytes: RLIMIT_FSIZE, so the partial file (~180 bytes a row) fails around row 330

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -400,3 +401,31 @@ def test_checksum_is_stable_and_changes_with_a_read_row(tmp_path: Path, fmt: str
 
     if fmt == "parquet":  # values, not bytes: a differently laid-out file of the same rows hashes alike
         assert checksums(write("d", data, row_group_size=3), 8) == first
+
+
+TAILS = {  # what may follow the last row of a JSON Lines file
+    "blank lines": b"\n\n",
+    "whitespace-only lines": b"  \n\t\r\n   ",
+    "no final newline": None,
+}
+
+
+@pytest.mark.parametrize("tail", TAILS, ids=list(TAILS))
+@pytest.mark.parametrize("chunk", [2, 3, 5])
+def test_reading_past_the_last_row_leaves_the_checksum_a_resume_gets(tmp_path: Path, tail: str, chunk: int) -> None:
+    """The last short chunk reads to the end of the file: what it checkpoints, skipping those rows must give."""
+    path = write_jsonl(tmp_path / "in.jsonl", rows_data(5))
+    ending = TAILS[tail]
+    path.write_bytes(path.read_bytes()[:-1] if ending is None else path.read_bytes() + ending)
+    with open_rows(path) as rows:
+        checkpoints = []
+        while batch := list(islice(rows, chunk)):  # as engine.backfill reads it
+            checkpoints.append((rows.rows_read, rows.checksum()))
+    assert checkpoints[-1][0] == 5
+    for done, checksum in checkpoints:
+        with open_rows(path, start=done) as skipped:
+            assert (skipped.rows_read, skipped.checksum()) == (done, checksum)
+    data = path.read_bytes()
+    end = data.rindex(b"}") + 1  # the end of the last row's line, its newline included if it has one
+    end += data[end : end + 1] == b"\n"
+    assert checkpoints[-1][1] == "sha256:" + hashlib.sha256(data[:end]).hexdigest()
