@@ -138,6 +138,9 @@ def lock_path(output: Path) -> Path:
 def _exclusive(output: Path) -> Iterator[None]:
     """Hold ``OUT.lock`` while the block runs; :class:`OutputError` if another run holds it.
 
+    :class:`WriteError` if the lock cannot be written (a read-only directory, a full disk): the
+    run has not started, so no rows are counted as checkpointed in it (a state, if any, is kept).
+
     The file is removed on exit, while still locked. A run that opened it just before then may
     lock the removed file: it checks, after locking, that the path still names what it locked,
     and starts over if not.
@@ -146,8 +149,10 @@ def _exclusive(output: Path) -> Iterator[None]:
     while True:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
+        except (FileNotFoundError, NotADirectoryError) as exc:  # no such directory: where to write is wrong
             raise OutputError(f"cannot create {path}: {exc}") from exc
+        except OSError as exc:  # a read-only or full file system, no permission: the system refused the write
+            raise WriteError(path, exc, 0) from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -165,8 +170,11 @@ def _exclusive(output: Path) -> Iterator[None]:
             break
         os.close(fd)  # it was removed after we opened it: try again
     try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as exc:  # a full disk when the run starts
+            raise WriteError(path, exc, 0) from exc
         yield
     finally:
         with contextlib.suppress(FileNotFoundError):

@@ -512,6 +512,41 @@ def test_a_full_disk_stops_with_exit_3_and_one_line_and_resume_continues(space: 
     assert sorted(p.name for p in out.parent.iterdir()) == [out.name]
 
 
+@pytest.mark.parametrize("resume", [False, True], ids=["fresh", "resume"])
+def test_a_disk_full_when_the_run_starts_stops_with_exit_3_and_one_line(space: Workspace, resume: bool) -> None:
+    """Not even the lock file's pid can be written (RLIMIT_FSIZE 0: EFBIG, as ENOSPC would be)."""
+    inp = write_rows(space.root / "in.jsonl", rows(SMALL, poison=[BAD_LINE - 1]))
+    out = space.root / "rewards.jsonl"
+    if resume:
+        assert space.score(inp, out, *chunk_args()).returncode == 1  # leaves a checkpoint to resume
+    kept = state_path(out).read_bytes() if resume else None
+    full = subprocess.run(
+        [sys.executable, "-c", LIMITED.format(limit=0), "score", str(inp), "-o", str(out),
+         "--config", str(space.config), *chunk_args(), *(["--resume"] if resume else [])],
+        cwd=space.root, env=child_env(None), capture_output=True, text=True, timeout=RUN_TIMEOUT, check=False,
+    )  # fmt: skip
+    assert full.returncode == EXIT_IO, full.stderr
+    assert one_error_line(full.stderr).startswith(f"error: cannot write {lock_path(out)}: File too large; ")
+    assert not lock_path(out).exists() and not out.exists()
+    assert (state_path(out).read_bytes() if resume else None) == kept
+    if not resume:
+        assert not state_path(out).exists() and not partial_path(out).exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only (0o555) directory all the same")
+def test_a_read_only_output_directory_is_a_write_error(space: Workspace) -> None:
+    inp = write_rows(space.root / "in.jsonl", rows(10))
+    folder = space.root / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    try:
+        refused = space.score(inp, folder / "rewards.jsonl")
+    finally:
+        folder.chmod(0o755)
+    assert refused.returncode == EXIT_IO, refused.stderr
+    assert one_error_line(refused.stderr).startswith(f"error: cannot write {lock_path(folder / 'rewards.jsonl')}: ")
+
+
 def signal_handlers(pid: int) -> int:
     """The mask of signals process ``pid`` catches (``SigCgt`` in /proc/PID/status); 0 once it is gone."""
     try:
