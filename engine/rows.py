@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from itertools import islice
@@ -199,6 +200,8 @@ class RowReader:
             if missing:
                 raise self._fail(number, f"missing field(s) {', '.join(map(repr, missing))} (a row needs {FIELDS})")
             row_id, environment, task, trajectory = (data[name] for name in FIELDS)
+            if isinstance(row_id, float) and _written_as_integer(raw):
+                raise self._fail(number, f"'id' {_id_text(raw)}: an integer id must fit in 64 bits; write it as a string")
         else:
             row_id, environment, task, trajectory = raw
             if isinstance(task, str):
@@ -242,6 +245,24 @@ class RowReader:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def _written_as_integer(line: bytes) -> bool:
+    """Whether the row's ``id``, which orjson read as a float, is an integer in the text.
+
+    orjson reads integers from -2**63 to 2**64 - 1 exactly and any other as a float: two different
+    wider ids could then be written as one float. The standard parser keeps every integer, so it
+    tells which it was; it runs only for float ids, which are rare.
+    """
+    try:
+        return isinstance(json.loads(line).get("id"), int)
+    except (ValueError, RecursionError):
+        return False
+
+
+def _id_text(line: bytes) -> str:
+    text = str(json.loads(line)["id"])
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-10:]}"
 
 
 def _invalid_json(line: bytes, number: int, exc: orjson.JSONDecodeError) -> str:
