@@ -57,6 +57,7 @@ import fcntl
 import hashlib
 import math
 import os
+import re
 import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -98,6 +99,7 @@ ID_BUCKET_ROWS = 1 << 14  # hashes sorted at a time when counting repeated ids (
 ID_MAX_BUCKET_BITS = 8  # at most 256 buckets: past 256 * 16,384 rows (4.2M) a bucket grows with the file
 ID_SPREAD_ROWS = 1 << 16  # hashes read at a time while spreading them over the buckets (1 MiB)
 JSON_COLUMNS_KEY = b"engine.json_columns"
+_CHECKSUM = re.compile(r"sha256:[0-9a-f]{64}")
 
 Format = Literal["jsonl", "parquet"]
 IdKind = Literal["null", "int", "str", "json"]
@@ -277,18 +279,25 @@ class Checkpoint:
             )
         types = {"input": str, "rows_done": int, "input_checksum": str, "output_bytes": int, "output_checksum": str}
         for key, kind in types.items():
-            if not isinstance(data.get(key), kind) or isinstance(data.get(key), bool):
-                raise ResumeError(f"{path}: field {key!r} is missing or not a {kind.__name__}; delete it to start over")
+            if not _valid(key, data.get(key), kind):
+                raise ResumeError(
+                    f"{path}: unusable state file: field {key!r} is missing or not a {_what(key, kind)}; "
+                    "delete it to start over"
+                )
         if not isinstance(data.get("meta"), dict):
-            raise ResumeError(f"{path}: field 'meta' is missing or not an object; delete it to start over")
+            raise ResumeError(
+                f"{path}: unusable state file: field 'meta' is missing or not an object; delete it to start over"
+            )
         finished = data.get("finished")
         if finished is not None:
             kinds = {"output_bytes": int, "output_checksum": str, "repeated_ids": int, "ids_repeated": int}
             if not isinstance(finished, dict) or any(
-                not isinstance(finished.get(key), kind) or isinstance(finished.get(key), bool)
-                for key, kind in kinds.items()
+                not _valid(key, finished.get(key), kind) for key, kind in kinds.items()
             ):
-                raise ResumeError(f"{path}: field 'finished' is not a finished run's record; delete it to start over")
+                raise ResumeError(
+                    f"{path}: unusable state file: field 'finished' is not a finished run's record; "
+                    "delete it to start over"
+                )
             finished = Finished(**{key: finished[key] for key in kinds})
         return cls(**{key: data[key] for key in (*types, "meta")}, finished=finished)
 
@@ -302,6 +311,24 @@ class Checkpoint:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         _fsync(path.parent)
+
+
+def _valid(key: str, value: Any, kind: type) -> bool:
+    """Whether a state file's field holds what this version writes there: counts are whole numbers
+    >= 0, checksums ``sha256:`` and 64 hex digits (a hand-edited state must not be half-trusted)."""
+    if not isinstance(value, kind) or isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return value >= 0
+    if key.endswith("_checksum"):
+        return _CHECKSUM.fullmatch(value) is not None
+    return True
+
+
+def _what(key: str, kind: type) -> str:
+    if kind is int:
+        return "whole number >= 0"
+    return "sha256 checksum" if key.endswith("_checksum") else kind.__name__
 
 
 def _state_tmp(state: Path) -> Path:

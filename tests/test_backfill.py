@@ -387,6 +387,38 @@ def test_resume_against_a_changed_input_is_refused(space: Workspace, small_refer
     assert out.read_bytes() == small_reference
 
 
+EDITED_META: dict[str, Any] = {  # meta.verifiers of a hand-edited state, or another field of it
+    "verifiers a list": {"verifiers": []},
+    "verifiers not objects": {"verifiers": {"plugin:x": 3}},
+    "totals missing a key": {"verifiers": {"plugin:x": {"kind": "plugin"}}},
+    "a count as text": None,  # the run's own totals with items as text: set below
+    "latency with a bad bucket": None,
+}
+
+
+@pytest.mark.parametrize("case", [*EDITED_META, "output_bytes -5"])
+def test_a_hand_edited_state_is_refused_as_unusable(space: Workspace, case: str) -> None:
+    inp = write_rows(space.root / "in.jsonl", rows(SMALL, poison=[BAD_LINE - 1]))
+    out = space.root / "rewards.jsonl"
+    assert space.score(inp, out, *chunk_args()).returncode == 1
+    state = state_of(out)
+    (key, totals), = state["meta"]["verifiers"].items()
+    if case == "output_bytes -5":
+        state["output_bytes"] = -5
+    elif case == "a count as text":
+        state["meta"]["verifiers"][key] = {**totals, "items": str(totals["items"])}
+    elif case == "latency with a bad bucket":
+        state["meta"]["verifiers"][key] = {**totals, "latency": {"fast": 1}}
+    else:
+        state["meta"] = EDITED_META[case]
+    state_path(out).write_bytes(orjson.dumps(state))
+    refused = space.score(inp, out, *chunk_args(), "--resume")
+    assert refused.returncode == EXIT_BAD_INPUT, refused.stderr
+    line = one_error_line(refused.stderr)
+    assert f"{state_path(out)}: unusable state file: " in line and line.endswith("; delete it to start over"), line
+    assert not lock_path(out).exists()
+
+
 def test_a_fresh_run_over_an_interrupted_one_is_refused(space: Workspace) -> None:
     inp = write_rows(space.root / "in.jsonl", rows(SMALL, poison=[BAD_LINE - 1]))
     out = space.root / "rewards.jsonl"

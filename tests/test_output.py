@@ -376,12 +376,38 @@ def test_resume_refused_when_the_partial_file_changed(tmp_path: Path, damage: st
         pass
 
 
+def edited_state(**changes: Any) -> bytes:
+    """A state file as a run writes it, with ``changes`` (``finished__KEY`` for a key of the finished record)."""
+    checksum = "sha256:" + "0" * 64
+    finished = {"output_bytes": 10, "output_checksum": checksum, "repeated_ids": 0, "ids_repeated": 0}
+    state = {"format": STATE_FORMAT, "input": "x", "rows_done": 3, "input_checksum": checksum,
+             "output_bytes": 10, "output_checksum": checksum, "meta": {}, "finished": finished}  # fmt: skip
+    for key, value in changes.items():
+        if key.startswith("finished__"):
+            finished[key.removeprefix("finished__")] = value
+        else:
+            state[key] = value
+    return orjson.dumps(state)
+
+
+EDITED_STATES = [  # hand-edited states the loader must refuse, not half-trust
+    edited_state(output_bytes=-5),
+    edited_state(rows_done=-1),
+    edited_state(output_checksum="sha256:abc"),
+    edited_state(input_checksum="md5:" + "0" * 64),
+    edited_state(finished__output_bytes=-1),
+    edited_state(finished__repeated_ids=-2),
+    edited_state(finished__output_checksum="x"),
+]
+
+
 @pytest.mark.parametrize(
     ("content", "expected"),
     [
         (b"{not json", "unreadable state file"),
         (b'{"format": "something-else/9"}', "not a state file this version can resume"),
         (orjson.dumps({"format": STATE_FORMAT, "input": "x"}), "field 'rows_done' is missing"),
+        *[(state, "unusable state file: field") for state in EDITED_STATES],
     ],
 )
 def test_resume_refused_with_a_bad_state_file(tmp_path: Path, content: bytes, expected: str) -> None:
