@@ -159,7 +159,10 @@ def _previous_totals(writer: RewardWriter) -> dict[str, VerifierTotals]:
             return False
         latency = value["latency"]
         return all(
-            isinstance(bucket, str) and re.fullmatch(r"-?[0-9]{1,6}", bucket) is not None and type(count) is int and count >= 0
+            isinstance(bucket, str)
+            and re.fullmatch(r"-?[0-9]{1,6}", bucket) is not None
+            and type(count) is int
+            and count >= 0
             for bucket, count in latency.items()
         )
 

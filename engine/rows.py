@@ -122,7 +122,7 @@ class RowReader:
         self.path = path
         self.rows_read = 0
         self._hash = hashlib.sha256()
-        self._through_last_row: hashlib._Hash | None = None  # a copy of _hash at the last row, while blank lines follow it
+        self._through_last_row: hashlib._Hash | None = None  # _hash at the last row, while blank lines follow
         self._file: BinaryIO | None = None
         self._parquet: pq.ParquetFile | None = None
         try:
@@ -201,7 +201,8 @@ class RowReader:
                 raise self._fail(number, f"missing field(s) {', '.join(map(repr, missing))} (a row needs {FIELDS})")
             row_id, environment, task, trajectory = (data[name] for name in FIELDS)
             if isinstance(row_id, float) and _written_as_integer(raw):
-                raise self._fail(number, f"'id' {_id_text(raw)}: an integer id must fit in 64 bits; write it as a string")
+                reason = f"'id' {_id_text(raw)}: an integer id must fit in 64 bits; write it as a string"
+                raise self._fail(number, reason)
         else:
             row_id, environment, task, trajectory = raw
             if isinstance(task, str):

@@ -419,7 +419,7 @@ def test_reading_past_the_last_row_leaves_the_checksum_a_resume_gets(tmp_path: P
     path.write_bytes(path.read_bytes()[:-1] if ending is None else path.read_bytes() + ending)
     with open_rows(path) as rows:
         checkpoints = []
-        while batch := list(islice(rows, chunk)):  # as engine.backfill reads it
+        while list(islice(rows, chunk)):  # as engine.backfill reads it
             checkpoints.append((rows.rows_read, rows.checksum()))
     assert checkpoints[-1][0] == 5
     for done, checksum in checkpoints:
