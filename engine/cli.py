@@ -149,6 +149,17 @@ def _kept(output: Path) -> str:
     return f"{checkpoint.rows_done:,} rows are checkpointed: run the same command with --resume to continue"
 
 
+def _only_cleanup_left(output: Path) -> bool:
+    """Whether ``output`` looks complete and its state says its run finished: a resume then reads no input.
+
+    A first look only: the resume itself checks the output against the state.
+    """
+    try:
+        return Checkpoint.load(state_path(output)).finished is not None and output.is_file()
+    except ResumeError:
+        return False
+
+
 def _config(path: Path) -> EngineConfig:
     try:
         return load_config(path)
@@ -236,7 +247,7 @@ def score(input_path: Path, output: Path, config_path: Path, resume: bool, chunk
     """Backfill rewards for a file of stored trajectories (JSON Lines or Parquet)."""
     try:
         config = _config(config_path)
-        if not input_path.is_file():
+        if not input_path.is_file() and not (resume and _only_cleanup_left(output)):
             _fail(EXIT_BAD_INPUT, f"{input_path}: no such input file")
         try:
             output.parent.mkdir(parents=True, exist_ok=True)

@@ -320,7 +320,7 @@ def _valid(key: str, value: Any, kind: type) -> bool:
         return False
     if isinstance(value, int):
         return value >= 0
-    if key.endswith("_checksum"):
+    if isinstance(value, str) and key.endswith("_checksum"):
         return _CHECKSUM.fullmatch(value) is not None
     return True
 
@@ -734,16 +734,20 @@ def open_run(
 
     Fresh: the reader starts at the first row. Resumed: the writer is restored from its state,
     the reader skips the rows already done, and the run is refused (:class:`ResumeError`) if
-    those rows differ from the ones the interrupted run read. Both are closed on exit; the run is
-    complete only once the caller has called ``writer.finish()``. The run holds ``OUT.lock`` all
-    along: a second run for the same output is refused (:class:`OutputError`) while it does.
+    those rows differ from the ones the interrupted run read; if the run had already finished
+    (``writer.already_finished``), the reader has nothing left to read and the input is not
+    opened. Both are closed on exit; the run is complete only once the caller has called
+    ``writer.finish()``. The run holds ``OUT.lock`` all along: a second run for the same output is refused (:class:`OutputError`) while it does.
     """
     with contextlib.ExitStack() as stack:
         stack.enter_context(_exclusive(Path(output)))
         if resume:
             writer = stack.enter_context(open_output(output, input_path=input_path, resume=True))
-            rows = stack.enter_context(open_rows(input_path, start=writer.rows_written))
-            writer.check_input(rows)
+            if writer.already_finished:  # only the cleanup is left: the input is neither needed nor read
+                rows = RowReader.done(input_path, writer.rows_written)
+            else:
+                rows = stack.enter_context(open_rows(input_path, start=writer.rows_written))
+                writer.check_input(rows)
         else:
             rows = stack.enter_context(open_rows(input_path))
             writer = stack.enter_context(open_output(output, input_path=input_path, resume=False))

@@ -108,9 +108,24 @@ class RowReader:
     far, skipped ones included; :meth:`checksum` covers exactly those rows.
     """
 
+    _raw: Iterator[tuple[int, Any]]
+
     def __init__(self, path: Path, *, start: int = 0) -> None:
         if isinstance(start, bool) or not isinstance(start, int) or start < 0:
             raise ValueError(f"start must be a whole number >= 0, got {start!r}")
+        self._empty(path)
+        try:
+            self._raw = self._open_jsonl() if self.unit == "line" else self._open_parquet()
+            # Skipping happens now, not on the first next(), so checksum() covers the skipped rows
+            # as soon as the reader exists: that is what a resume compares against its state.
+            for _ in islice(self._raw, start):
+                pass
+        except BaseException:
+            self.close()
+            raise
+
+    def _empty(self, path: Path) -> None:
+        """Set up a reader of ``path`` that has read nothing and opened nothing."""
         suffix = path.suffix.lower()
         if suffix in JSONL_SUFFIXES:
             self.unit: Unit = "line"
@@ -125,15 +140,19 @@ class RowReader:
         self._through_last_row: hashlib._Hash | None = None  # _hash at the last row, while blank lines follow
         self._file: BinaryIO | None = None
         self._parquet: pq.ParquetFile | None = None
-        try:
-            self._raw = self._open_jsonl() if self.unit == "line" else self._open_parquet()
-            # Skipping happens now, not on the first next(), so checksum() covers the skipped rows
-            # as soon as the reader exists: that is what a resume compares against its state.
-            for _ in islice(self._raw, start):
-                pass
-        except BaseException:
-            self.close()
-            raise
+        self._raw = iter(())
+
+    @classmethod
+    def done(cls, path: str | Path, rows_read: int) -> RowReader:
+        """A reader past the last of ``rows_read`` rows that never opens ``path``: nothing is left to read.
+
+        For a run that had already finished: completing its cleanup must not need the input, which
+        may have been edited or moved since. Its :meth:`checksum` covers nothing.
+        """
+        reader = cls.__new__(cls)
+        reader._empty(Path(path))
+        reader.rows_read = rows_read
+        return reader
 
     def _fail(self, number: int, reason: str) -> InputError:
         return InputError(self.path, reason, unit=self.unit, number=number)

@@ -510,6 +510,32 @@ def test_a_run_killed_while_finishing_an_input_with_a_tail_resumes(space: Worksp
     assert out.read_bytes() == reference.read_bytes()
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("change", ["edited", "moved"])
+def test_a_run_killed_after_its_rename_completes_without_its_input(space: Workspace, change: str) -> None:
+    """Only the cleanup is left: the input, since edited or moved away, is not needed for it."""
+    inp = write_rows(space.root / "in.jsonl", rows(SMALL))
+    reference = space.root / "reference" / "rewards.jsonl"
+    traced = start_traced(space, inp, reference, 0)
+    _, stderr = traced.communicate(timeout=RUN_TIMEOUT)
+    assert traced.returncode == 0, stderr
+    steps = finish_steps(stderr)
+    renamed = next(i for i, step in enumerate(steps, 1) if step == f"replace rewards.jsonl.partial -> {reference.name}")
+
+    out = space.root / "out" / "rewards.jsonl"
+    kill_at_step(start_traced(space, inp, out, renamed + 1), renamed + 1)
+    assert out.read_bytes() == reference.read_bytes() and state_path(out).exists()
+    if change == "edited":
+        write_rows(inp, rows(SMALL + 5)[5:])
+    else:
+        inp.rename(space.root / "elsewhere.jsonl")
+
+    resumed = ok(space.score(inp, out, *chunk_args(), "--resume"))
+    assert f"the run had already finished: {out} was complete" in resumed.stdout
+    assert out.read_bytes() == reference.read_bytes()
+    assert sorted(p.name for p in out.parent.iterdir()) == [out.name]
+
+
 # --- a full disk, SIGTERM and an early Ctrl-C ---------------------------------------------------
 
 FILE_SIZE_LIMIT = 60_000  # bytes: RLIMIT_FSIZE, so the partial file (~180 bytes a row) fails around row 330
