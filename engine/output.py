@@ -737,7 +737,8 @@ def open_run(
     those rows differ from the ones the interrupted run read; if the run had already finished
     (``writer.already_finished``), the reader has nothing left to read and the input is not
     opened. Both are closed on exit; the run is complete only once the caller has called
-    ``writer.finish()``. The run holds ``OUT.lock`` all along: a second run for the same output is refused (:class:`OutputError`) while it does.
+    ``writer.finish()``. The run holds ``OUT.lock`` all along: a second run for the same output
+    is refused (:class:`OutputError`) while it does.
     """
     with contextlib.ExitStack() as stack:
         stack.enter_context(_exclusive(Path(output)))
