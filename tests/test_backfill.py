@@ -30,6 +30,7 @@ from cli_support import (
     RUN_TIMEOUT,
     Workspace,
     child_env,
+    engine_command,
     finish_steps,
     kill_at_step,
     make_workspace,
@@ -603,6 +604,58 @@ def test_a_read_only_output_directory_is_a_write_error(space: Workspace) -> None
         folder.chmod(0o755)
     assert refused.returncode == EXIT_IO, refused.stderr
     assert one_error_line(refused.stderr).startswith(f"error: cannot write {lock_path(folder / 'rewards.jsonl')}: ")
+
+
+SIGNALLED = {  # how a run is stopped: the signal, how many times at once, whether SIGINT is ignored, the exit status
+    "SIGTERM, SIGINT ignored": (signal.SIGTERM, 1, True, EXIT_TERMINATED),  # a background job of a script, nohup
+    "SIGTERM twice": (signal.SIGTERM, 2, False, EXIT_TERMINATED),
+    "SIGTERM twice, SIGINT ignored": (signal.SIGTERM, 2, True, EXIT_TERMINATED),
+    "Ctrl-C twice": (signal.SIGINT, 2, False, EXIT_INTERRUPTED),
+}
+BUSY_ROWS = 40_000  # tens of thousands of rows a second on a free machine: still going when stopped
+BUSY_CHUNK = 100
+GAPS = (0.0, 0.005, 0.01, 0.02, 0.04)  # seconds between a second signal and the first: not a bound, a spread
+ATTEMPTS = len(GAPS)  # the signal lands wherever the run is: in a task group, a worker thread's hand-over, the loop
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", SIGNALLED)
+def test_a_signal_stops_a_run_with_one_line_however_it_lands(space: Workspace, how: str) -> None:
+    signum, times, sigint_ignored, status = SIGNALLED[how]
+    # Many fast rows: the main thread is busy in the engine's task groups, not waiting, when a signal lands.
+    inp = write_rows(space.root / "in.jsonl", rows(BUSY_ROWS))
+    reference = space.root / "reference.jsonl"
+    ok(space.score(inp, reference, *chunk_args(BUSY_CHUNK)))
+
+    for attempt in range(ATTEMPTS):
+        out = space.root / str(attempt) / "rewards.jsonl"
+        command = engine_command("score", inp, "-o", out, "--config", space.config, *chunk_args(BUSY_CHUNK))
+        if sigint_ignored:  # as a shell starts a background job: SIGINT ignored, inherited through exec
+            command = ["sh", "-c", 'trap "" INT; exec "$0" "$@"', *command]
+        process = subprocess.Popen(
+            command, cwd=space.root, env=child_env(None),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            wait_for_rows_done(out, BUSY_CHUNK * (1 + attempt % 3), process)
+            process.send_signal(signum)
+            if times == 2:  # the second while the run unwinds from the first: at once, or a little later
+                time.sleep(GAPS[attempt])
+                process.send_signal(signum)
+            _, stderr = process.communicate(timeout=RUN_TIMEOUT)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.communicate(timeout=RUN_TIMEOUT)
+        assert process.returncode == status, (attempt, stderr)
+        line = one_error_line(stderr)
+        said = "error: terminated (SIGTERM); " if status == EXIT_TERMINATED else "error: interrupted (Ctrl-C); "
+        assert line.startswith(said), line
+        assert not lock_path(out).exists()
+        again = ["--resume"] if "--resume" in line else []
+        ok(space.score(inp, out, *chunk_args(BUSY_CHUNK), *again))
+        assert out.read_bytes() == reference.read_bytes(), (attempt, line)
 
 
 def signal_handlers(pid: int) -> int:
