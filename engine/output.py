@@ -94,7 +94,7 @@ STATE_FORMAT = "engine-score-state/1"
 PARQUET_BATCH_ROWS = 16_384  # records per row group when the spool becomes Parquet (~36 MiB less peak than 65,536)
 SPOOL_PARSE_ROWS = 8_192  # records parsed at a time then (measured: peak RSS at 1M rows 261 -> 152 MiB)
 HASH_CHUNK = 1 << 20
-ID_HASH_BYTES = 16  # blake2b-128 of an id's JSON: two different ids share one with probability ~n^2 / 2^129
+ID_HASH_BYTES = 16  # blake2b-128 of an id's JSON (sorted keys): two ids share one with probability ~n^2 / 2^129
 ID_BUCKET_ROWS = 1 << 14  # hashes sorted at a time when counting repeated ids (~1 MiB as Python bytes)
 ID_MAX_BUCKET_BITS = 8  # at most 256 buckets: past 256 * 16,384 rows (4.2M) a bucket grows with the file
 ID_SPREAD_ROWS = 1 << 16  # hashes read at a time while spreading them over the buckets (1 MiB)
@@ -390,8 +390,9 @@ class RewardWriter:
             raise TypeError(f"the record of id {row_id!r} cannot be written as JSON: {exc}") from exc
         try:
             f.write(line)
-            if row_id is not None and self._ids is not None:
-                self._ids.write(_id_hash(row_id))
+            counted = _id_hash(row_id)
+            if counted is not None and self._ids is not None:
+                self._ids.write(counted)
         except OSError as exc:
             raise self._failed(self.partial, exc) from exc
         self._hash.update(line)
@@ -455,9 +456,9 @@ class RewardWriter:
             data.seek(0)
             if self._ids is not None:
                 for line in islice(data, checkpoint.rows_done):
-                    row_id = orjson.loads(line)["id"]
-                    if row_id is not None:
-                        self._ids.write(_id_hash(row_id))
+                    counted = _id_hash(orjson.loads(line)["id"])
+                    if counted is not None:
+                        self._ids.write(counted)
             data.seek(checkpoint.output_bytes)
         except OSError as exc:
             raise self._failed(self.partial, exc) from exc
@@ -559,8 +560,15 @@ def _output_tmp(output: Path) -> Path:
     return output.with_name(output.name + ".tmp")
 
 
-def _id_hash(row_id: Any) -> bytes:
-    return hashlib.blake2b(orjson.dumps(row_id), digest_size=ID_HASH_BYTES).digest()
+def _id_hash(row_id: Any) -> bytes | None:
+    """The hash an id is counted by; None for an id written as null (None, and NaN or infinity, as orjson writes them).
+
+    Keys are sorted: ``{"a": 1, "b": 2}`` and ``{"b": 2, "a": 1}`` are one id, as they are one JSON object.
+    """
+    encoded = orjson.dumps(row_id, option=orjson.OPT_SORT_KEYS)
+    if encoded == b"null":
+        return None
+    return hashlib.blake2b(encoded, digest_size=ID_HASH_BYTES).digest()
 
 
 def _file_checksum(path: Path) -> str:

@@ -662,3 +662,23 @@ def test_repeated_ids_are_counted_exactly_in_buckets(tmp_path: Path, fmt: str) -
     repeats = [i for i in range(distinct, n) if i % 1000]  # rows with an id an earlier row had
     assert writer.finished.repeated_ids == len(repeats)
     assert writer.finished.ids_repeated == len({i % distinct for i in repeats})
+
+
+@pytest.mark.parametrize("interrupted_at", [None, 3], ids=["one run", "resumed"])
+def test_repeated_ids_count_json_equal_ids_as_one_and_null_written_ids_as_none(
+    tmp_path: Path, fmt: str, interrupted_at: int | None
+) -> None:
+    """An object id is one id whatever its keys' order; NaN and infinity are written as null: no id, no repeat."""
+    inp, out = write_input(tmp_path / "in.jsonl", 1), tmp_path / f"rewards.{fmt}"
+    ids: list[Any] = [{"a": 1, "b": 2}, math.nan, None, {"b": 2, "a": 1}, math.nan, math.inf, -math.inf, "x", "x"]
+    writer = open_output(out, input_path=inp, resume=False)
+    for n, row_id in enumerate(ids):
+        if n == interrupted_at:  # checkpointed, then stopped: the resume rebuilds the ids from the partial file
+            writer.checkpoint(n, EMPTY_CHECKSUM)
+            writer.close()
+            writer = open_output(out, input_path=inp, resume=True)
+        writer.write(row_id, 0.5, VERIFIER)
+    writer.finish()
+    assert writer.finished is not None
+    assert (writer.finished.repeated_ids, writer.finished.ids_repeated) == (2, 2)  # the object once, "x" once
+    assert [r.id for r in read_rewards(out)][1:3] == [None, None]
