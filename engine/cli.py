@@ -10,20 +10,21 @@ Exit codes (also in ``engine --help``):
 * 143 ``EXIT_TERMINATED``: stopped by SIGTERM.
 
 A backfill stopped by any of these keeps its checkpoint, releases its lock, and says in one
-``error:`` line what happened and how to continue (``--resume``). SIGTERM is handled by
-:func:`main`, the entry point of the CLI's own process, as Ctrl-C is: the library itself installs
-no signal handler.
+``error:`` line what happened and how to continue (``--resume``). SIGINT and SIGTERM are handled
+by :func:`main`, the entry point of the CLI's own process (a run is stopped by cancelling it from
+its event loop, see :func:`_on_signal`); the library itself installs no signal handler.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
 from typing import NoReturn, TypeVar
@@ -88,21 +89,38 @@ def _fail(code: int, message: str) -> NoReturn:
 
 
 class _Signals:
-    """How this process is stopping: SIGTERM received (:func:`_on_sigterm`, installed by :func:`main` only),
-    and whether an interrupt was reported (:func:`_interrupted`)."""
+    """How this process is stopping: whether SIGINT (Ctrl-C) or SIGTERM was received (:func:`_on_signal`,
+    installed by :func:`main` only), which came first, and whether the interrupt was reported
+    (:func:`_interrupted`). ``stop`` is set while :func:`_run` runs: it stops the run from its event loop."""
 
+    received = False
     terminated = False
     reported = False
+    stop: Callable[[], None] | None = None
 
 
-def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    """Stop as Ctrl-C stops: the run unwinds, keeps its checkpoint and releases its lock; then say SIGTERM."""
-    _Signals.terminated = True
-    handler = signal.getsignal(signal.SIGINT)
-    if callable(handler):
-        handler(signal.SIGINT, frame)  # asyncio's (cancels the run) or Python's (raises KeyboardInterrupt)
-    else:
-        raise KeyboardInterrupt  # SIGINT ignored (a background job): SIGTERM must still stop the run
+def _on_signal(signum: int, frame: FrameType | None) -> None:
+    """Stop on SIGINT or SIGTERM: the run unwinds, keeps its checkpoint and releases its lock; then say which.
+
+    During a run the run's own cancel scope is cancelled, from its event loop: the cancellation
+    then goes through anyio's task groups and worker threads as any cancellation does. An
+    exception raised here instead would land wherever the main thread happens to be (inside a task
+    group, between a thread's result and its caller) and come out as a traceback. Outside a run
+    (reading the config, counting rows) plain code runs: KeyboardInterrupt unwinds it. Signals
+    after the first change nothing: the process is already stopping.
+    """
+    if _Signals.received:
+        return
+    _Signals.received = True
+    _Signals.terminated = signum == signal.SIGTERM
+    if _Signals.stop is not None:
+        _Signals.stop()
+        return
+    raise KeyboardInterrupt
+
+
+def _noted() -> None:
+    """A run's ``stop`` while its loop is not running yet or no more: the run checks ``received`` itself."""
 
 
 def _interrupted(after: str = "") -> NoReturn:
@@ -112,25 +130,59 @@ def _interrupted(after: str = "") -> NoReturn:
     _fail(EXIT_INTERRUPTED, "interrupted (Ctrl-C)" + after)
 
 
+async def _stoppable(fn: Callable[[], Awaitable[T]], result: list[T]) -> None:
+    """Run ``fn`` in a cancel scope that a signal cancels (through ``_Signals.stop``); append what it returns."""
+    loop = asyncio.get_running_loop()
+    with anyio.CancelScope() as scope:
+
+        def stop() -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: the run is over anyway
+                loop.call_soon_threadsafe(scope.cancel)  # safe from a signal handler, and wakes the loop up
+
+        _Signals.stop = stop
+        try:
+            if _Signals.received:  # a signal came while the loop was starting
+                scope.cancel()
+            result.append(await fn())
+        finally:
+            _Signals.stop = _noted
+
+
 def _run(fn: Callable[[], Awaitable[T]], kept: Callable[[], str] | None = None) -> T:
     """Run ``fn`` on an asyncio loop, turning the engine's errors into messages and exit codes.
 
     ``kept`` says, after a run stopped by an interrupt or a write error, what it kept and how to go on.
+    Once a signal was received, whatever ends the run (cancellation, or an error or exception group
+    the cancellation caused) is reported as that signal, in one line.
     """
+    result: list[T] = []
+
+    def after() -> str:
+        return f"; {kept()}" if kept is not None else ""
+
+    _Signals.stop = _noted
     try:
-        return anyio.run(fn, backend="asyncio")
-    except VerificationError as exc:
-        lines = [str(exc)]
-        if exc.__cause__ is not None:
-            lines.append(f"cause: {type(exc.__cause__).__name__}: {exc.__cause__}")
-        lines += getattr(exc, "__notes__", [])
-        _fail(EXIT_VERIFICATION, "\n  ".join(lines))
-    except WriteError as exc:
-        _fail(EXIT_IO, f"{exc}" + (f"; {kept()}" if kept is not None else ""))
-    except (EngineError, ValueError, TypeError) as exc:
-        _fail(EXIT_BAD_INPUT, str(exc))
-    except KeyboardInterrupt:
-        _interrupted(f"; {kept()}" if kept is not None else "")
+        try:
+            anyio.run(_stoppable, fn, result, backend="asyncio")
+        finally:
+            _Signals.stop = None
+    except BaseException as exc:
+        if _Signals.received or isinstance(exc, KeyboardInterrupt):
+            _interrupted(after())
+        if isinstance(exc, VerificationError):
+            lines = [str(exc)]
+            if exc.__cause__ is not None:
+                lines.append(f"cause: {type(exc.__cause__).__name__}: {exc.__cause__}")
+            lines += getattr(exc, "__notes__", [])
+            _fail(EXIT_VERIFICATION, "\n  ".join(lines))
+        if isinstance(exc, WriteError):
+            _fail(EXIT_IO, f"{exc}{after()}")
+        if isinstance(exc, EngineError | ValueError | TypeError):
+            _fail(EXIT_BAD_INPUT, str(exc))
+        raise
+    if _Signals.received or not result:
+        _interrupted(after())
+    return result[0]
 
 
 def _kept(output: Path) -> str:
@@ -149,6 +201,17 @@ def _kept(output: Path) -> str:
     return f"{checkpoint.rows_done:,} rows are checkpointed: run the same command with --resume to continue"
 
 
+def _only_cleanup_left(output: Path) -> bool:
+    """Whether ``output`` looks complete and its state says its run finished: a resume then reads no input.
+
+    A first look only: the resume itself checks the output against the state.
+    """
+    try:
+        return Checkpoint.load(state_path(output)).finished is not None and output.is_file()
+    except ResumeError:
+        return False
+
+
 def _config(path: Path) -> EngineConfig:
     try:
         return load_config(path)
@@ -165,7 +228,7 @@ def cli() -> None:
     """Score rollouts with rubric, plugin and endpoint verifiers: one reward per item, or one error."""
 
 
-@contextmanager
+@contextlib.contextmanager
 def _progress(total: int | None) -> Iterator[Callable[[int], None]]:
     """A progress callback: a bar with rate and ETA on a terminal, plain periodic lines otherwise."""
     if stderr.is_terminal:
@@ -236,7 +299,7 @@ def score(input_path: Path, output: Path, config_path: Path, resume: bool, chunk
     """Backfill rewards for a file of stored trajectories (JSON Lines or Parquet)."""
     try:
         config = _config(config_path)
-        if not input_path.is_file():
+        if not input_path.is_file() and not (resume and _only_cleanup_left(output)):
             _fail(EXIT_BAD_INPUT, f"{input_path}: no such input file")
         try:
             output.parent.mkdir(parents=True, exist_ok=True)
@@ -391,7 +454,9 @@ def main() -> None:
 
 def _main() -> None:
     try:
-        signal.signal(signal.SIGTERM, _on_sigterm)
+        signal.signal(signal.SIGTERM, _on_signal)
+        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # ignored: a background job, left so
+            signal.signal(signal.SIGINT, _on_signal)
         # The CLI reports an abort itself, on stderr with its exit code; without a handler of its own
         # the engine logger's ERROR record would reach Python's last-resort handler and say it twice.
         logging.getLogger("engine").addHandler(logging.NullHandler())

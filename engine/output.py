@@ -57,6 +57,7 @@ import fcntl
 import hashlib
 import math
 import os
+import re
 import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -93,11 +94,12 @@ STATE_FORMAT = "engine-score-state/1"
 PARQUET_BATCH_ROWS = 16_384  # records per row group when the spool becomes Parquet (~36 MiB less peak than 65,536)
 SPOOL_PARSE_ROWS = 8_192  # records parsed at a time then (measured: peak RSS at 1M rows 261 -> 152 MiB)
 HASH_CHUNK = 1 << 20
-ID_HASH_BYTES = 16  # blake2b-128 of an id's JSON: two different ids share one with probability ~n^2 / 2^129
+ID_HASH_BYTES = 16  # blake2b-128 of an id's JSON (sorted keys): two ids share one with probability ~n^2 / 2^129
 ID_BUCKET_ROWS = 1 << 14  # hashes sorted at a time when counting repeated ids (~1 MiB as Python bytes)
 ID_MAX_BUCKET_BITS = 8  # at most 256 buckets: past 256 * 16,384 rows (4.2M) a bucket grows with the file
 ID_SPREAD_ROWS = 1 << 16  # hashes read at a time while spreading them over the buckets (1 MiB)
 JSON_COLUMNS_KEY = b"engine.json_columns"
+_CHECKSUM = re.compile(r"sha256:[0-9a-f]{64}")
 
 Format = Literal["jsonl", "parquet"]
 IdKind = Literal["null", "int", "str", "json"]
@@ -138,6 +140,9 @@ def lock_path(output: Path) -> Path:
 def _exclusive(output: Path) -> Iterator[None]:
     """Hold ``OUT.lock`` while the block runs; :class:`OutputError` if another run holds it.
 
+    :class:`WriteError` if the lock cannot be written (a read-only directory, a full disk): the
+    run has not started, so no rows are counted as checkpointed in it (a state, if any, is kept).
+
     The file is removed on exit, while still locked. A run that opened it just before then may
     lock the removed file: it checks, after locking, that the path still names what it locked,
     and starts over if not.
@@ -146,8 +151,10 @@ def _exclusive(output: Path) -> Iterator[None]:
     while True:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
+        except (FileNotFoundError, NotADirectoryError) as exc:  # no such directory: where to write is wrong
             raise OutputError(f"cannot create {path}: {exc}") from exc
+        except OSError as exc:  # a read-only or full file system, no permission: the system refused the write
+            raise WriteError(path, exc, 0) from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -165,8 +172,11 @@ def _exclusive(output: Path) -> Iterator[None]:
             break
         os.close(fd)  # it was removed after we opened it: try again
     try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as exc:  # a full disk when the run starts
+            raise WriteError(path, exc, 0) from exc
         yield
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -269,18 +279,25 @@ class Checkpoint:
             )
         types = {"input": str, "rows_done": int, "input_checksum": str, "output_bytes": int, "output_checksum": str}
         for key, kind in types.items():
-            if not isinstance(data.get(key), kind) or isinstance(data.get(key), bool):
-                raise ResumeError(f"{path}: field {key!r} is missing or not a {kind.__name__}; delete it to start over")
+            if not _valid(key, data.get(key), kind):
+                raise ResumeError(
+                    f"{path}: unusable state file: field {key!r} is missing or not a {_what(key, kind)}; "
+                    "delete it to start over"
+                )
         if not isinstance(data.get("meta"), dict):
-            raise ResumeError(f"{path}: field 'meta' is missing or not an object; delete it to start over")
+            raise ResumeError(
+                f"{path}: unusable state file: field 'meta' is missing or not an object; delete it to start over"
+            )
         finished = data.get("finished")
         if finished is not None:
             kinds = {"output_bytes": int, "output_checksum": str, "repeated_ids": int, "ids_repeated": int}
             if not isinstance(finished, dict) or any(
-                not isinstance(finished.get(key), kind) or isinstance(finished.get(key), bool)
-                for key, kind in kinds.items()
+                not _valid(key, finished.get(key), kind) for key, kind in kinds.items()
             ):
-                raise ResumeError(f"{path}: field 'finished' is not a finished run's record; delete it to start over")
+                raise ResumeError(
+                    f"{path}: unusable state file: field 'finished' is not a finished run's record; "
+                    "delete it to start over"
+                )
             finished = Finished(**{key: finished[key] for key in kinds})
         return cls(**{key: data[key] for key in (*types, "meta")}, finished=finished)
 
@@ -294,6 +311,24 @@ class Checkpoint:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         _fsync(path.parent)
+
+
+def _valid(key: str, value: Any, kind: type) -> bool:
+    """Whether a state file's field holds what this version writes there: counts are whole numbers
+    >= 0, checksums ``sha256:`` and 64 hex digits (a hand-edited state must not be half-trusted)."""
+    if not isinstance(value, kind) or isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return value >= 0
+    if isinstance(value, str) and key.endswith("_checksum"):
+        return _CHECKSUM.fullmatch(value) is not None
+    return True
+
+
+def _what(key: str, kind: type) -> str:
+    if kind is int:
+        return "whole number >= 0"
+    return "sha256 checksum" if key.endswith("_checksum") else kind.__name__
 
 
 def _state_tmp(state: Path) -> Path:
@@ -355,8 +390,9 @@ class RewardWriter:
             raise TypeError(f"the record of id {row_id!r} cannot be written as JSON: {exc}") from exc
         try:
             f.write(line)
-            if row_id is not None and self._ids is not None:
-                self._ids.write(_id_hash(row_id))
+            counted = _id_hash(row_id)
+            if counted is not None and self._ids is not None:
+                self._ids.write(counted)
         except OSError as exc:
             raise self._failed(self.partial, exc) from exc
         self._hash.update(line)
@@ -420,9 +456,9 @@ class RewardWriter:
             data.seek(0)
             if self._ids is not None:
                 for line in islice(data, checkpoint.rows_done):
-                    row_id = orjson.loads(line)["id"]
-                    if row_id is not None:
-                        self._ids.write(_id_hash(row_id))
+                    counted = _id_hash(orjson.loads(line)["id"])
+                    if counted is not None:
+                        self._ids.write(counted)
             data.seek(checkpoint.output_bytes)
         except OSError as exc:
             raise self._failed(self.partial, exc) from exc
@@ -524,8 +560,15 @@ def _output_tmp(output: Path) -> Path:
     return output.with_name(output.name + ".tmp")
 
 
-def _id_hash(row_id: Any) -> bytes:
-    return hashlib.blake2b(orjson.dumps(row_id), digest_size=ID_HASH_BYTES).digest()
+def _id_hash(row_id: Any) -> bytes | None:
+    """The hash an id is counted by; None for an id written as null (None, and NaN or infinity, as orjson writes them).
+
+    Keys are sorted: ``{"a": 1, "b": 2}`` and ``{"b": 2, "a": 1}`` are one id, as they are one JSON object.
+    """
+    encoded = orjson.dumps(row_id, option=orjson.OPT_SORT_KEYS)
+    if encoded == b"null":
+        return None
+    return hashlib.blake2b(encoded, digest_size=ID_HASH_BYTES).digest()
 
 
 def _file_checksum(path: Path) -> str:
@@ -699,16 +742,21 @@ def open_run(
 
     Fresh: the reader starts at the first row. Resumed: the writer is restored from its state,
     the reader skips the rows already done, and the run is refused (:class:`ResumeError`) if
-    those rows differ from the ones the interrupted run read. Both are closed on exit; the run is
-    complete only once the caller has called ``writer.finish()``. The run holds ``OUT.lock`` all
-    along: a second run for the same output is refused (:class:`OutputError`) while it does.
+    those rows differ from the ones the interrupted run read; if the run had already finished
+    (``writer.already_finished``), the reader has nothing left to read and the input is not
+    opened. Both are closed on exit; the run is complete only once the caller has called
+    ``writer.finish()``. The run holds ``OUT.lock`` all along: a second run for the same output
+    is refused (:class:`OutputError`) while it does.
     """
     with contextlib.ExitStack() as stack:
         stack.enter_context(_exclusive(Path(output)))
         if resume:
             writer = stack.enter_context(open_output(output, input_path=input_path, resume=True))
-            rows = stack.enter_context(open_rows(input_path, start=writer.rows_written))
-            writer.check_input(rows)
+            if writer.already_finished:  # only the cleanup is left: the input is neither needed nor read
+                rows = RowReader.done(input_path, writer.rows_written)
+            else:
+                rows = stack.enter_context(open_rows(input_path, start=writer.rows_written))
+                writer.check_input(rows)
         else:
             rows = stack.enter_context(open_rows(input_path))
             writer = stack.enter_context(open_output(output, input_path=input_path, resume=False))

@@ -23,7 +23,9 @@ batch at a time, and only the current row (or batch) is ever held.
 **Checksum.** A resumed run must refuse an input that changed under it, so the reader keeps a
 running sha256 of what it has consumed; :meth:`RowReader.checksum` is that digest through the
 rows read so far. For JSON Lines it is the sha256 of the file's bytes up to the end of the last
-row's line (blank lines before it included), i.e. literally what was read. For Parquet, whose
+row's line (blank lines before it included, blank lines after it not): reading on to the end of
+the file, as the last short chunk does, must not change it, since a resume skipping those rows
+stops right after the last one. For Parquet, whose
 bytes depend on the writer, it is the sha256 of the rows' values: each row's four values, as read
 and before any JSON-text decoding, encoded as one orjson array.
 """
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from itertools import islice
@@ -105,9 +108,24 @@ class RowReader:
     far, skipped ones included; :meth:`checksum` covers exactly those rows.
     """
 
+    _raw: Iterator[tuple[int, Any]]
+
     def __init__(self, path: Path, *, start: int = 0) -> None:
         if isinstance(start, bool) or not isinstance(start, int) or start < 0:
             raise ValueError(f"start must be a whole number >= 0, got {start!r}")
+        self._empty(path)
+        try:
+            self._raw = self._open_jsonl() if self.unit == "line" else self._open_parquet()
+            # Skipping happens now, not on the first next(), so checksum() covers the skipped rows
+            # as soon as the reader exists: that is what a resume compares against its state.
+            for _ in islice(self._raw, start):
+                pass
+        except BaseException:
+            self.close()
+            raise
+
+    def _empty(self, path: Path) -> None:
+        """Set up a reader of ``path`` that has read nothing and opened nothing."""
         suffix = path.suffix.lower()
         if suffix in JSONL_SUFFIXES:
             self.unit: Unit = "line"
@@ -119,17 +137,22 @@ class RowReader:
         self.path = path
         self.rows_read = 0
         self._hash = hashlib.sha256()
+        self._through_last_row: hashlib._Hash | None = None  # _hash at the last row, while blank lines follow
         self._file: BinaryIO | None = None
         self._parquet: pq.ParquetFile | None = None
-        try:
-            self._raw = self._open_jsonl() if self.unit == "line" else self._open_parquet()
-            # Skipping happens now, not on the first next(), so checksum() covers the skipped rows
-            # as soon as the reader exists: that is what a resume compares against its state.
-            for _ in islice(self._raw, start):
-                pass
-        except BaseException:
-            self.close()
-            raise
+        self._raw = iter(())
+
+    @classmethod
+    def done(cls, path: str | Path, rows_read: int) -> RowReader:
+        """A reader past the last of ``rows_read`` rows that never opens ``path``: nothing is left to read.
+
+        For a run that had already finished: completing its cleanup must not need the input, which
+        may have been edited or moved since. Its :meth:`checksum` covers nothing.
+        """
+        reader = cls.__new__(cls)
+        reader._empty(Path(path))
+        reader.rows_read = rows_read
+        return reader
 
     def _fail(self, number: int, reason: str) -> InputError:
         return InputError(self.path, reason, unit=self.unit, number=number)
@@ -146,9 +169,13 @@ class RowReader:
         number = 0
         for line in file:
             number += 1
-            self._hash.update(line)
             if line.isspace():
+                if self._through_last_row is None:
+                    self._through_last_row = self._hash.copy()
+                self._hash.update(line)
                 continue
+            self._hash.update(line)
+            self._through_last_row = None
             self.rows_read += 1
             yield number, line
 
@@ -192,6 +219,9 @@ class RowReader:
             if missing:
                 raise self._fail(number, f"missing field(s) {', '.join(map(repr, missing))} (a row needs {FIELDS})")
             row_id, environment, task, trajectory = (data[name] for name in FIELDS)
+            if isinstance(row_id, float) and _written_as_integer(raw):
+                reason = f"'id' {_id_text(raw)}: an integer id must fit in 64 bits; write it as a string"
+                raise self._fail(number, reason)
         else:
             row_id, environment, task, trajectory = raw
             if isinstance(task, str):
@@ -210,7 +240,8 @@ class RowReader:
 
     def checksum(self) -> str:
         """``sha256:<hex>`` of the rows consumed so far (see the module docstring)."""
-        return f"sha256:{self._hash.hexdigest()}"  # hexdigest() leaves the running hash as it was
+        done = self._hash if self._through_last_row is None else self._through_last_row
+        return f"sha256:{done.hexdigest()}"  # hexdigest() leaves the running hash as it was
 
     def __iter__(self) -> Self:
         return self
@@ -234,6 +265,24 @@ class RowReader:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def _written_as_integer(line: bytes) -> bool:
+    """Whether the row's ``id``, which orjson read as a float, is an integer in the text.
+
+    orjson reads integers from -2**63 to 2**64 - 1 exactly and any other as a float: two different
+    wider ids could then be written as one float. The standard parser keeps every integer, so it
+    tells which it was; it runs only for float ids, which are rare.
+    """
+    try:
+        return isinstance(json.loads(line).get("id"), int)
+    except (ValueError, RecursionError):
+        return False
+
+
+def _id_text(line: bytes) -> str:
+    text = str(json.loads(line)["id"])
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-10:]}"
 
 
 def _invalid_json(line: bytes, number: int, exc: orjson.JSONDecodeError) -> str:

@@ -30,6 +30,7 @@ from cli_support import (
     RUN_TIMEOUT,
     Workspace,
     child_env,
+    engine_command,
     finish_steps,
     kill_at_step,
     make_workspace,
@@ -387,6 +388,38 @@ def test_resume_against_a_changed_input_is_refused(space: Workspace, small_refer
     assert out.read_bytes() == small_reference
 
 
+EDITED_META: dict[str, Any] = {  # meta.verifiers of a hand-edited state, or another field of it
+    "verifiers a list": {"verifiers": []},
+    "verifiers not objects": {"verifiers": {"plugin:x": 3}},
+    "totals missing a key": {"verifiers": {"plugin:x": {"kind": "plugin"}}},
+    "a count as text": None,  # the run's own totals with items as text: set below
+    "latency with a bad bucket": None,
+}
+
+
+@pytest.mark.parametrize("case", [*EDITED_META, "output_bytes -5"])
+def test_a_hand_edited_state_is_refused_as_unusable(space: Workspace, case: str) -> None:
+    inp = write_rows(space.root / "in.jsonl", rows(SMALL, poison=[BAD_LINE - 1]))
+    out = space.root / "rewards.jsonl"
+    assert space.score(inp, out, *chunk_args()).returncode == 1
+    state = state_of(out)
+    (key, totals), = state["meta"]["verifiers"].items()
+    if case == "output_bytes -5":
+        state["output_bytes"] = -5
+    elif case == "a count as text":
+        state["meta"]["verifiers"][key] = {**totals, "items": str(totals["items"])}
+    elif case == "latency with a bad bucket":
+        state["meta"]["verifiers"][key] = {**totals, "latency": {"fast": 1}}
+    else:
+        state["meta"] = EDITED_META[case]
+    state_path(out).write_bytes(orjson.dumps(state))
+    refused = space.score(inp, out, *chunk_args(), "--resume")
+    assert refused.returncode == EXIT_BAD_INPUT, refused.stderr
+    line = one_error_line(refused.stderr)
+    assert f"{state_path(out)}: unusable state file: " in line and line.endswith("; delete it to start over"), line
+    assert not lock_path(out).exists()
+
+
 def test_a_fresh_run_over_an_interrupted_one_is_refused(space: Workspace) -> None:
     inp = write_rows(space.root / "in.jsonl", rows(SMALL, poison=[BAD_LINE - 1]))
     out = space.root / "rewards.jsonl"
@@ -456,6 +489,54 @@ def test_a_run_killed_after_its_output_is_complete_resumes_with_exit_0(space: Wo
     assert out.read_bytes() == reference.read_bytes()
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tail", [b"\n", b"\n  \n\t", b"no final newline", b"parquet"], ids=repr)
+def test_a_run_killed_while_finishing_an_input_with_a_tail_resumes(space: Workspace, tail: bytes) -> None:
+    """The last, short chunk reads to the end of the input: its checkpoint must be one a resume agrees with."""
+    count = SMALL + 7  # not a multiple of the chunk size
+    fmt = "parquet" if tail == b"parquet" else "jsonl"
+    inp = write_rows(space.root / f"in.{fmt}", rows(count))
+    if tail == b"no final newline":
+        inp.write_bytes(inp.read_bytes()[:-1])
+    elif fmt == "jsonl":
+        inp.write_bytes(inp.read_bytes() + tail)
+    reference = space.root / "reference.jsonl"
+    ok(space.score(inp, reference, *chunk_args()))
+
+    out = space.root / "out" / "rewards.jsonl"
+    kill_at_step(start_traced(space, inp, out, 1), 1)  # before anything of finishing: the last checkpoint is all
+    assert state_of(out)["rows_done"] == count and "finished" not in state_of(out)
+    resumed = ok(space.score(inp, out, *chunk_args(), "--resume"))
+    assert f"{count:,} rewards written" in resumed.stdout
+    assert out.read_bytes() == reference.read_bytes()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("change", ["edited", "moved"])
+def test_a_run_killed_after_its_rename_completes_without_its_input(space: Workspace, change: str) -> None:
+    """Only the cleanup is left: the input, since edited or moved away, is not needed for it."""
+    inp = write_rows(space.root / "in.jsonl", rows(SMALL))
+    reference = space.root / "reference" / "rewards.jsonl"
+    traced = start_traced(space, inp, reference, 0)
+    _, stderr = traced.communicate(timeout=RUN_TIMEOUT)
+    assert traced.returncode == 0, stderr
+    steps = finish_steps(stderr)
+    renamed = next(i for i, step in enumerate(steps, 1) if step == f"replace rewards.jsonl.partial -> {reference.name}")
+
+    out = space.root / "out" / "rewards.jsonl"
+    kill_at_step(start_traced(space, inp, out, renamed + 1), renamed + 1)
+    assert out.read_bytes() == reference.read_bytes() and state_path(out).exists()
+    if change == "edited":
+        write_rows(inp, rows(SMALL + 5)[5:])
+    else:
+        inp.rename(space.root / "elsewhere.jsonl")
+
+    resumed = ok(space.score(inp, out, *chunk_args(), "--resume"))
+    assert f"the run had already finished: {out} was complete" in resumed.stdout
+    assert out.read_bytes() == reference.read_bytes()
+    assert sorted(p.name for p in out.parent.iterdir()) == [out.name]
+
+
 # --- a full disk, SIGTERM and an early Ctrl-C ---------------------------------------------------
 
 FILE_SIZE_LIMIT = 60_000  # bytes: RLIMIT_FSIZE, so the partial file (~180 bytes a row) fails around row 330
@@ -490,6 +571,93 @@ def test_a_full_disk_stops_with_exit_3_and_one_line_and_resume_continues(space: 
     assert sorted(p.name for p in out.parent.iterdir()) == [out.name]
 
 
+@pytest.mark.parametrize("resume", [False, True], ids=["fresh", "resume"])
+def test_a_disk_full_when_the_run_starts_stops_with_exit_3_and_one_line(space: Workspace, resume: bool) -> None:
+    """Not even the lock file's pid can be written (RLIMIT_FSIZE 0: EFBIG, as ENOSPC would be)."""
+    inp = write_rows(space.root / "in.jsonl", rows(SMALL, poison=[BAD_LINE - 1]))
+    out = space.root / "rewards.jsonl"
+    if resume:
+        assert space.score(inp, out, *chunk_args()).returncode == 1  # leaves a checkpoint to resume
+    kept = state_path(out).read_bytes() if resume else None
+    full = subprocess.run(
+        [sys.executable, "-c", LIMITED.format(limit=0), "score", str(inp), "-o", str(out),
+         "--config", str(space.config), *chunk_args(), *(["--resume"] if resume else [])],
+        cwd=space.root, env=child_env(None), capture_output=True, text=True, timeout=RUN_TIMEOUT, check=False,
+    )  # fmt: skip
+    assert full.returncode == EXIT_IO, full.stderr
+    assert one_error_line(full.stderr).startswith(f"error: cannot write {lock_path(out)}: File too large; ")
+    assert not lock_path(out).exists() and not out.exists()
+    assert (state_path(out).read_bytes() if resume else None) == kept
+    if not resume:
+        assert not state_path(out).exists() and not partial_path(out).exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only (0o555) directory all the same")
+def test_a_read_only_output_directory_is_a_write_error(space: Workspace) -> None:
+    inp = write_rows(space.root / "in.jsonl", rows(10))
+    folder = space.root / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    try:
+        refused = space.score(inp, folder / "rewards.jsonl")
+    finally:
+        folder.chmod(0o755)
+    assert refused.returncode == EXIT_IO, refused.stderr
+    assert one_error_line(refused.stderr).startswith(f"error: cannot write {lock_path(folder / 'rewards.jsonl')}: ")
+
+
+SIGNALLED = {  # how a run is stopped: the signal, how many times at once, whether SIGINT is ignored, the exit status
+    "SIGTERM, SIGINT ignored": (signal.SIGTERM, 1, True, EXIT_TERMINATED),  # a background job of a script, nohup
+    "SIGTERM twice": (signal.SIGTERM, 2, False, EXIT_TERMINATED),
+    "SIGTERM twice, SIGINT ignored": (signal.SIGTERM, 2, True, EXIT_TERMINATED),
+    "Ctrl-C twice": (signal.SIGINT, 2, False, EXIT_INTERRUPTED),
+}
+BUSY_ROWS = 40_000  # tens of thousands of rows a second on a free machine: still going when stopped
+BUSY_CHUNK = 100
+GAPS = (0.0, 0.005, 0.01, 0.02, 0.04)  # seconds between a second signal and the first: not a bound, a spread
+ATTEMPTS = len(GAPS)  # the signal lands wherever the run is: in a task group, a worker thread's hand-over, the loop
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", SIGNALLED)
+def test_a_signal_stops_a_run_with_one_line_however_it_lands(space: Workspace, how: str) -> None:
+    signum, times, sigint_ignored, status = SIGNALLED[how]
+    # Many fast rows: the main thread is busy in the engine's task groups, not waiting, when a signal lands.
+    inp = write_rows(space.root / "in.jsonl", rows(BUSY_ROWS))
+    reference = space.root / "reference.jsonl"
+    ok(space.score(inp, reference, *chunk_args(BUSY_CHUNK)))
+
+    for attempt in range(ATTEMPTS):
+        out = space.root / str(attempt) / "rewards.jsonl"
+        command = engine_command("score", inp, "-o", out, "--config", space.config, *chunk_args(BUSY_CHUNK))
+        if sigint_ignored:  # as a shell starts a background job: SIGINT ignored, inherited through exec
+            command = ["sh", "-c", 'trap "" INT; exec "$0" "$@"', *command]
+        process = subprocess.Popen(
+            command, cwd=space.root, env=child_env(None),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            wait_for_rows_done(out, BUSY_CHUNK * (1 + attempt % 3), process)
+            process.send_signal(signum)
+            if times == 2:  # the second while the run unwinds from the first: at once, or a little later
+                time.sleep(GAPS[attempt])
+                process.send_signal(signum)
+            _, stderr = process.communicate(timeout=RUN_TIMEOUT)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.communicate(timeout=RUN_TIMEOUT)
+        assert process.returncode == status, (attempt, stderr)
+        line = one_error_line(stderr)
+        said = "error: terminated (SIGTERM); " if status == EXIT_TERMINATED else "error: interrupted (Ctrl-C); "
+        assert line.startswith(said), line
+        assert not lock_path(out).exists()
+        again = ["--resume"] if "--resume" in line else []
+        ok(space.score(inp, out, *chunk_args(BUSY_CHUNK), *again))
+        assert out.read_bytes() == reference.read_bytes(), (attempt, line)
+
+
 def signal_handlers(pid: int) -> int:
     """The mask of signals process ``pid`` catches (``SigCgt`` in /proc/PID/status); 0 once it is gone."""
     try:
@@ -512,12 +680,14 @@ def reached(process: subprocess.Popen[str], moment: str) -> bool:
         return True
     if moment == "importing the engine":
         return maps_pyarrow(process.pid)
-    return bool(signal_handlers(process.pid) & 1 << (signal.SIGTERM - 1))
+    # SIGTERM is caught from the start (engine/__main__.py), so "in main" is reached once the import is
+    # well under way (pyarrow loaded); the delays after it reach into main.
+    return maps_pyarrow(process.pid) and bool(signal_handlers(process.pid) & 1 << (signal.SIGTERM - 1))
 
 
 EARLY = [  # when the Ctrl-C is sent: the moment the process reaches, then a delay in seconds
     ("importing the engine", 0.0),  # pyarrow is being loaded: the CLI is still being imported
-    ("in main", 0.0),  # the CLI's own SIGTERM handler is installed: reading the config comes next
+    ("in main", 0.0),  # the import is well under way: reading the config comes soon
     ("in main", 0.05),
     ("in main", 0.1),
     ("in main", 0.2),
@@ -527,28 +697,31 @@ EARLY = [  # when the Ctrl-C is sent: the moment the process reaches, then a del
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_an_early_ctrl_c_exits_130_with_one_line_and_the_run_goes_on(space: Workspace) -> None:
+@pytest.mark.parametrize("stop", ["Ctrl-C", "SIGTERM"])
+def test_an_early_signal_exits_with_one_line_and_the_run_goes_on(space: Workspace, stop: str) -> None:
+    signum, status = STOPS[stop]
+    said = "error: interrupted (Ctrl-C)" if signum == signal.SIGINT else "error: terminated (SIGTERM)"
     inp = write_rows(space.root / "in.jsonl", rows(SMALL))
     reference = space.root / "reference.jsonl"
     ok(space.score(inp, reference, *chunk_args()))
     space.write_config(f'[refs."{PLUGIN_ENV}/verify:score"]\nmax_concurrency = 1\n')  # a slow run: still going
 
-    for moment, delay in EARLY:
+    for moment, delay in EARLY if signum == signal.SIGINT else EARLY[:3]:
         out = space.root / f"{moment.replace(' ', '-')}-{delay}" / "rewards.jsonl"
         slow = knobs(space.root / "calls.log", sleep=0.02)
         process = space.start("score", inp, "-o", out, "--config", space.config, *chunk_args(), env=slow)
         try:
             wait_until(partial(reached, process, moment), message=f"the run never reached {moment!r}")
             time.sleep(delay)
-            process.send_signal(signal.SIGINT)
+            process.send_signal(signum)
             _, stderr = process.communicate(timeout=RUN_TIMEOUT)
         finally:
             if process.poll() is None:
                 process.kill()
                 process.communicate(timeout=RUN_TIMEOUT)
-        assert process.returncode == EXIT_INTERRUPTED, (moment, delay, stderr)
+        assert process.returncode == status, (moment, delay, stderr)
         line = one_error_line(stderr)
-        assert line.startswith("error: interrupted (Ctrl-C)"), line
+        assert line.startswith(said), line
         assert not out.exists() and not lock_path(out).exists()
         # The line says how to go on; doing what it says completes the run.
         again = ["--resume"] if "--resume" in line else []

@@ -376,12 +376,38 @@ def test_resume_refused_when_the_partial_file_changed(tmp_path: Path, damage: st
         pass
 
 
+def edited_state(**changes: Any) -> bytes:
+    """A state file as a run writes it, with ``changes`` (``finished__KEY`` for a key of the finished record)."""
+    checksum = "sha256:" + "0" * 64
+    finished = {"output_bytes": 10, "output_checksum": checksum, "repeated_ids": 0, "ids_repeated": 0}
+    state = {"format": STATE_FORMAT, "input": "x", "rows_done": 3, "input_checksum": checksum,
+             "output_bytes": 10, "output_checksum": checksum, "meta": {}, "finished": finished}  # fmt: skip
+    for key, value in changes.items():
+        if key.startswith("finished__"):
+            finished[key.removeprefix("finished__")] = value
+        else:
+            state[key] = value
+    return orjson.dumps(state)
+
+
+EDITED_STATES = [  # hand-edited states the loader must refuse, not half-trust
+    edited_state(output_bytes=-5),
+    edited_state(rows_done=-1),
+    edited_state(output_checksum="sha256:abc"),
+    edited_state(input_checksum="md5:" + "0" * 64),
+    edited_state(finished__output_bytes=-1),
+    edited_state(finished__repeated_ids=-2),
+    edited_state(finished__output_checksum="x"),
+]
+
+
 @pytest.mark.parametrize(
     ("content", "expected"),
     [
         (b"{not json", "unreadable state file"),
         (b'{"format": "something-else/9"}', "not a state file this version can resume"),
         (orjson.dumps({"format": STATE_FORMAT, "input": "x"}), "field 'rows_done' is missing"),
+        *[(state, "unusable state file: field") for state in EDITED_STATES],
     ],
 )
 def test_resume_refused_with_a_bad_state_file(tmp_path: Path, content: bytes, expected: str) -> None:
@@ -636,3 +662,23 @@ def test_repeated_ids_are_counted_exactly_in_buckets(tmp_path: Path, fmt: str) -
     repeats = [i for i in range(distinct, n) if i % 1000]  # rows with an id an earlier row had
     assert writer.finished.repeated_ids == len(repeats)
     assert writer.finished.ids_repeated == len({i % distinct for i in repeats})
+
+
+@pytest.mark.parametrize("interrupted_at", [None, 3], ids=["one run", "resumed"])
+def test_repeated_ids_count_json_equal_ids_as_one_and_null_written_ids_as_none(
+    tmp_path: Path, fmt: str, interrupted_at: int | None
+) -> None:
+    """An object id is one id whatever its keys' order; NaN and infinity are written as null: no id, no repeat."""
+    inp, out = write_input(tmp_path / "in.jsonl", 1), tmp_path / f"rewards.{fmt}"
+    ids: list[Any] = [{"a": 1, "b": 2}, math.nan, None, {"b": 2, "a": 1}, math.nan, math.inf, -math.inf, "x", "x"]
+    writer = open_output(out, input_path=inp, resume=False)
+    for n, row_id in enumerate(ids):
+        if n == interrupted_at:  # checkpointed, then stopped: the resume rebuilds the ids from the partial file
+            writer.checkpoint(n, EMPTY_CHECKSUM)
+            writer.close()
+            writer = open_output(out, input_path=inp, resume=True)
+        writer.write(row_id, 0.5, VERIFIER)
+    writer.finish()
+    assert writer.finished is not None
+    assert (writer.finished.repeated_ids, writer.finished.ids_repeated) == (2, 2)  # the object once, "x" once
+    assert [r.id for r in read_rewards(out)][1:3] == [None, None]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -400,3 +401,51 @@ def test_checksum_is_stable_and_changes_with_a_read_row(tmp_path: Path, fmt: str
 
     if fmt == "parquet":  # values, not bytes: a differently laid-out file of the same rows hashes alike
         assert checksums(write("d", data, row_group_size=3), 8) == first
+
+
+TAILS = {  # what may follow the last row of a JSON Lines file
+    "blank lines": b"\n\n",
+    "whitespace-only lines": b"  \n\t\r\n   ",
+    "no final newline": None,
+}
+
+
+@pytest.mark.parametrize("tail", TAILS, ids=list(TAILS))
+@pytest.mark.parametrize("chunk", [2, 3, 5])
+def test_reading_past_the_last_row_leaves_the_checksum_a_resume_gets(tmp_path: Path, tail: str, chunk: int) -> None:
+    """The last short chunk reads to the end of the file: what it checkpoints, skipping those rows must give."""
+    path = write_jsonl(tmp_path / "in.jsonl", rows_data(5))
+    ending = TAILS[tail]
+    path.write_bytes(path.read_bytes()[:-1] if ending is None else path.read_bytes() + ending)
+    with open_rows(path) as rows:
+        checkpoints = []
+        while list(islice(rows, chunk)):  # as engine.backfill reads it
+            checkpoints.append((rows.rows_read, rows.checksum()))
+    assert checkpoints[-1][0] == 5
+    for done, checksum in checkpoints:
+        with open_rows(path, start=done) as skipped:
+            assert (skipped.rows_read, skipped.checksum()) == (done, checksum)
+    data = path.read_bytes()
+    end = data.rindex(b"}") + 1  # the end of the last row's line, its newline included if it has one
+    end += data[end : end + 1] == b"\n"
+    assert checkpoints[-1][1] == "sha256:" + hashlib.sha256(data[:end]).hexdigest()
+
+
+def test_an_integer_id_orjson_cannot_keep_exact_is_refused_by_its_line(tmp_path: Path) -> None:
+    """orjson reads -2**63 .. 2**64 - 1 exactly and a wider integer as a float: two ids would become one."""
+    exact = [2**63 - 1, 2**63, 2**64 - 1, -(2**63), 1.5e29, 12.0]  # the floats were written as floats
+    base = rows_data(1)[0]
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"".join(orjson.dumps({**base, "id": value}) + b"\n" for value in exact))
+    with open_rows(path) as rows:
+        read = [row.id for row in rows]
+    assert read == exact and [type(v) for v in read] == [type(v) for v in exact]
+
+    for wide in (2**64, -(2**63) - 1, 123456789012345678901234567890):
+        line = orjson.dumps({**base, "id": "X"}).replace(b'"X"', str(wide).encode())
+        path.write_bytes(orjson.dumps(base) + b"\n\n" + line + b"\n")
+        with open_rows(path) as rows, pytest.raises(InputError) as info:
+            list(rows)
+        assert (info.value.unit, info.value.number) == ("line", 3)
+        assert "an integer id must fit in 64 bits; write it as a string" in str(info.value)
+        assert str(wide)[:15] in str(info.value)
