@@ -74,9 +74,9 @@ async def test_a_chunk_holds_items_of_several_lanes_apart(config: EngineConfig) 
     [
         ("raise", "raised ArithmeticError: cannot score item 13577"),
         ("nan", "returned nan, which is not a finite number"),
-        ("none", "returned None (NoneType), which is not a number"),
-        ("text", "returned 'high' (str), which is not a number"),
-        ("numeric_text", "returned '0.5' (str), which is not a number"),  # an extracted answer is not a score
+        ("none", "returned None (NoneType), which is not a real number"),
+        ("text", "returned 'high' (str), which is not a real number"),
+        ("numeric_text", "returned '0.5' (str), which is not a real number"),  # an extracted answer is not a score
     ],
 )
 async def test_a_failure_inside_a_chunk_names_its_item(config: EngineConfig, mode: str, reason: str) -> None:

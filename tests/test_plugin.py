@@ -129,10 +129,10 @@ async def test_sys_exit_in_a_plugin_fails_the_item_not_the_process(config: Engin
 @pytest.mark.parametrize(
     ("mode", "reason"),
     [
-        ("none", "returned None (NoneType), which is not a number"),
-        ("text", "returned 'high' (str), which is not a number"),
-        ("numeric_text", "returned '0.75' (str), which is not a number"),
-        ("list", "returned [1.0] (list), which is not a number"),
+        ("none", "returned None (NoneType), which is not a real number"),
+        ("text", "returned 'high' (str), which is not a real number"),
+        ("numeric_text", "returned '0.75' (str), which is not a real number"),
+        ("list", "returned [1.0] (list), which is not a real number"),
         ("nan", "returned nan, which is not a finite number"),
         ("inf", "returned inf, which is not a finite number"),
     ],
@@ -150,9 +150,14 @@ import decimal
 import fractions
 
 
-class Raising:
+class Raising(float):  # a real number (a float) whose own __float__ raises
     def __float__(self):
         raise RuntimeError("no float for you")
+
+
+class Text(str):  # text that float() would read as 1.0
+    def __float__(self):
+        return 1.0
 
 
 VALUES = {
@@ -160,7 +165,7 @@ VALUES = {
     "fraction": lambda: fractions.Fraction(1, 4), "text": lambda: "42", "bytes": lambda: b"1",
     "bytearray": lambda: bytearray(b"1"), "complex": lambda: 1 + 0j, "huge_int": lambda: 10**400,
     "huge_fraction": lambda: fractions.Fraction(10**400, 3), "huge_decimal": lambda: decimal.Decimal("1e400"),
-    "raising": Raising,
+    "raising": Raising, "str_float": lambda: Text("wrong"),
 }
 
 
@@ -168,7 +173,11 @@ def value(mode):
     if mode.startswith("numpy"):
         import numpy
 
-        return {"numpy_float": numpy.float32(0.25), "numpy_int": numpy.int64(1), "numpy_bool": numpy.bool_(True)}[mode]
+        return {
+            "numpy_float": numpy.float32(0.25), "numpy_int": numpy.int64(1), "numpy_bool": numpy.bool_(True),
+            "numpy_str": numpy.str_("0.75"), "numpy_bytes": numpy.bytes_(b"1"), "numpy_0d": numpy.array("0.25"),
+            "numpy_complex": numpy.complex128(0.3 + 0.9j),
+        }[mode]
     return VALUES[mode]()
 """
 SYNC_SCORE = "\n\ndef score(task, trajectory):\n    return value(task.get('mode', 'float'))\n"
@@ -185,14 +194,22 @@ def returns_env(envs: Path, executor: str) -> str:
 
 EXECUTORS = ["thread", "async", "process"]
 NOT_NUMBERS = [
-    ("text", "returned '42' (str), which is not a number"),
-    ("bytes", "returned b'1' (bytes), which is not a number"),
-    ("bytearray", "returned bytearray(b'1') (bytearray), which is not a number"),
-    ("complex", "returned (1+0j) (complex), which is not a number"),
+    ("text", "returned '42' (str), which is not a real number"),
+    ("bytes", "returned b'1' (bytes), which is not a real number"),
+    ("bytearray", "returned bytearray(b'1') (bytearray), which is not a real number"),
+    ("complex", "returned (1+0j) (complex), which is not a real number"),
     ("huge_int", "which is too large for a float"),
     ("huge_fraction", "which is too large for a float"),
     ("huge_decimal", "returned Decimal('1E+400'), which is not a finite number"),
     ("raising", "(Raising), whose float() raised RuntimeError('no float for you')"),
+    ("str_float", "returned 'wrong' (Text), which is not a real number"),  # was 1.0
+]
+# Each was a reward: 0.75, 1.0, 0.25, 0.3 (the real part)
+NUMPY_NOT_NUMBERS = [
+    ("numpy_str", "returned np.str_('0.75') (str_), which is not a real number"),
+    ("numpy_bytes", "returned np.bytes_(b'1') (bytes_), which is not a real number"),
+    ("numpy_0d", "returned array('0.25', dtype='<U4') (ndarray), which is not a real number"),
+    ("numpy_complex", "returned np.complex128(0.3+0.9j) (complex128), which is not a real number"),
 ]
 
 
@@ -228,6 +245,38 @@ async def test_a_reward_that_is_not_a_real_number_inside_a_chunk_names_its_item(
         assert type(info.value) is VerificationError
         check(info.value, environment=name, ref="verify:score", index=3_777, item_id="bad", reason=reason)
         assert await eng.score(items[:3_000]) == [0.5] * 3_000  # the engine (and its worker) still scores
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize(("mode", "reason"), NUMPY_NOT_NUMBERS, ids=[mode for mode, _ in NUMPY_NOT_NUMBERS])
+async def test_a_numpy_value_that_is_not_a_real_number_fails_its_item(
+    envs: Path, executor: str, mode: str, reason: str
+) -> None:
+    pytest.importorskip("numpy")
+    name = returns_env(envs, executor)
+    items = [item(name, item_id=f"r{n}", mode="float") for n in range(3)]
+    items[1] = item(name, item_id="bad", mode=mode)
+    err = await fails(EngineConfig(environments=envs, allow_unpinned=True), items)
+    check(err, environment=name, ref="verify:score", index=1, item_id="bad", reason=reason)
+
+
+@pytest.mark.timeout(20)  # a worker process starts, and 6,000 calls
+@pytest.mark.parametrize("executor", ["thread", "process"])
+@pytest.mark.parametrize(("mode", "reason"), NUMPY_NOT_NUMBERS, ids=[mode for mode, _ in NUMPY_NOT_NUMBERS])
+async def test_a_numpy_value_that_is_not_a_real_number_inside_a_chunk_names_its_item(
+    envs: Path, executor: str, mode: str, reason: str
+) -> None:
+    """A chunk took them too: its sum in C reads a numpy string as the number it spells."""
+    pytest.importorskip("numpy")
+    name = returns_env(envs, executor)
+    items = [item(name, item_id=f"r{n}", mode="float") for n in range(4_000)]
+    items[2_777] = item(name, item_id="bad", mode=mode)
+    async with engine.Engine(EngineConfig(environments=envs, allow_unpinned=True)) as eng:
+        assert await eng.score(items[:2_000]) == [0.5] * 2_000  # chunks form after this
+        assert eng.verifier_for(eng.environment(name)).chunk_size(4_000) > 1
+        with pytest.raises(VerificationError) as info:
+            await eng.score(items)
+        check(info.value, environment=name, ref="verify:score", index=2_777, item_id="bad", reason=reason)
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)

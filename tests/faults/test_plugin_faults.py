@@ -123,8 +123,8 @@ def plugin(eng: BlockingEngine | Engine, environment: str) -> PluginVerifier:
 
 BAD_CALLS = [
     ("raise", re.escape("raised Boom: the plugin blew up")),
-    ("none", re.escape("returned None (NoneType), which is not a number")),
-    ("text", re.escape("returned 'high' (str), which is not a number")),
+    ("none", re.escape("returned None (NoneType), which is not a real number")),
+    ("text", re.escape("returned 'high' (str), which is not a real number")),
     ("nan", re.escape("returned nan, which is not a finite number")),
     ("inf", re.escape("returned inf, which is not a finite number")),
     ("exit", re.escape("raised SystemExit: 3")),
