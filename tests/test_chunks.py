@@ -39,12 +39,13 @@ async def test_chunks_form_and_rewards_stay_in_order(config: EngineConfig, envs:
     async with engine.Engine(config) as eng:
         await warm(eng)
         result = await eng.run(batch())
+        module = plugin_module(envs, "cheap", "verify.py")  # while the engine is open: closing it forgets its modules
     assert result.rewards == [(n % 7) / 7 for n in range(SIZE)]
     report = result.verifiers[0]
     assert report.items == SIZE
     assert len(report.latencies) < SIZE / 10  # one latency per call: the calls were chunks
     assert report.reward_sum == pytest.approx(sum((n % 7) / 7 for n in range(SIZE)))
-    assert plugin_module(envs, "cheap", "verify.py").calls == 2_000 + SIZE  # every item called once
+    assert module.calls == 2_000 + SIZE  # every item called once
 
 
 async def test_latency_percentiles_are_per_item(config: EngineConfig, envs: Path) -> None:
