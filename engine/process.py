@@ -20,7 +20,8 @@ imports only the engine and the plugin. It
 2. then serves *chunks*: a list of ``(task, trajectory)`` pairs in, one message out: the rewards
    (already checked to be finite floats) and what the calls cost, or the position in the chunk of
    the first item that failed and why. A plugin's exception travels as text (its type, message
-   and traceback): it need not be picklable.
+   and traceback): it need not be picklable. A chunk the worker cannot unpickle (a class of the
+   trainer's ``__main__``) is sent again as items pickled one by one, to name the one that fails.
 
 Before each call the worker writes the item's position and start time to a few bytes shared with
 the engine: the engine's deadline is per item, and when a worker overruns it (it is then killed
@@ -694,8 +695,8 @@ class _Worker:
         if reply[0] == "done":
             return reply[1], reply[2]
         if reply[0] == "raised":
-            _, position, type_name, said, text = reply
-            raise WorkerFailure(f"raised {said}", position, PluginError(type_name, text))
+            _, position, type_name, what, text = reply
+            raise WorkerFailure(f"raised {what}", position, PluginError(type_name, text))
         _, position, reason = reply
         raise WorkerFailure(reason, position)
 
