@@ -258,8 +258,6 @@ def _shown(value: Any) -> str:
     """
     try:
         text = repr(value)
-        if type(text) is not str:
-            raise TypeError
     except KeyboardInterrupt:
         raise
     except BaseException:
