@@ -37,7 +37,7 @@ from typing import Any
 from .digest import Snapshot
 from .errors import describe
 
-__all__ = ["PluginLoadError", "import_from_environment", "load_callable"]
+__all__ = ["PluginLoadError", "forget", "import_from_environment", "load_callable"]
 
 _numbers = itertools.count()
 
@@ -105,6 +105,14 @@ class _EnvironmentFinder(importlib.abc.MetaPathFinder):
             if self not in sys.meta_path:  # on the first plugin import, not when the engine is imported
                 sys.meta_path.insert(0, self)
 
+    def remove(self, snapshot: Snapshot) -> list[str]:
+        """Stop finding modules for the packages imported from ``snapshot``; their names."""
+        with self._lock:
+            packages = [package for package, mine in self.snapshots.items() if mine is snapshot]
+            for package in packages:
+                del self.snapshots[package]
+        return packages
+
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
@@ -144,6 +152,19 @@ def import_from_environment(snapshot: Snapshot, name: str, module: str) -> Any:
     except BaseException:
         sys.modules.pop(package, None)
         raise
+
+
+def forget(snapshot: Snapshot) -> None:
+    """Unregister the private packages imported from ``snapshot``: this finder's entries, and their modules
+    in ``sys.modules``, so an engine that closes leaves neither behind (a trainer may open hundreds).
+
+    Module objects still referenced (by a call still running in an abandoned thread) stay alive; a
+    module they import from then on is not found.
+    """
+    packages = set(_finder.remove(snapshot))
+    if packages:
+        for name in [name for name in list(sys.modules) if name.partition(".")[0] in packages]:
+            sys.modules.pop(name, None)
 
 
 class PluginLoadError(Exception):

@@ -44,6 +44,7 @@ processes), and their deadline is per item.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import functools
 import inspect
@@ -60,10 +61,20 @@ import anyio.to_thread
 from .config import Limits
 from .digest import Snapshot, snapshot_directory
 from .errors import DigestError, VerificationError, describe
-from .importer import PluginLoadError, load_callable
+from .importer import PluginLoadError, forget
 from .manifest import Environment
-from .process import Cost, PluginSpec, WorkerFailure, WorkerPool, default_workers, in_thread, wait_future
-from .verifier import BadItem, MalformedItem, as_rewards, check_reward, private_pair
+from .process import (
+    Cost,
+    PluginSpec,
+    WorkerFailure,
+    WorkerPool,
+    default_workers,
+    in_thread,
+    load_plugin,
+    said,
+    wait_future,
+)
+from .verifier import BadItem, MalformedItem, as_rewards, private_pair
 
 __all__ = ["PluginVerifier"]
 
@@ -77,11 +88,28 @@ PROCESS_CHUNK_SECONDS = 0.05  # work per round trip to a worker process
 MAX_CHUNK = 1 << 18  # items: bounds what one chunk holds (its values and rewards, ~2 MiB of pointers each)
 
 
-def _timed(fn: Callable[..., Any], task: Mapping[str, Any], trajectory: Any) -> tuple[Any, Cost]:
-    """``fn(task, trajectory)`` and what it cost, measured in its thread (no hop, no queue)."""
+def _timed(fn: Callable[..., Any], task: Mapping[str, Any], trajectory: Any) -> tuple[float, Cost]:
+    """The reward ``fn(task, trajectory)`` returns, and what it cost, measured in its thread (no hop, no queue).
+
+    The value becomes a reward here, in the call's thread and within its timeout, as a chunk's do:
+    its ``__float__`` is the plugin's code, which must not run on the event loop. A value that is
+    not a reward raises :class:`BadReward`.
+    """
     started, cpu = perf_counter(), thread_time()
-    value = fn(task, trajectory)
-    return value, (perf_counter() - started, thread_time() - cpu)
+    reward = as_rewards([fn(task, trajectory)])[0]
+    return reward, (perf_counter() - started, thread_time() - cpu)
+
+
+def _ours(exc: BaseException) -> bool:
+    """Whether ``exc``, raised where a plugin's code ran, is not the plugin's failure but must pass:
+    ``KeyboardInterrupt``, or the event loop cancelling this task (a timeout, an abort). A
+    ``CancelledError`` the plugin raised itself, while nothing cancels the task, is its failure."""
+    if isinstance(exc, KeyboardInterrupt):
+        return True
+    if isinstance(exc, asyncio.CancelledError):
+        task = asyncio.current_task()
+        return task is None or task.cancelling() > 0
+    return False
 
 
 def _run_chunk(
@@ -91,6 +119,7 @@ def _run_chunk(
     environment: str,
     step: int,
     wanted: Callable[[], bool],
+    converting: list[int],
 ) -> tuple[list[float], Cost]:
     """Call ``fn`` on each item into ``out`` (runs in a worker thread); the rewards, and what they cost.
 
@@ -99,9 +128,12 @@ def _run_chunk(
     timeout), so an abandoned chunk ends within a step. It stops early, returning fewer rewards,
     at an item of another environment than ``environment`` (the batch was not all one
     environment's). On an exception, ``len(out)`` is the position of the item that raised;
-    :class:`BadItem` names an item that cannot be copied, or a value that is not a reward.
+    :class:`BadItem` names an item that cannot be copied, or a value that is not a reward. Once
+    every call has returned, ``converting[0]`` is the position of the value being made a reward
+    one at a time (its ``__float__`` is the plugin's code, which may overrun the timeout).
     """
     append = out.append
+    at = functools.partial(converting.__setitem__, 0)
     copy, tracked = dict.copy, is_tracked
     started, cpu = perf_counter(), thread_time()
     for start in range(0, len(items), step):
@@ -113,7 +145,7 @@ def _run_chunk(
             except (KeyError, TypeError):
                 raise MalformedItem(len(out)) from None
             if name != environment:
-                return as_rewards(out), (perf_counter() - started, thread_time() - cpu)
+                return as_rewards(out, at), (perf_counter() - started, thread_time() - cpu)
             # each call is handed a task and a trajectory of its own: private_pair, inlined for a text
             # and a task with no container in it (a dict the garbage collector does not track)
             if type(task) is dict and type(trajectory) is str and not tracked(task):
@@ -121,7 +153,7 @@ def _run_chunk(
             else:
                 task, trajectory = private_pair(len(out), task, trajectory)
             append(fn(task, trajectory))
-    return as_rewards(out), (perf_counter() - started, thread_time() - cpu)
+    return as_rewards(out, at), (perf_counter() - started, thread_time() - cpu)
 
 
 class _Abandoned:
@@ -178,10 +210,26 @@ def _is_async(fn: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
-def _pairs(items: Sequence[Mapping[str, Any]], environment: str) -> list[tuple[Mapping[str, Any], Any]]:
-    """The ``(task, trajectory)`` of each item up to the first of another environment.
+def _as_dict(position: int, task: Mapping[str, Any]) -> dict[str, Any]:
+    """A task for a worker process: as a plain dict, as threads are handed it (``private_pair``).
 
-    Raises :class:`MalformedItem` at the first item that has no task or trajectory.
+    Another kind of mapping (a ``MappingProxyType``, a class of the trainer's ``__main__``) may not
+    pickle, or not unpickle in a worker that cannot import its class. Raises :class:`BadItem` if
+    it cannot be read.
+    """
+    if type(task) is dict:
+        return task
+    try:
+        return dict(task.items())
+    except Exception as exc:
+        raise BadItem(position, f"cannot read the item's task: {describe(exc)}") from exc
+
+
+def _pairs(items: Sequence[Mapping[str, Any]], environment: str) -> list[tuple[dict[str, Any], Any]]:
+    """The ``(task, trajectory)`` of each item up to the first of another environment, each task a dict.
+
+    Raises :class:`MalformedItem` at the first item that has no task or trajectory, :class:`BadItem`
+    at the first whose task cannot be read as a dict.
     """
     pairs = []
     for position, item in enumerate(items):
@@ -191,8 +239,10 @@ def _pairs(items: Sequence[Mapping[str, Any]], environment: str) -> list[tuple[M
             raise MalformedItem(position) from None
         if name != environment:
             break
-        if type(task) is not dict and not isinstance(task, Mapping):
-            raise MalformedItem(position)
+        if type(task) is not dict:
+            if not isinstance(task, Mapping):
+                raise MalformedItem(position)
+            task = _as_dict(position, task)
         pairs.append((task, trajectory))
     return pairs
 
@@ -226,6 +276,7 @@ class PluginVerifier:
         self._pool: WorkerPool | None = None  # process executor: created once the digest is vetted
         self._closed = False
         self._import_future: concurrent.futures.Future[tuple[Callable[..., Any] | None, Snapshot]] | None = None
+        self._imported: list[Snapshot] = []  # every snapshot an import was tried from: forgotten at close
         self._chunk = 1  # items per call, adapted to the measured cost of a call
         self._step = 1  # items between a chunk's checks that it is still wanted
         self._serial = False  # whether chunks run one at a time (cheap calls) or in parallel
@@ -278,8 +329,9 @@ class PluginVerifier:
         snapshot = self._check_digest()
         if self._process:
             return None, snapshot
+        self._imported.append(snapshot)
         try:
-            return load_callable(snapshot, self.environment.name, self.ref), snapshot
+            return load_plugin(snapshot, self.environment.name, self.ref), snapshot
         except PluginLoadError as exc:
             raise self._fail(exc.reason) from exc.__cause__
 
@@ -326,9 +378,24 @@ class PluginVerifier:
             except WorkerFailure as exc:
                 raise self._failure(exc) from exc.cause
 
+    def _forget(self) -> None:
+        """Unregister the private packages its imports made (``engine.importer.forget``)."""
+        for snapshot in self._imported:
+            forget(snapshot)
+
     async def aclose(self) -> None:
-        """Stop its worker processes, if it has any (threads cannot be stopped: abandoned ones end on their own)."""
+        """Stop its worker processes, if it has any (threads cannot be stopped: abandoned ones end on their own),
+        and forget its imported module, so an engine's plugin does not outlive it (a trainer may open many).
+
+        A call still running in an abandoned thread keeps the module objects it uses; only the import
+        system's entries go (a sibling module it imports lazily from then on is not found). An import
+        still running is forgotten when it ends.
+        """
         self._closed = True
+        future = self._import_future
+        if future is not None and not future.done():
+            future.add_done_callback(lambda _: self._forget())
+        self._forget()
         pool, self._pool = self._pool, None
         if pool is not None:
             with anyio.CancelScope(shield=True):  # the engine may be closing because its task was cancelled
@@ -370,19 +437,20 @@ class PluginVerifier:
         finally:
             call.give_up()
 
-    async def _call(self, fn: Callable[..., Any], task: Mapping[str, Any], trajectory: Any) -> Any:
-        if self._is_async:
-            return await fn(task, trajectory)
-        value, cost = await self._in_pool_thread(_timed, fn, task, trajectory)
+    async def _call(self, fn: Callable[..., Any], task: Mapping[str, Any], trajectory: Any) -> float:
+        """The reward of one call; :class:`BadReward` if its value is not one."""
+        if self._is_async:  # its value's code (__float__) runs on the loop, as the plugin's own code does
+            return as_rewards([await fn(task, trajectory)])[0]
+        reward, cost = await self._in_pool_thread(_timed, fn, task, trajectory)
         self._measured(cost, 1)
-        return value
+        return reward
 
     def _failure(self, exc: WorkerFailure) -> VerificationError:
         failure = self._fail(exc.reason)
         failure.index = exc.position
         return failure
 
-    async def _in_process(self, pairs: list[tuple[Mapping[str, Any], Any]]) -> list[float]:
+    async def _in_process(self, pairs: Sequence[tuple[Mapping[str, Any], Any]]) -> list[float]:
         """The rewards of ``pairs`` from a worker process, in one round trip."""
         with anyio.move_on_after(self.limits.timeout) as deadline:
             await self._loaded()
@@ -400,6 +468,10 @@ class PluginVerifier:
 
     async def verify(self, task: Mapping[str, Any], trajectory: Any) -> float:
         if self._process:
+            try:
+                task = _as_dict(0, task)
+            except BadItem as exc:
+                raise self._fail(exc.reason) from exc.__cause__
             return (await self._in_process([(task, trajectory)]))[0]
         try:
             task, trajectory = private_pair(0, task, trajectory)
@@ -413,22 +485,24 @@ class PluginVerifier:
             assert fn is not None  # imported
             self._check_abandoned()
             try:
-                value = await self._call(fn, task, trajectory)
-            except (Exception, SystemExit) as exc:  # a plugin's sys.exit() must not end the trainer
-                raise self._fail(f"raised {describe(exc)}") from exc
-        if deadline.cancelled_caught:
-            doing = " importing the module" if importing else ""
-            raise self._fail(f"timed out after {self.limits.timeout:g} s{doing}")
-        try:
-            return check_reward(value)
-        except (TypeError, ValueError) as exc:
-            raise self._fail(str(exc)) from None
+                return await self._call(fn, task, trajectory)
+            except BadItem as exc:  # its value is not a reward
+                raise self._fail(exc.reason) from exc.__cause__
+            except BaseException as exc:  # a plugin's sys.exit(), or any BaseException, must not end the trainer
+                if _ours(exc):
+                    raise
+                raise self._fail(f"raised {said(exc)}") from exc
+        assert deadline.cancelled_caught  # the only way here: the block returns or raises otherwise
+        doing = " importing the module" if importing else ""
+        raise self._fail(f"timed out after {self.limits.timeout:g} s{doing}")
 
     async def _run(
-        self, fn: Callable[..., Any], items: Sequence[Mapping[str, Any]], out: list[Any]
+        self, fn: Callable[..., Any], items: Sequence[Mapping[str, Any]], out: list[Any], converting: list[int]
     ) -> tuple[list[float], Cost]:
         call = self._abandoned.call()
-        runner = functools.partial(call.run, _run_chunk, fn, items, out, self.environment.name, self._step, call.wanted)
+        runner = functools.partial(
+            call.run, _run_chunk, fn, items, out, self.environment.name, self._step, call.wanted, converting
+        )
         try:
             if self._serial:
                 async with self._chunk_lock:
@@ -442,29 +516,37 @@ class PluginVerifier:
 
     async def verify_chunk(self, items: Sequence[Mapping[str, Any]]) -> list[float]:
         if self._process:
-            pairs = _pairs(items, self.environment.name)
+            try:
+                pairs = _pairs(items, self.environment.name)
+            except BadItem as exc:
+                failure = self._fail(exc.reason)
+                failure.index = exc.position
+                raise failure from exc.__cause__
             return await self._in_process(pairs) if pairs else []
         await self._loaded()
         fn = self._fn
         assert fn is not None  # imported
         self._check_abandoned()
         out: list[Any] = []
+        converting = [-1]  # the value being made a reward, once every call has returned
         with anyio.move_on_after(self.limits.timeout) as deadline:
             try:
-                rewards, cost = await self._run(fn, items, out)
+                rewards, cost = await self._run(fn, items, out, converting)
             except MalformedItem:
                 raise
             except BadItem as exc:
                 failure = self._fail(exc.reason)
                 failure.index = exc.position
                 raise failure from None
-            except (Exception, SystemExit) as exc:
-                failure = self._fail(f"raised {describe(exc)}")
+            except BaseException as exc:  # the call at len(out) raised: SystemExit or any other, but ours
+                if _ours(exc):
+                    raise
+                failure = self._fail(f"raised {said(exc)}")
                 failure.index = len(out)
                 raise failure from exc
         if deadline.cancelled_caught:
             failure = self._fail(f"timed out after {self.limits.timeout:g} s")
-            failure.index = len(out)
+            failure.index = converting[0] if converting[0] >= 0 else len(out)
             raise failure
         if rewards:
             self._measured(cost, len(rewards))

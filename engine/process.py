@@ -20,7 +20,8 @@ imports only the engine and the plugin. It
 2. then serves *chunks*: a list of ``(task, trajectory)`` pairs in, one message out: the rewards
    (already checked to be finite floats) and what the calls cost, or the position in the chunk of
    the first item that failed and why. A plugin's exception travels as text (its type, message
-   and traceback): it need not be picklable.
+   and traceback): it need not be picklable. A chunk the worker cannot unpickle (a class of the
+   trainer's ``__main__``) is sent again as items pickled one by one, to name the one that fails.
 
 Before each call the worker writes the item's position and start time to a few bytes shared with
 the engine: the engine's deadline is per item, and when a worker overruns it (it is then killed
@@ -95,6 +96,8 @@ __all__ = [
     "WorkerPool",
     "default_workers",
     "in_thread",
+    "load_plugin",
+    "said",
     "wait_future",
 ]
 
@@ -175,13 +178,34 @@ class WorkerFailure(Exception):
         super().__init__(reason)
 
 
+def said(exc: BaseException) -> str:
+    """What ``describe`` says of a plugin's exception; never raises (its ``__str__`` is the plugin's code)."""
+    try:
+        return describe(exc)
+    except KeyboardInterrupt:
+        raise
+    except BaseException:  # an exception whose __str__ raises, even SystemExit
+        return type(exc).__name__
+
+
 def _described(exc: BaseException) -> tuple[str, str, str]:
     """(type name, what ``describe`` says, the traceback) of a plugin's exception, as plain strings."""
+    return type(exc).__name__, said(exc), "".join(traceback.format_exception(exc))
+
+
+def load_plugin(snapshot: Snapshot, environment: str, ref: str) -> Callable[..., Any]:
+    """:func:`~engine.importer.load_callable`, and whatever else the plugin's code raises on its import
+    or while its callable is looked up (a ``BaseException`` of its own, such as pytest's ``Skipped``
+    or ``func_timeout``'s ``FunctionTimedOut``) a :class:`PluginLoadError` too, the cause chained.
+
+    Only ``KeyboardInterrupt`` passes: it is the user's, not the plugin's.
+    """
     try:
-        said = describe(exc)
-    except Exception:  # an exception whose __str__ raises
-        said = type(exc).__name__
-    return type(exc).__name__, said, "".join(traceback.format_exception(exc))
+        return load_callable(snapshot, environment, ref)
+    except (PluginLoadError, KeyboardInterrupt):
+        raise
+    except BaseException as exc:
+        raise PluginLoadError(f"cannot load {ref!r}: {said(exc)}") from exc
 
 
 # --- the worker process ---
@@ -213,6 +237,9 @@ def _serve_chunk(call: _Call, pairs: Sequence[Pair], progress: memoryview[float]
 
     Each call is handed its own copy of its task and trajectory (``private_pair``), as in the
     engine's threads: unpickled together, the items of a chunk that shared a task share it here too.
+    A value that is not a plain float, int or bool is turned into a reward with its item's position
+    and start time in ``progress`` (its ``__float__`` is the plugin's code: it may hang, or end the
+    process), so the engine's deadline and a death there name that item.
     """
     out: list[Any] = []
     append, copy = out.append, dict.copy
@@ -231,10 +258,28 @@ def _serve_chunk(call: _Call, pairs: Sequence[Pair], progress: memoryview[float]
     except BaseException as exc:  # SystemExit and the like fail the item, not the worker
         return ("raised", position, *_described(exc))
     cost = (perf_counter() - started, thread_time() - cpu)
+
+    def at(position: int) -> None:
+        progress[0] = position
+        progress[1] = monotonic()
+
     try:
-        return ("done", as_rewards(out), cost)
+        return ("done", as_rewards(out, at), cost)
     except BadItem as exc:
         return ("bad", exc.position, exc.reason)
+    except BaseException as exc:  # KeyboardInterrupt from a value's code (SIGINT is ignored here: it is the plugin's)
+        return ("raised", int(progress[0]), *_described(exc))
+
+
+def _first_unpicklable(pickles: Sequence[bytes], progress: memoryview[float]) -> tuple[Any, ...]:
+    """The reply to a probe: the position of the first item, pickled alone, that does not unpickle here."""
+    for position, data in enumerate(pickles):
+        progress[0] = position
+        try:
+            ForkingPickler.loads(data)
+        except BaseException as exc:  # whatever unpickling the trainer's objects raises, even SystemExit
+            return ("bad", position, f"the worker process cannot unpickle the item: {said(exc)}")
+    return ("bad", -1, "every item unpickles alone")
 
 
 def _child_main() -> None:
@@ -260,7 +305,7 @@ def _worker_main(conn: Connection, progress: memoryview[float], spec: PluginSpec
     except EOFError:  # the engine gave up on this worker
         return
     try:
-        fn = load_callable(Snapshot(Path(spec.root), spec.digest, sources), spec.environment, spec.ref)
+        fn = load_plugin(Snapshot(Path(spec.root), spec.digest, sources), spec.environment, spec.ref)
     except PluginLoadError as exc:
         cause = exc.__cause__
         conn.send(("failed", exc.reason, _described(cause) if cause is not None else None))
@@ -269,13 +314,18 @@ def _worker_main(conn: Connection, progress: memoryview[float], spec: PluginSpec
     conn.send(("ready",))
     while True:
         try:
-            pairs = conn.recv()
+            data = conn.recv_bytes()
         except EOFError:  # the engine closed the pool
             return
-        except Exception as exc:  # the items were pickled by the engine but do not unpickle here
-            conn.send(("bad", 0, f"the worker process cannot unpickle the items: {describe(exc)}"))
+        try:
+            message = ForkingPickler.loads(data)
+        except BaseException as exc:  # pickled by the engine, but not unpicklable here (a class of its __main__)
+            conn.send(("unpicklable", said(exc)))  # the engine then asks which item it was (a probe)
             continue
-        conn.send(_serve_chunk(call, pairs, progress))
+        if type(message) is tuple:  # a probe: ("probe", each item of the chunk that failed, pickled alone)
+            conn.send(_first_unpicklable(message[1], progress))
+        else:
+            conn.send(_serve_chunk(call, message, progress))
 
 
 # --- the engine's side ---
@@ -293,6 +343,16 @@ def _unpicklable(pairs: Sequence[Pair]) -> int:
 
 class _Overran(Exception):
     """A deadline passed while waiting for a worker's message."""
+
+
+NOWHERE = -1  # progress[0] while a worker reads a chunk: it calls nothing yet, so no item is to blame
+
+
+def _at(reason: str, position: int) -> WorkerFailure:
+    """A failure at ``position`` (from a worker's progress), or saying which item it was is not known."""
+    if position < 0:
+        return WorkerFailure(f"{reason}, while reading its chunk, before any call (which item is not known)", 0)
+    return WorkerFailure(reason, position)
 
 
 def _how_it_ended(pid: int, code: int | None, doing: str = "") -> str:
@@ -571,14 +631,14 @@ class _Worker:
             elif ready:  # the sentinel: it exited
                 break
         position = int(self._progress[0])
-        raise WorkerFailure(_how_it_ended(self.pid or 0, self.close(grace=1.0), doing), position)
+        raise _at(_how_it_ended(self.pid or 0, self.close(grace=1.0), doing), position)
 
     def _give_up(self, reason: str) -> WorkerFailure:
         """Kill and close it (it overran a deadline, or its pipe broke), and say why."""
         position = int(self._progress[0])
         self.kill()
         self.close()
-        return WorkerFailure(reason, position)
+        return _at(reason, position)
 
     def start(self, timeout: float) -> None:
         """Start the process and wait until it has imported the plugin (``timeout`` bounds the import)."""
@@ -613,7 +673,7 @@ class _Worker:
         """Score ``pairs``: each call within ``timeout`` s, or the worker is killed and the item fails."""
         try:
             progress = self._progress
-            progress[0], progress[1] = 0, monotonic()
+            progress[0], progress[1] = NOWHERE if len(pairs) > 1 else 0, monotonic()
             try:
                 self.conn.send(pairs)
             except (BrokenPipeError, ConnectionResetError):
@@ -626,6 +686,8 @@ class _Worker:
                 reply = self._receive(lambda: progress[1] + timeout)
             except _Overran:
                 raise self._give_up(f"timed out after {timeout:g} s") from None
+            if reply[0] == "unpicklable":
+                reply = self._probe(pairs, reply[1], timeout)
         except WorkerFailure:
             raise
         except Exception as exc:  # the pipe failed in a way a dead worker does not explain
@@ -633,10 +695,35 @@ class _Worker:
         if reply[0] == "done":
             return reply[1], reply[2]
         if reply[0] == "raised":
-            _, position, type_name, said, text = reply
-            raise WorkerFailure(f"raised {said}", position, PluginError(type_name, text))
+            _, position, type_name, what, text = reply
+            raise WorkerFailure(f"raised {what}", position, PluginError(type_name, text))
         _, position, reason = reply
         raise WorkerFailure(reason, position)
+
+    def _probe(self, pairs: Sequence[Pair], reason: str, timeout: float) -> tuple[Any, ...]:
+        """The reply naming the item of a chunk the worker could not unpickle (``reason`` says why).
+
+        Pickled together, the chunk says only that one of its items does not unpickle there (its
+        class lives in the trainer's ``__main__``, say): each item is sent again pickled alone, and
+        the worker unpickles them one by one, calling nothing, until one fails. A failure path only.
+        """
+        pickles = [bytes(ForkingPickler.dumps(pair)) for pair in pairs]  # they pickled together: each does
+        progress = self._progress
+        progress[0], progress[1] = NOWHERE, monotonic()
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # it died: the wait below says how
+            self.conn.send(("probe", pickles))
+        try:
+            reply: tuple[Any, ...] = self._receive(lambda: progress[1] + timeout)
+        except _Overran:
+            raise self._give_up(f"timed out after {timeout:g} s unpickling the items one by one") from None
+        if reply[0] == "bad" and reply[1] < 0:
+            return (
+                "bad",
+                0,
+                f"the worker process cannot unpickle the items: {reason}; each item alone unpickles there, "
+                "so which of them is not known",
+            )
+        return reply
 
 
 class WorkerPool:

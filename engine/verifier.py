@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from decimal import Decimal
 from gc import is_tracked
 from typing import Any, Protocol, overload, runtime_checkable
 
@@ -200,59 +202,103 @@ def private_pair(position: int, task: Any, trajectory: Any) -> tuple[dict[str, A
         raise BadItem(position, f"cannot copy the item for the plugin: {type(exc).__name__}: {exc}") from exc
 
 
-def as_rewards(values: Sequence[Any]) -> list[float]:
+_PLAIN = frozenset({float, int, bool})  # what C converts exactly, running none of a plugin's code
+
+
+def as_rewards(values: Sequence[Any], before: Callable[[int], None] | None = None) -> list[float]:
     """``values`` as rewards (:func:`check_reward` on each); :class:`BadReward` at the first that is not one.
 
-    Fast when every value is good, which is what a chunk of calls returns: three passes in C. The
-    first sum takes only real numbers (``float()`` would take the string "42" too), the second
-    checks the floats themselves are finite (a value's ``__float__`` runs twice: the rewards are
-    what is checked, not what the first pass saw).
+    Fast when every value is a plain float, int or bool, which is what a chunk of calls returns:
+    two passes in C (their types, then a sum that is finite only if every value is), and a third
+    only for ints and bools. Anything else (a numpy scalar, a ``Decimal``, a subclass of float
+    whose ``__float__`` says otherwise) is checked one value at a time, to name a bad one; that
+    runs the plugin's code (``__float__``, ``__repr__``), and whatever it raises but
+    ``KeyboardInterrupt`` fails its value. ``before(position)``, if given, is called before each
+    value is checked there (a worker process records which item it is at).
     """
     try:
-        if math.isfinite(math.fsum(values)):
-            rewards = list(map(float, values))
-            if math.isfinite(math.fsum(rewards)):
-                return rewards
-    except Exception:  # not a real number, NaN, inf, too large, a raising __float__: said below
+        kinds = set(map(type, values))
+        if kinds <= _PLAIN and math.isfinite(math.fsum(values)):
+            if kinds == {float}:
+                return values if type(values) is list else list(values)
+            return list(map(float, values))
+    except KeyboardInterrupt:
+        raise
+    except BaseException:  # NaN, inf, too large, a sum that overflows, a metaclass's __hash__: said below
         pass
     rewards = []
     for position, value in enumerate(values):  # the slow path: check each, to name a bad one
+        if before is not None:
+            before(position)
         try:
             rewards.append(check_reward(value))
         except (TypeError, ValueError) as exc:
             raise BadReward(position, str(exc)) from None
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # the value's own code raised while it was checked
+            raise BadReward(position, f"returned a {_type_name(value)}, whose checking raised {_shown(exc)}") from exc
     return rewards
 
 
+def _type_name(value: Any) -> str:
+    """``type(value).__name__``, or a stand-in if even that raises (a metaclass may make it a property)."""
+    try:
+        return str(type(value).__name__)
+    except KeyboardInterrupt:
+        raise
+    except BaseException:
+        return "value of an unnamed type"
+
+
 def _shown(value: Any) -> str:
-    """``repr(value)``, short, for a message; never raises (a plugin's object may have a broken ``__repr__``)."""
+    """``repr(value)``, short, for a message; never raises (a plugin's object may have a broken ``__repr__``).
+
+    Anything its ``__repr__`` raises, ``SystemExit`` too, is swallowed here, except ``KeyboardInterrupt``.
+    """
     try:
         text = repr(value)
-    except Exception:
-        return f"a {type(value).__name__} (whose repr() raises)"
+    except KeyboardInterrupt:
+        raise
+    except BaseException:
+        return f"a {_type_name(value)} (whose repr() raises)"
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _is_real(kind: type) -> bool:
+    """Whether values of ``kind`` are real numbers: ``numbers.Real`` (int, float, bool, ``Fraction``, numpy's
+    ints and floats), ``Decimal``, or numpy's bool (found by name: the engine does not import numpy)."""
+    if issubclass(kind, (str, bytes, bytearray)):  # a str subclass with a __float__ is still text
+        return False
+    if issubclass(kind, (numbers.Real, Decimal)):
+        return True
+    return kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_")
 
 
 def check_reward(value: Any) -> float:
     """``value`` as a reward: a real number (int, float, bool, a numpy scalar, ``Decimal``, ``Fraction``).
 
-    Refused, with a ``TypeError``/``ValueError`` whose message shows the value: anything else
-    (a string, even "42", which ``float()`` would read, bytes, complex, None), NaN and the
-    infinities, a number too large for a float, and a value whose ``__float__`` raises. What is a
-    real number is what C's ``PyFloat_AsDouble`` takes: a type with ``__float__`` or ``__index__``.
+    Refused, with a ``TypeError``/``ValueError`` whose message shows the value: anything else (a
+    string, even "42", which ``float()`` would read, bytes, complex, a numpy string or 0-d array,
+    None), NaN and the infinities, a number too large for a float, and a value whose ``__float__``
+    raises anything but ``KeyboardInterrupt`` (``SystemExit`` too: it is the plugin's, and must not
+    end the trainer). The value's own code runs here (``__float__``, ``__index__``, ``__repr__``):
+    callers treat whatever else escapes as the plugin's failure.
     """
     if type(value) is float:
         reward = value
     else:
         kind = type(value)
-        if not (hasattr(kind, "__float__") or hasattr(kind, "__index__")):
-            raise TypeError(f"returned {_shown(value)} ({kind.__name__}), which is not a number")
+        if not _is_real(kind):
+            raise TypeError(f"returned {_shown(value)} ({_type_name(value)}), which is not a real number")
         try:
             reward = float(value)
         except OverflowError:
             raise ValueError(f"returned {_shown(value)}, which is too large for a float") from None
-        except Exception as exc:
-            shown = f"{_shown(value)} ({kind.__name__})"
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:
+            shown = f"{_shown(value)} ({_type_name(value)})"
             raise ValueError(f"returned {shown}, whose float() raised {_shown(exc)}") from None
     if not math.isfinite(reward):
         raise ValueError(f"returned {_shown(value)}, which is not a finite number")

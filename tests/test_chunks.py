@@ -39,12 +39,13 @@ async def test_chunks_form_and_rewards_stay_in_order(config: EngineConfig, envs:
     async with engine.Engine(config) as eng:
         await warm(eng)
         result = await eng.run(batch())
+        module = plugin_module(envs, "cheap", "verify.py")  # while the engine is open: closing it forgets its modules
     assert result.rewards == [(n % 7) / 7 for n in range(SIZE)]
     report = result.verifiers[0]
     assert report.items == SIZE
     assert len(report.latencies) < SIZE / 10  # one latency per call: the calls were chunks
     assert report.reward_sum == pytest.approx(sum((n % 7) / 7 for n in range(SIZE)))
-    assert plugin_module(envs, "cheap", "verify.py").calls == 2_000 + SIZE  # every item called once
+    assert module.calls == 2_000 + SIZE  # every item called once
 
 
 async def test_latency_percentiles_are_per_item(config: EngineConfig, envs: Path) -> None:
@@ -74,9 +75,9 @@ async def test_a_chunk_holds_items_of_several_lanes_apart(config: EngineConfig) 
     [
         ("raise", "raised ArithmeticError: cannot score item 13577"),
         ("nan", "returned nan, which is not a finite number"),
-        ("none", "returned None (NoneType), which is not a number"),
-        ("text", "returned 'high' (str), which is not a number"),
-        ("numeric_text", "returned '0.5' (str), which is not a number"),  # an extracted answer is not a score
+        ("none", "returned None (NoneType), which is not a real number"),
+        ("text", "returned 'high' (str), which is not a real number"),
+        ("numeric_text", "returned '0.5' (str), which is not a real number"),  # an extracted answer is not a score
     ],
 )
 async def test_a_failure_inside_a_chunk_names_its_item(config: EngineConfig, mode: str, reason: str) -> None:

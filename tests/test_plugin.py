@@ -6,6 +6,7 @@ import importlib.util
 import marshal
 import math
 import struct
+import sys
 import traceback
 from pathlib import Path
 from typing import Any
@@ -13,9 +14,11 @@ from typing import Any
 import anyio
 import pytest
 from conftest import add_env, import_count, item, process_twin
+from polling import eventually
 from special_files import SPECIAL_KINDS, make_special
 
 import engine
+import engine.importer
 from engine import EngineConfig, Limits, VerificationError, digest_directory
 from engine.plugin import PluginVerifier
 
@@ -129,10 +132,10 @@ async def test_sys_exit_in_a_plugin_fails_the_item_not_the_process(config: Engin
 @pytest.mark.parametrize(
     ("mode", "reason"),
     [
-        ("none", "returned None (NoneType), which is not a number"),
-        ("text", "returned 'high' (str), which is not a number"),
-        ("numeric_text", "returned '0.75' (str), which is not a number"),
-        ("list", "returned [1.0] (list), which is not a number"),
+        ("none", "returned None (NoneType), which is not a real number"),
+        ("text", "returned 'high' (str), which is not a real number"),
+        ("numeric_text", "returned '0.75' (str), which is not a real number"),
+        ("list", "returned [1.0] (list), which is not a real number"),
         ("nan", "returned nan, which is not a finite number"),
         ("inf", "returned inf, which is not a finite number"),
     ],
@@ -150,9 +153,14 @@ import decimal
 import fractions
 
 
-class Raising:
+class Raising(float):  # a real number (a float) whose own __float__ raises
     def __float__(self):
         raise RuntimeError("no float for you")
+
+
+class Text(str):  # text that float() would read as 1.0
+    def __float__(self):
+        return 1.0
 
 
 VALUES = {
@@ -160,7 +168,7 @@ VALUES = {
     "fraction": lambda: fractions.Fraction(1, 4), "text": lambda: "42", "bytes": lambda: b"1",
     "bytearray": lambda: bytearray(b"1"), "complex": lambda: 1 + 0j, "huge_int": lambda: 10**400,
     "huge_fraction": lambda: fractions.Fraction(10**400, 3), "huge_decimal": lambda: decimal.Decimal("1e400"),
-    "raising": Raising,
+    "raising": Raising, "str_float": lambda: Text("wrong"),
 }
 
 
@@ -168,7 +176,11 @@ def value(mode):
     if mode.startswith("numpy"):
         import numpy
 
-        return {"numpy_float": numpy.float32(0.25), "numpy_int": numpy.int64(1), "numpy_bool": numpy.bool_(True)}[mode]
+        return {
+            "numpy_float": numpy.float32(0.25), "numpy_int": numpy.int64(1), "numpy_bool": numpy.bool_(True),
+            "numpy_str": numpy.str_("0.75"), "numpy_bytes": numpy.bytes_(b"1"), "numpy_0d": numpy.array("0.25"),
+            "numpy_complex": numpy.complex128(0.3 + 0.9j),
+        }[mode]
     return VALUES[mode]()
 """
 SYNC_SCORE = "\n\ndef score(task, trajectory):\n    return value(task.get('mode', 'float'))\n"
@@ -185,14 +197,22 @@ def returns_env(envs: Path, executor: str) -> str:
 
 EXECUTORS = ["thread", "async", "process"]
 NOT_NUMBERS = [
-    ("text", "returned '42' (str), which is not a number"),
-    ("bytes", "returned b'1' (bytes), which is not a number"),
-    ("bytearray", "returned bytearray(b'1') (bytearray), which is not a number"),
-    ("complex", "returned (1+0j) (complex), which is not a number"),
+    ("text", "returned '42' (str), which is not a real number"),
+    ("bytes", "returned b'1' (bytes), which is not a real number"),
+    ("bytearray", "returned bytearray(b'1') (bytearray), which is not a real number"),
+    ("complex", "returned (1+0j) (complex), which is not a real number"),
     ("huge_int", "which is too large for a float"),
     ("huge_fraction", "which is too large for a float"),
     ("huge_decimal", "returned Decimal('1E+400'), which is not a finite number"),
     ("raising", "(Raising), whose float() raised RuntimeError('no float for you')"),
+    ("str_float", "returned 'wrong' (Text), which is not a real number"),  # was 1.0
+]
+# Each was a reward: 0.75, 1.0, 0.25, 0.3 (the real part)
+NUMPY_NOT_NUMBERS = [
+    ("numpy_str", "returned np.str_('0.75') (str_), which is not a real number"),
+    ("numpy_bytes", "returned np.bytes_(b'1') (bytes_), which is not a real number"),
+    ("numpy_0d", "returned array('0.25', dtype='<U4') (ndarray), which is not a real number"),
+    ("numpy_complex", "returned np.complex128(0.3+0.9j) (complex128), which is not a real number"),
 ]
 
 
@@ -228,6 +248,38 @@ async def test_a_reward_that_is_not_a_real_number_inside_a_chunk_names_its_item(
         assert type(info.value) is VerificationError
         check(info.value, environment=name, ref="verify:score", index=3_777, item_id="bad", reason=reason)
         assert await eng.score(items[:3_000]) == [0.5] * 3_000  # the engine (and its worker) still scores
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize(("mode", "reason"), NUMPY_NOT_NUMBERS, ids=[mode for mode, _ in NUMPY_NOT_NUMBERS])
+async def test_a_numpy_value_that_is_not_a_real_number_fails_its_item(
+    envs: Path, executor: str, mode: str, reason: str
+) -> None:
+    pytest.importorskip("numpy")
+    name = returns_env(envs, executor)
+    items = [item(name, item_id=f"r{n}", mode="float") for n in range(3)]
+    items[1] = item(name, item_id="bad", mode=mode)
+    err = await fails(EngineConfig(environments=envs, allow_unpinned=True), items)
+    check(err, environment=name, ref="verify:score", index=1, item_id="bad", reason=reason)
+
+
+@pytest.mark.timeout(20)  # a worker process starts, and 6,000 calls
+@pytest.mark.parametrize("executor", ["thread", "process"])
+@pytest.mark.parametrize(("mode", "reason"), NUMPY_NOT_NUMBERS, ids=[mode for mode, _ in NUMPY_NOT_NUMBERS])
+async def test_a_numpy_value_that_is_not_a_real_number_inside_a_chunk_names_its_item(
+    envs: Path, executor: str, mode: str, reason: str
+) -> None:
+    """A chunk took them too: its sum in C reads a numpy string as the number it spells."""
+    pytest.importorskip("numpy")
+    name = returns_env(envs, executor)
+    items = [item(name, item_id=f"r{n}", mode="float") for n in range(4_000)]
+    items[2_777] = item(name, item_id="bad", mode=mode)
+    async with engine.Engine(EngineConfig(environments=envs, allow_unpinned=True)) as eng:
+        assert await eng.score(items[:2_000]) == [0.5] * 2_000  # chunks form after this
+        assert eng.verifier_for(eng.environment(name)).chunk_size(4_000) > 1
+        with pytest.raises(VerificationError) as info:
+            await eng.score(items)
+        check(info.value, environment=name, ref="verify:score", index=2_777, item_id="bad", reason=reason)
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)
@@ -524,3 +576,96 @@ async def test_data_files_are_still_read_from_disk(envs: Path) -> None:
     (envs / name / "data" / "weight.txt").write_text("0.5")
     async with engine.Engine(pinned(envs, name)) as eng:
         assert await eng.score([item(name)]) == [0.5]
+
+
+# --- a sync plugin's value becomes a reward in the call's thread, within the call's timeout ---
+
+SLOW_FLOAT = """\
+import time
+from pathlib import Path
+
+HERE = Path({here!r})
+
+
+def _wait(path, seconds):
+    deadline = time.monotonic() + seconds
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return path.exists()
+
+
+class Slow(float):
+    def __float__(self):
+        (HERE / "started").touch()
+        if _wait(HERE / "pinged", 3):  # a task on the engine's event loop ran while this blocked
+            (HERE / "answered").touch()
+        _wait(HERE / "done", 3)  # past the call's timeout
+        return 0.5
+
+
+def score(task, trajectory):
+    if task.get("wait"):  # a call that waits: calls then go one at a time, not in chunks of cheap calls
+        time.sleep(0.002)
+    return Slow(0.5) if task.get("slow") else 0.25
+"""
+
+
+@pytest.mark.timeout(20)  # before the fix the event loop stood still for 6 s
+@pytest.mark.parametrize("path", ["single", "chunk"])
+async def test_a_rewards_slow_float_times_out_and_leaves_the_event_loop_free(
+    envs: Path, tmp_path: Path, path: str
+) -> None:
+    """Its ``__float__`` is the plugin's code: one item's ran on the event loop after the call, with no
+    timeout; a chunk's timed out naming the item after the chunk's last (an IndexError)."""
+    here = tmp_path / "slow"
+    here.mkdir()
+    name = add_env(envs, "slow_float", "plugin", "verify:score")
+    (envs / name / "verify.py").write_text(SLOW_FLOAT.format(here=str(here)))
+    config = EngineConfig(environments=envs, allow_unpinned=True, defaults=Limits(timeout=0.5))
+
+    async def ping() -> None:  # another task on the loop: it runs only if the loop is free
+        await eventually(lambda: (here / "started").exists())
+        (here / "pinged").touch()
+
+    wait = path == "single"
+    async with engine.Engine(config) as eng:
+        assert await eng.score([item(name, wait=wait)]) == [0.25]  # imported: the timeout below is the call's
+        assert (eng.verifier_for(eng.environment(name)).chunk_size(1) > 1) == (path == "chunk")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ping)
+            with pytest.raises(VerificationError) as info:
+                await eng.score([item(name, item_id="s", slow=True, wait=wait)])
+        (here / "done").touch()  # the abandoned thread returns
+    check(info.value, environment=name, ref="verify:score", index=0, item_id="s", reason="timed out after 0.5 s")
+    await eventually(lambda: (here / "answered").exists(), message="the event loop stood still in __float__")
+
+
+# --- an engine that closes forgets the modules it imported ---
+
+
+def registered(envs: Path, name: str) -> tuple[int, list[str]]:
+    """The import finder's entries for environment ``name``, and its modules in ``sys.modules``."""
+    root = envs / name
+    snapshots = sum(1 for s in list(engine.importer._finder.snapshots.values()) if s.root == root)
+    modules = sorted(m for m in list(sys.modules) if m.partition(".")[0].endswith(f"_{name}"))
+    return snapshots, modules
+
+
+@pytest.mark.parametrize("executor", ["thread", "async"])
+async def test_an_engine_that_closes_leaves_no_module_behind(envs: Path, executor: str) -> None:
+    """A trainer that opens an engine per run (300 of them: 37 -> 96 MiB) kept every one's modules."""
+    name = returns_env(envs, executor)
+    config = EngineConfig(environments=envs, allow_unpinned=True)
+    before = registered(envs, name)
+    for _ in range(20):
+        async with engine.Engine(config) as eng:
+            assert await eng.score([item(name), item(name)]) == [0.5, 0.5]
+            assert len(registered(envs, name)[1]) > len(before[1])  # while it is open, the module is there
+        assert registered(envs, name) == before
+
+
+async def test_an_import_that_failed_is_forgotten_too(config: EngineConfig, envs: Path) -> None:
+    before = registered(envs, "broken_import")
+    for _ in range(5):
+        await fails(config, [item("broken_import")])
+    assert registered(envs, "broken_import") == before

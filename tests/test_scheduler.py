@@ -57,7 +57,7 @@ async def test_per_verifier_limit_for_a_plugin(envs: Path) -> None:
     config = EngineConfig(environments=envs, allow_unpinned=True, refs={"spy/spy:score": Limits(max_concurrency=3)})
     async with engine.Engine(config) as eng:
         assert await eng.score([item("spy", sleep=0.02)] * 24) == [1.0] * 24
-    spy = plugin_module(envs, "spy", "spy.py")
+        spy = plugin_module(envs, "spy", "spy.py")  # while the engine is open: closing it forgets its modules
     assert spy.calls == 24
     assert spy.max_running == 3
 
@@ -79,10 +79,11 @@ async def test_per_verifier_limit_for_an_endpoint(envs: Path) -> None:
 
 async def test_limit_is_shared_by_concurrent_batches(envs: Path) -> None:
     config = EngineConfig(environments=envs, allow_unpinned=True, refs={"spy/spy:score": Limits(max_concurrency=2)})
-    async with engine.Engine(config) as eng, anyio.create_task_group() as tg:
-        for _ in range(3):
-            tg.start_soon(eng.score, [item("spy", sleep=0.02)] * 6)
-    spy = plugin_module(envs, "spy", "spy.py")
+    async with engine.Engine(config) as eng:
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(eng.score, [item("spy", sleep=0.02)] * 6)
+        spy = plugin_module(envs, "spy", "spy.py")  # while the engine is open: closing it forgets its modules
     assert spy.calls == 18
     assert spy.max_running == 2
 
@@ -91,7 +92,8 @@ async def test_global_cap_on_items_in_flight(envs: Path) -> None:
     config = EngineConfig(environments=envs, allow_unpinned=True, max_in_flight=4)
     async with engine.Engine(config) as eng:
         assert await eng.score([item("spy", sleep=0.02)] * 20) == [1.0] * 20
-    assert plugin_module(envs, "spy", "spy.py").max_running == 4
+        spy = plugin_module(envs, "spy", "spy.py")  # while the engine is open: closing it forgets its modules
+    assert spy.max_running == 4
 
 
 async def test_global_cap_holds_across_verifiers(envs: Path) -> None:

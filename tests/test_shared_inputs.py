@@ -10,7 +10,9 @@ handed is as the caller made it, then changes all of it.
 from __future__ import annotations
 
 import copy
+import sys
 import threading
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -105,13 +107,45 @@ async def test_groups_sharing_tasks_inside_chunks(envs: Path, executor: str, tas
         assert items == before
 
 
-async def test_a_read_only_mapping_as_task_is_handed_as_a_dict(envs: Path) -> None:
-    name = mutating_env(envs, "thread")
-    task = MappingProxyType({"answer": "4", "nested": {"marks": []}})
+class TrainerTask(Mapping[str, Any]):
+    """A mapping class of the trainer's own script: a worker process cannot import it (see ``trainer_task``)."""
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self._data = data
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+@pytest.fixture
+def trainer_task(monkeypatch: pytest.MonkeyPatch) -> type[TrainerTask]:
+    """:class:`TrainerTask` as if defined in the trainer's ``__main__`` (it pickles here by that name)."""
+    monkeypatch.setattr(TrainerTask, "__module__", "__main__")
+    monkeypatch.setattr(sys.modules["__main__"], "TrainerTask", TrainerTask, raising=False)
+    return TrainerTask
+
+
+@pytest.mark.parametrize("mapping", ["read_only", "trainers"])
+@pytest.mark.parametrize("executor", EXECUTORS)
+async def test_a_task_of_another_mapping_type_is_handed_as_a_dict(
+    envs: Path, executor: str, mapping: str, trainer_task: type[TrainerTask]
+) -> None:
+    """Under every executor: a worker process was handed the mapping itself, which did not pickle (a
+    ``MappingProxyType``) or did not unpickle there (a class of the trainer's ``__main__``)."""
+    name = mutating_env(envs, executor)
+    data = {"answer": "4", "nested": {"marks": []}}
+    task = MappingProxyType(data) if mapping == "read_only" else trainer_task(data)
     items = [{"environment": name, "task": task, "trajectory": "hi"} for _ in range(3)]
     async with engine.Engine(EngineConfig(environments=envs, allow_unpinned=True)) as eng:
         assert await eng.score(items) == [1.0, 1.0, 1.0]
-    assert task == {"answer": "4", "nested": {"marks": []}}
+        assert await eng.score(items[:1]) == [1.0]  # a lone item too
+    assert dict(task) == {"answer": "4", "nested": {"marks": []}}
 
 
 @pytest.mark.parametrize(

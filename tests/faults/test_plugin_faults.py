@@ -123,11 +123,14 @@ def plugin(eng: BlockingEngine | Engine, environment: str) -> PluginVerifier:
 
 BAD_CALLS = [
     ("raise", re.escape("raised Boom: the plugin blew up")),
-    ("none", re.escape("returned None (NoneType), which is not a number")),
-    ("text", re.escape("returned 'high' (str), which is not a number")),
+    ("none", re.escape("returned None (NoneType), which is not a real number")),
+    ("text", re.escape("returned 'high' (str), which is not a real number")),
     ("nan", re.escape("returned nan, which is not a finite number")),
     ("inf", re.escape("returned inf, which is not a finite number")),
     ("exit", re.escape("raised SystemExit: 3")),
+    ("base_exception", re.escape("raised FunctionTimedOut: too slow")),  # escaped raw, and killed a BlockingEngine
+    ("cancelled", re.escape("raised CancelledError: the plugin's own")),
+    ("float_exit", re.escape("returned 0.5 (ExitingFloat), whose float() raised SystemExit(3)")),  # ended the trainer
 ]
 
 
@@ -177,6 +180,102 @@ def test_a_hanging_call_times_out(fault_envs: Path, tmp_path: Path, no_leaks: Sn
             assert pid == os.getpid()
             release.touch()
         assert eng.score(ok(env, 3)) == [0.5] * 3
+
+
+# --- whatever a plugin's code raises is its item's failure: in a chunk, on the event loop, at import ---
+
+CHUNK_FAULTS = [(mode, reason) for mode, reason in BAD_CALLS if mode in ("exit", "base_exception", "float_exit")]
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+@pytest.mark.parametrize(("mode", "reason"), CHUNK_FAULTS, ids=[mode for mode, _ in CHUNK_FAULTS])
+def test_a_bad_call_inside_a_chunk_names_its_item(
+    fault_envs: Path, no_leaks: Snapshot, executor: str, mode: str, reason: str
+) -> None:
+    """A reward whose ``__float__`` exits escaped a thread's chunk as an IndexError (one past the chunk),
+    and killed a worker, which blamed the chunk's last item."""
+    env = EXECUTORS[executor]
+    with BlockingEngine(config(fault_envs)) as eng:
+        assert eng.score(ok(env, 200)) == [0.5] * 200  # measures the plugin's cost: chunks form
+        assert plugin(eng, env).chunk_size(300) > 1
+        batch = ok(env, 300)
+        batch[177] = item(env, item_id="bad", mode=mode)
+        check(fails(eng, batch), env, 177, "bad", reason)
+        assert eng.score(ok(env, 300)) == [0.5] * 300
+
+
+def test_a_worker_that_dies_reading_a_reward_names_its_item(fault_envs: Path, no_leaks: Snapshot) -> None:
+    """A value's ``__float__`` runs after every call of the chunk: the worker says which value it was at
+    (it blamed the chunk's last item). One call at a time: the 300 items go in one or two chunks."""
+    with BlockingEngine(config(fault_envs, max_concurrency=1)) as eng:
+        assert eng.score(ok(PROCESS, 200)) == [0.5] * 200
+        assert plugin(eng, PROCESS).chunk_size(300) > 1
+        batch = ok(PROCESS, 300)
+        batch[177] = item(PROCESS, item_id="dies", mode="float_os_exit")
+        err = fails(eng, batch)
+        check(err, PROCESS, 177, "dies", r"its worker process \(pid \d+\) died: it exited with code 7")
+        assert eng.score(ok(PROCESS, 300)) == [0.5] * 300
+
+
+ASYNC_FAULTS = [(mode, reason) for mode, reason in BAD_CALLS if mode in ("exit", "base_exception", "cancelled")]
+ASYNC_FAULTS.append(("float_exit", re.escape("returned 0.5 (ExitingFloat), whose float() raised SystemExit(3)")))
+
+
+@pytest.mark.parametrize(("mode", "reason"), ASYNC_FAULTS, ids=[mode for mode, _ in ASYNC_FAULTS])
+def test_an_async_plugins_fault_fails_its_item_on_the_event_loop(
+    fault_envs: Path, no_leaks: Snapshot, mode: str, reason: str
+) -> None:
+    env = process_twin(fault_envs, THREAD, "async_thread", ref="faults:async_by_task", executor="thread")
+    with BlockingEngine(config(fault_envs)) as eng:
+        err = fails(eng, [*ok(env, 2), item(env, item_id="a", mode=mode)])
+        check(err, env, 2, "a", reason, ref="faults:async_by_task")
+        assert eng.score(ok(env, 3)) == [0.5] * 3
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_an_import_that_raises_a_base_exception_fails_the_item(
+    fault_envs: Path, no_leaks: Snapshot, executor: str
+) -> None:
+    """As pytest's ``Skipped`` does (``importorskip``): it escaped raw, and the ``BlockingEngine`` was dead."""
+    env = process_twin(fault_envs, THREAD, "skips", executor=executor)
+    (fault_envs / env / "faults.py").write_text(
+        "class Skipped(BaseException):\n    pass\n\n\nraise Skipped('could not import sympy')\n"
+    )
+    with BlockingEngine(config(fault_envs)) as eng:
+        for _ in range(2):  # and again: a failed import is tried again
+            err = fails(eng, [*ok(THREAD), item(env, item_id="s")])
+            check(err, env, 1, "s", re.escape("cannot load 'faults:by_task': Skipped: could not import sympy"))
+        assert eng.score(ok(THREAD, 2)) == [0.5] * 2
+
+
+class TrainerOnly:
+    """A class of the trainer's own script (``__main__``): a fresh worker process cannot unpickle it."""
+
+    def __init__(self, level: int) -> None:
+        self.level = level
+
+
+@pytest.fixture
+def trainer_only(monkeypatch: pytest.MonkeyPatch) -> type[TrainerOnly]:
+    """:class:`TrainerOnly` as if defined in the trainer's ``__main__`` (it pickles here, by that name)."""
+    monkeypatch.setattr(TrainerOnly, "__module__", "__main__")
+    monkeypatch.setattr(sys.modules["__main__"], "TrainerOnly", TrainerOnly, raising=False)
+    return TrainerOnly
+
+
+def test_an_item_a_worker_cannot_unpickle_is_named(
+    fault_envs: Path, no_leaks: Snapshot, trainer_only: type[TrainerOnly]
+) -> None:
+    """The chunk does not unpickle in the worker; each item alone, unpickled one by one, says which it was
+    (it was item 0 of the chunk). One call at a time: the 300 items go in one or two chunks."""
+    reason = re.escape("the worker process cannot unpickle the item: AttributeError: ") + ".*'TrainerOnly'.*"
+    with BlockingEngine(config(fault_envs, max_concurrency=1)) as eng:
+        assert eng.score(ok(PROCESS, 200)) == [0.5] * 200
+        assert plugin(eng, PROCESS).chunk_size(300) > 1
+        batch = ok(PROCESS, 300)
+        batch[177] = item(PROCESS, item_id="meta", mode="ok", meta=trainer_only(3))
+        check(fails(eng, batch), PROCESS, 177, "meta", reason)
+        assert eng.score(ok(PROCESS, 300)) == [0.5] * 300
 
 
 # --- faults only a worker process survives ---

@@ -20,6 +20,24 @@ class Boom(RuntimeError):
     """Under the process executor this class exists only in the worker: the exception travels as text."""
 
 
+class FunctionTimedOut(BaseException):
+    """As func_timeout's (pytest's Skipped is another): not an Exception, and the plugin's all the same."""
+
+
+class ExitingFloat(float):
+    """A real number whose ``__float__`` (the plugin's code, run where the engine reads the reward) exits."""
+
+    def __float__(self):
+        sys.exit(3)
+
+
+class DyingFloat(float):
+    """A real number whose ``__float__`` ends its process at once, as a crash in a C extension would."""
+
+    def __float__(self):
+        os._exit(7)
+
+
 def _wait_for(path, seconds=10.0):
     deadline = time.monotonic() + seconds
     while not os.path.exists(path) and time.monotonic() < deadline:
@@ -56,6 +74,14 @@ def by_task(task, trajectory):
     if mode == "raise_when":  # fail once task["when"] exists: an abort while other calls are in flight
         _wait_for(task["when"])
         raise Boom(f"cue {os.path.basename(task['when'])} seen")
+    if mode == "base_exception":
+        raise FunctionTimedOut("too slow")
+    if mode == "cancelled":  # the plugin's own CancelledError: nothing cancels the engine's task
+        raise asyncio.CancelledError("the plugin's own")
+    if mode == "float_exit":
+        return ExitingFloat(0.5)
+    if mode == "float_os_exit":
+        return DyingFloat(0.5)
     if mode == "pid":
         return float(os.getpid())
     if mode == "main_thread":
