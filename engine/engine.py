@@ -320,7 +320,9 @@ class Engine:
                     task_of(index, batch[index])  # here or here
                     raise AssertionError("unreachable: the chunk runner and task_of disagree") from exc
                 except VerificationError as exc:
-                    raise failed(exc, chunk[exc.index or 0])  # noqa: B904 (it is the same error, its cause kept)
+                    # a position the verifier could not know names the chunk's first item (its reason says so)
+                    position = exc.index if exc.index is not None and 0 <= exc.index < len(chunk) else 0
+                    raise failed(exc, chunk[position])  # noqa: B904 (it is the same error, its cause kept)
                 except Exception as exc:  # as for one item: which item it was is unknown, so the first
                     raise failed(VerificationError(v.kind, v.ref, describe(exc)), chunk[0]) from exc
             index = chunk[0]
