@@ -10,11 +10,18 @@ its content, so editing code behind a link changes the digest. A link back up th
 is not entered twice; a dangling link contributes ``<path> NUL -> <target> NUL``. Anything that is
 not a regular file or a directory once links are followed (a FIFO, a socket, a device such as
 ``/dev/zero``) is refused with :class:`~engine.errors.DigestError` naming it: reading one could
-block or never end, and nothing in it could be vetted.
+block or never end, and nothing in it could be vetted. A regular file is read only up to the size
+``fstat`` gave it, plus one byte: one that reads more (``/proc/self/pagemap``: size 0, ~256 GiB of
+bytes) or less (it changed while hashed) is refused too. The walk is bounded (``MAX_PATHS``,
+``MAX_BYTES``): links can make a small directory hold any number of paths (a chain of directories
+each with two links to the next holds 2^depth), and a walk past either bound is refused, not run.
+Paths are hashed as the bytes the file system holds (``os.fsencode``), so a name that is not UTF-8
+is hashed, not a crash; for UTF-8 names those are the same bytes as before.
 
 :func:`snapshot_directory` keeps the bytes of the ``.py`` files while it hashes them, read once
 each: the importer serves modules from that snapshot, so the code that runs is the code that
-was hashed, whatever happens to the files afterwards.
+was hashed, whatever happens to the files afterwards. It keeps ``manifest.json``'s bytes the same
+way, so the plugin can check that the manifest which named its verifier is the one hashed.
 """
 
 from __future__ import annotations
@@ -25,39 +32,67 @@ import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from .errors import DigestError
 
-__all__ = ["Snapshot", "digest_directory", "snapshot_directory"]
+__all__ = ["MANIFEST", "MAX_BYTES", "MAX_PATHS", "Snapshot", "digest_directory", "open_regular", "snapshot_directory"]
 
 IGNORED_DIRS = frozenset({"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"})
 IGNORED_SUFFIXES = (".pyc", ".pyo")
 SOURCE_SUFFIX = ".py"  # the files a snapshot keeps: the only ones the importer reads
+MANIFEST = "manifest.json"  # an environment's manifest, at its root: a snapshot keeps its bytes too
 CHUNK = 1 << 20
+PAGE = 4096  # the least a read asks for: some /proc files refuse reads that are not whole records
+# The walk's bounds. An environment is code and the data it checks with: the largest seen hold a few
+# thousand files and a few hundred MiB. 100,000 paths take ~1 s to walk (a link costs a realpath);
+# 1 GiB takes a few seconds to read and hash, and a snapshot keeps the .py part of it in memory.
+MAX_PATHS = 100_000  # files and directories, counted as the walk reaches them (links followed)
+MAX_BYTES = 1 << 30  # bytes hashed, over all files
 
 
 @dataclass(frozen=True)
 class Snapshot:
     """A directory's digest and the bytes its ``.py`` files had when they were hashed.
 
-    ``sources`` maps each source file's relative POSIX path to those bytes.
+    ``sources`` maps each source file's relative POSIX path to those bytes; ``manifest`` is the
+    bytes of ``manifest.json`` as hashed (``None`` if the directory has none).
     """
 
     root: Path
     digest: str
     sources: Mapping[str, bytes]
+    manifest: bytes | None = None
 
 
-def _files(root: Path) -> list[tuple[str, Path]]:
+def _identity(path: str) -> tuple[int, int] | None:
+    """The directory ``path`` is (links followed), as (device, inode); ``None`` if it is gone."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _files(root: Path, max_paths: int) -> list[tuple[str, Path]]:
     found: list[tuple[str, Path]] = []
-    # the real paths of each directory's ancestors on the walk, to cut loops made of links
-    ancestors: dict[str, frozenset[str]] = {os.fspath(root): frozenset()}
+    # the directories each directory's ancestors on the walk are, to cut loops made of links (by
+    # device and inode: one stat, where a realpath costs a call per component of a deep path)
+    ancestors: dict[str, frozenset[tuple[int, int] | None]] = {os.fspath(root): frozenset()}
+    count = 0
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-        seen = ancestors.pop(dirpath) | {os.path.realpath(dirpath)}
+        count += len(dirnames) + len(filenames)
+        if count > max_paths:
+            raise DigestError(
+                f"{root} holds more than {max_paths} files (links followed): more than an environment holds "
+                "(do links reach the same directories by many paths?); it is refused, not walked to the end",
+                path=root,
+            )
+        seen = ancestors.pop(dirpath) | {_identity(dirpath)}
         kept = []
         for name in dirnames:
             child = os.path.join(dirpath, name)
-            if name in IGNORED_DIRS or os.path.realpath(child) in seen:
+            if name in IGNORED_DIRS or _identity(child) in seen:
                 continue
             ancestors[child] = seen
             kept.append(name)
@@ -84,20 +119,25 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
+def _shown(full: Path) -> str:
+    """``full``, and where it leads if it is a link."""
+    return f"{full} (a link to {os.path.realpath(full)})" if full.is_symlink() else f"{full}"
+
+
 def _refuse(full: Path, mode: int) -> DigestError:
-    target = f" (a link to {os.path.realpath(full)})" if full.is_symlink() else ""
     return DigestError(
-        f"{full}{target} is {_kind(mode)}, not a regular file or directory: an environment may hold only "
+        f"{_shown(full)} is {_kind(mode)}, not a regular file or directory: an environment may hold only "
         "those (reading it could block or never end, and it cannot be vetted)",
         path=full,
     )
 
 
-def _open_regular(full: Path) -> int:
+def open_regular(full: Path) -> int:
     """A descriptor of regular file ``full``, or :class:`DigestError` for anything else.
 
     Checked before opening (opening a FIFO blocks until a writer comes) and again on what was
-    opened, without blocking, in case the file was replaced in between.
+    opened, without blocking, in case the file was replaced in between. ``OSError`` if it cannot
+    be opened (``FileNotFoundError`` if it does not exist).
     """
     mode = os.stat(full).st_mode
     if not stat.S_ISREG(mode):
@@ -110,32 +150,70 @@ def _open_regular(full: Path) -> int:
     return fd
 
 
-def snapshot_directory(path: str | Path) -> Snapshot:
-    """The digest of directory ``path``, and the bytes of its ``.py`` files as hashed.
+def _read(f: BinaryIO, full: Path, size: int, h: hashlib._Hash, keep: bool) -> bytes | None:
+    """Hash ``size`` and the bytes of regular file ``full``, open as ``f``, into ``h``; its bytes if ``keep``.
+
+    Stops as soon as it has read more than its size (as ``fstat`` gave it): a file that reads more is
+    not a plain file (``/proc/self/pagemap`` has size 0 and reads ~256 GiB), or it grew while hashed.
+    """
+    h.update(b"%d\0" % size)
+    chunks: list[bytes] = []
+    got = 0
+    while chunk := f.read(min(CHUNK, max(size + 1 - got, PAGE))):
+        got += len(chunk)
+        if got > size:
+            raise DigestError(
+                f"{_shown(full)} reads more bytes than its size ({size}): it is not a plain file (a /proc or /sys "
+                "file) or it grew while it was hashed, and it cannot be vetted",
+                path=full,
+            )
+        h.update(chunk)
+        if keep:
+            chunks.append(chunk)
+    if got < size:
+        raise DigestError(f"{full} read {got} bytes, not its size ({size}): it changed while it was hashed", path=full)
+    return b"".join(chunks) if keep else None
+
+
+def snapshot_directory(
+    path: str | Path, *, max_paths: int = MAX_PATHS, max_bytes: int = MAX_BYTES
+) -> Snapshot:
+    """The digest of directory ``path``, and the bytes of its ``.py`` files (and manifest) as hashed.
 
     Raises ``NotADirectoryError`` if ``path`` is not a directory, :class:`~engine.errors.DigestError`
-    for a file in it that is not a regular file or directory, and ``OSError`` if a file cannot be read.
+    for a file in it that is not a regular file or directory or does not read as its size, and for a
+    walk past ``max_paths`` files and directories or ``max_bytes`` bytes; ``OSError`` if a file cannot
+    be read.
     """
     root = Path(path)
     if not root.is_dir():
         raise NotADirectoryError(f"{root}: not a directory")
     h = hashlib.sha256()
     sources: dict[str, bytes] = {}
-    for rel, full in _files(root):
+    manifest = None
+    left = max_bytes
+    for rel, full in _files(root, max_paths):
+        name = os.fsencode(rel)  # the name's own bytes, UTF-8 or not
         if not full.exists():  # a dangling link: nothing to import there, but where it points counts
-            h.update(f"{rel}\0-> {os.readlink(full)}\0".encode())
+            h.update(name + b"\0-> " + os.fsencode(os.readlink(full)) + b"\0")
             continue
-        with open(_open_regular(full), "rb") as f:
-            if rel.endswith(SOURCE_SUFFIX):  # one read: the bytes hashed are the bytes kept
-                data = f.read()
-                h.update(f"{rel}\0{len(data)}\0".encode())
-                h.update(data)
-                sources[rel] = data
-                continue
-            h.update(f"{rel}\0{os.fstat(f.fileno()).st_size}\0".encode())
-            while chunk := f.read(CHUNK):
-                h.update(chunk)
-    return Snapshot(root, f"sha256:{h.hexdigest()}", sources)
+        with open(open_regular(full), "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            left -= size
+            if left < 0:
+                raise DigestError(
+                    f"{root} holds more than {max_bytes} bytes (links followed, at {full}): more than an "
+                    "environment holds; it is refused, not read to the end",
+                    path=full,
+                )
+            h.update(name + b"\0")
+            keep = rel.endswith(SOURCE_SUFFIX) or rel == MANIFEST  # one read: the bytes hashed are the bytes kept
+            data = _read(f, full, size, h, keep)
+        if rel == MANIFEST:
+            manifest = data
+        elif data is not None:
+            sources[rel] = data
+    return Snapshot(root, f"sha256:{h.hexdigest()}", sources, manifest)
 
 
 def digest_directory(path: str | Path) -> str:

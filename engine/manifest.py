@@ -29,12 +29,13 @@ from typing import Any, Literal
 
 import orjson
 
-from .errors import ManifestError
+from .digest import MANIFEST, open_regular
+from .errors import DigestError, ManifestError
 from .network import credentials_refusal, shown_url, url_problem, without_credentials
 
 __all__ = ["EXECUTORS", "KINDS", "Environment", "VerifierSpec", "load_environment", "parse_verifier"]
 
-MANIFEST = "manifest.json"
+MAX_MANIFEST_BYTES = 1 << 20  # a manifest is a few lines of JSON; more is refused, not read
 KINDS: tuple[str, ...] = ("rubric", "plugin", "endpoint")
 Kind = Literal["rubric", "plugin", "endpoint"]
 EXECUTORS: tuple[str, ...] = ("thread", "process")
@@ -70,12 +71,17 @@ class VerifierSpec:
 
 @dataclass(frozen=True)
 class Environment:
-    """A loaded, validated environment directory."""
+    """A loaded, validated environment directory.
+
+    ``manifest_bytes`` is its manifest as read: a plugin runs only if the digest hashed these same
+    bytes (``engine.plugin``), so the verifier the engine was configured with is the one pinned.
+    """
 
     name: str
     path: Path
     verifier: VerifierSpec
     manifest: Mapping[str, Any]
+    manifest_bytes: bytes
 
     @property
     def verifier_key(self) -> str:
@@ -137,15 +143,36 @@ def parse_verifier(value: Any, where: str) -> VerifierSpec:
     return VerifierSpec(kind=kind, ref=ref, executor=executor, workers=workers)
 
 
+def _read_manifest(manifest_path: Path) -> bytes:
+    """The bytes of ``manifest_path``, opened as the digest opens files, and at most ``MAX_MANIFEST_BYTES``.
+
+    It is read before the digest, on the event loop: a FIFO there would block the loop forever and
+    ``/dev/zero`` would fill memory, so anything but a regular file is refused, never read.
+    """
+    try:
+        fd = open_regular(manifest_path)
+    except FileNotFoundError:
+        raise ManifestError(f"{manifest_path}: no manifest (an environment directory needs {MANIFEST})") from None
+    except DigestError as exc:
+        raise ManifestError(exc.reason) from None  # names the file and what it is
+    except OSError as exc:
+        raise ManifestError(f"{manifest_path}: cannot read: {exc}") from exc
+    try:
+        with open(fd, "rb") as f:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)  # one byte more than allowed: enough to know it is too large
+    except OSError as exc:
+        raise ManifestError(f"{manifest_path}: cannot read: {exc}") from exc
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise ManifestError(
+            f"{manifest_path}: larger than {MAX_MANIFEST_BYTES} bytes; a manifest is a few lines of JSON"
+        )
+    return raw
+
+
 def load_environment(path: Path) -> Environment:
     """Load and validate the environment in directory ``path``; raises ``ManifestError``."""
     manifest_path = path / MANIFEST
-    try:
-        raw = manifest_path.read_bytes()
-    except FileNotFoundError:
-        raise ManifestError(f"{manifest_path}: no manifest (an environment directory needs {MANIFEST})") from None
-    except OSError as exc:
-        raise ManifestError(f"{manifest_path}: cannot read: {exc}") from exc
+    raw = _read_manifest(manifest_path)
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -157,4 +184,4 @@ def load_environment(path: Path) -> Environment:
     if "verifier" not in data:
         raise ManifestError(f"{manifest_path}: field 'verifier' is missing")
     spec = parse_verifier(data["verifier"], str(manifest_path))
-    return Environment(name=path.name, path=path, verifier=spec, manifest=data)
+    return Environment(name=path.name, path=path, verifier=spec, manifest=data, manifest_bytes=raw)

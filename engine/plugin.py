@@ -59,7 +59,7 @@ import anyio
 import anyio.to_thread
 
 from .config import Limits
-from .digest import Snapshot, snapshot_directory
+from .digest import MANIFEST, Snapshot, snapshot_directory
 from .errors import DigestError, VerificationError, describe
 from .importer import PluginLoadError, forget
 from .manifest import Environment
@@ -299,12 +299,23 @@ class PluginVerifier:
         return VerificationError(self.kind, self.ref, reason, environment=self.environment.name)
 
     def _check_digest(self) -> Snapshot:
-        """The environment's snapshot, once its digest matches the pin: what is imported, and only that."""
+        """The environment's snapshot, once its digest matches the pin: what is imported, and only that.
+
+        The manifest the digest hashed must be the one the verifier was configured from (the
+        environment's, read earlier): else a manifest swapped in between would pick a callable, an
+        executor or a worker count nobody vetted, under a digest that matches the pin.
+        """
         env = self.environment
         try:
             snapshot = snapshot_directory(env.path)
         except DigestError as exc:
             raise self._fail(f"environment {env.name!r} cannot be vetted: {exc.reason}; nothing was imported") from None
+        if snapshot.manifest != env.manifest_bytes:  # the verifier would be one the digest did not cover
+            raise self._fail(
+                f"environment {env.name!r}: {MANIFEST} changed after it was read; nothing was imported (the verifier "
+                "is configured from the manifest the engine read, so it must be the manifest hashed; a new engine "
+                "reads it again)"
+            )
         digest = snapshot.digest
         if self._pin is None:
             if not self._allow_unpinned:

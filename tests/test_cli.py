@@ -496,6 +496,21 @@ def test_check_names_a_special_file_instead_of_hanging(tmp_path: Path) -> None:
     assert check_row(result.stdout, PLUGIN_ENV)[-1] == "yes"  # the others are still checked
 
 
+@pytest.mark.timeout(60)
+def test_check_names_a_fifo_manifest_instead_of_hanging(tmp_path: Path) -> None:
+    """The manifest is read before the digest, on the event loop: a FIFO there blocked ``engine check`` for good."""
+    space = make_workspace(tmp_path, PLUGIN_ENV, "arith")
+    manifest = space.envs / "arith" / "manifest.json"
+    manifest.unlink()
+    os.mkfifo(manifest)
+    result = space.run("check", "--config", space.config)
+    assert result.returncode == EXIT_VERIFICATION, result.stderr
+    cells = check_row(result.stdout, "arith")
+    assert squeezed(f"{manifest} is a named pipe (FIFO)") in squeezed(cells[3]), cells
+    assert cells[-1] == "NO"
+    assert check_row(result.stdout, PLUGIN_ENV)[-1] == "yes"  # the others are still checked
+
+
 # --- engine digest ----------------------------------------------------------------------------
 
 

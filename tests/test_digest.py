@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -11,7 +13,7 @@ import pytest
 from special_files import SPECIAL_KINDS, make_special
 
 from engine import DigestError, digest_directory
-from engine.digest import snapshot_directory
+from engine.digest import MAX_PATHS, snapshot_directory
 
 
 @pytest.fixture
@@ -169,3 +171,105 @@ def test_a_snapshot_keeps_the_sources_it_hashed(tree: Path) -> None:
         "verify.py": (tree / "verify.py").read_bytes(),
         "pkg/helpers.py": (tree / "pkg" / "helpers.py").read_bytes(),
     }
+
+
+def documented_digest(root: Path) -> str:
+    """The digest as the module docstring defines it, computed here from ``os.walk`` (no links, no caches)."""
+    h = hashlib.sha256()
+    paths = [os.path.join(d, n) for d, _, names in os.walk(root) for n in names]
+    files = sorted((os.path.relpath(full, root).encode(), full) for full in paths)
+    for rel, full in files:
+        data = Path(full).read_bytes()
+        h.update(rel + b"\0" + str(len(data)).encode() + b"\0" + data)
+    return f"sha256:{h.hexdigest()}"
+
+
+def test_the_digest_is_the_documented_format_with_utf8_names_as_their_bytes(tree: Path) -> None:
+    """Pins made before names were hashed as raw bytes still hold: a UTF-8 name's bytes did not change."""
+    (tree / "données-é.txt").write_text("accents\n")
+    assert digest_directory(tree) == documented_digest(tree)
+
+
+@pytest.mark.timeout(40)
+def test_a_name_or_link_target_that_is_not_utf8_is_hashed(tree: Path) -> None:
+    """``data\\xff.txt`` is a valid file name on Linux; the digest hashed its name as UTF-8 and crashed."""
+    odd = os.path.join(os.fsencode(tree), b"data\xff.txt")
+    with open(odd, "wb") as f:
+        f.write(b"bytes\n")
+    first = digest_directory(tree)
+    os.rename(odd, os.path.join(os.fsencode(tree), b"data\xfe.txt"))  # another non-UTF-8 name: another digest
+    second = digest_directory(tree)
+    assert second != first
+    os.symlink(b"nowhere-\xff", os.path.join(os.fsencode(tree), b"dangling"))
+    assert digest_directory(tree) not in {first, second}
+    done = subprocess.run(
+        [sys.executable, "-m", "engine", "digest", str(tree)], capture_output=True, text=True, check=False, timeout=30
+    )
+    assert (done.returncode, done.stdout) == (0, digest_directory(tree) + "\n"), done.stderr
+
+
+def make_dag(root: Path, depth: int) -> None:
+    """A chain of ``depth`` directories, each with two links to the next: 2^depth paths, and no loop."""
+    for level in range(depth + 1):
+        (root / f"d{level}").mkdir()
+    for level in range(depth):
+        for link in ("a", "b"):
+            (root / f"d{level}" / link).symlink_to(Path("..", f"d{level + 1}"), target_is_directory=True)
+    (root / f"d{depth}" / "f.txt").write_text("hi\n")
+
+
+def test_a_walk_past_its_path_limit_is_refused(tree: Path) -> None:
+    make_dag(tree, 6)  # d0 alone reaches f.txt by 64 paths
+    snapshot_directory(tree, max_paths=1000)  # within the limit: every path is hashed
+    with pytest.raises(DigestError) as info:
+        snapshot_directory(tree, max_paths=50)
+    assert info.value.path == tree
+    assert str(info.value).startswith(f"{tree} holds more than 50 files (links followed)")
+
+
+@pytest.mark.timeout(120)
+def test_command_line_refuses_a_directory_with_too_many_paths(tree: Path) -> None:
+    make_dag(tree, 18)  # 2^18 paths to f.txt: past MAX_PATHS long before the end
+    done = subprocess.run(
+        [sys.executable, "-m", "engine", "digest", str(tree)], capture_output=True, text=True, check=False, timeout=90
+    )
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.startswith(f"error: {tree} holds more than {MAX_PATHS} files (links followed)"), done.stderr
+
+
+def test_a_walk_past_its_byte_limit_is_refused(tree: Path) -> None:
+    total = sum(len(p.read_bytes()) for p in tree.rglob("*") if p.is_file())
+    snapshot_directory(tree, max_bytes=total)  # exactly the limit: fine
+    (tree / "data.bin").write_bytes(b"x")
+    with pytest.raises(DigestError) as info:
+        snapshot_directory(tree, max_bytes=total)
+    assert f"holds more than {total} bytes" in str(info.value)
+
+
+PAGEMAP = Path("/proc/self/pagemap")
+
+
+@pytest.mark.timeout(40)
+@pytest.mark.skipif(not PAGEMAP.exists(), reason="needs Linux's /proc/self/pagemap")
+def test_a_file_that_reads_more_than_its_size_is_refused(tree: Path) -> None:
+    """/proc/self/pagemap is a regular file of size 0 that reads ~256 GiB: refused after one page."""
+    link = tree / "data.bin"
+    link.symlink_to(PAGEMAP)
+    with pytest.raises(DigestError) as info:
+        digest_directory(tree)
+    assert info.value.path == link
+    assert str(info.value).startswith(f"{link} (a link to /proc/")
+    assert "reads more bytes than its size (0): it is not a plain file" in str(info.value)
+    done = subprocess.run(
+        [sys.executable, "-m", "engine", "digest", str(tree)], capture_output=True, text=True, check=False, timeout=30
+    )
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.startswith(f"error: {link} (a link to /proc/"), done.stderr
+
+
+def test_a_snapshot_keeps_the_manifest_it_hashed(tree: Path) -> None:
+    assert snapshot_directory(tree).manifest == (tree / "manifest.json").read_bytes()
+    (tree / "pkg" / "manifest.json").write_text("{}")  # only the root's is the environment's manifest
+    assert snapshot_directory(tree).manifest == (tree / "manifest.json").read_bytes()
+    (tree / "manifest.json").unlink()
+    assert snapshot_directory(tree).manifest is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -9,9 +10,11 @@ import orjson
 import pytest
 from conftest import add_endpoint_env, import_count, item
 from httpserver import TestServer, json_handler
+from special_files import SPECIAL_KINDS, make_special
 
 import engine
 from engine import ManifestError, load_environment
+from engine.manifest import MAX_MANIFEST_BYTES
 
 
 def write_manifest(root: Path, content: Any, name: str = "env") -> Path:
@@ -130,6 +133,40 @@ def test_bad_ref_per_kind(tmp_path: Path, kind: str, ref: Any) -> None:
 def test_no_manifest_file(tmp_path: Path) -> None:
     (tmp_path / "env").mkdir()
     assert "no manifest" in refused(tmp_path / "env")
+
+
+def test_the_manifest_is_kept_as_read(tmp_path: Path) -> None:
+    """What the digest must have hashed for a plugin to run (engine.plugin compares the two)."""
+    raw = b'{"kind": "environment",\n "verifier": {"kind": "plugin", "ref": "verify:score"}}\n'
+    assert load_environment(write_manifest(tmp_path, raw)).manifest_bytes == raw
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", SPECIAL_KINDS)
+def test_a_manifest_that_is_not_a_regular_file_is_refused_unread(tmp_path: Path, kind: str) -> None:
+    """A FIFO would block its reader (the event loop) forever; /dev/zero would fill memory."""
+    directory = tmp_path / "env"
+    directory.mkdir()
+    what = make_special(directory / "manifest.json", kind)
+    assert f"is {what}, not a regular file" in refused(directory)
+
+
+def test_a_manifest_larger_than_its_limit_is_refused(tmp_path: Path) -> None:
+    body = orjson.dumps(manifest("plugin", "verify:score"))
+    padded = body + b" " * (MAX_MANIFEST_BYTES - len(body))  # exactly the limit: still a manifest
+    assert load_environment(write_manifest(tmp_path, padded, name="at_limit")).verifier.ref == "verify:score"
+    message = refused(write_manifest(tmp_path, padded + b" ", name="past_limit"))
+    assert f"larger than {MAX_MANIFEST_BYTES} bytes" in message
+
+
+@pytest.mark.timeout(30)
+async def test_a_fifo_manifest_in_a_batch_raises_at_once(envs: Path) -> None:
+    """Not a hang of the event loop: the manifest is read on it, before any digest."""
+    (envs / "piped").mkdir()
+    os.mkfifo(envs / "piped" / "manifest.json")
+    async with engine.Engine(engine.EngineConfig(environments=envs, allow_unpinned=True)) as eng:
+        with pytest.raises(ManifestError, match="is a named pipe"):
+            await eng.score([item("twin_a"), item("piped")])
 
 
 # --- batch items: misuse of the API is TypeError/ValueError, raised before anything is scored ---

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import orjson
 import pytest
 from conftest import add_env, import_count, item, process_twin
 from polling import eventually
@@ -669,3 +670,77 @@ async def test_an_import_that_failed_is_forgotten_too(config: EngineConfig, envs
     for _ in range(5):
         await fails(config, [item("broken_import")])
     assert registered(envs, "broken_import") == before
+
+
+SWAP_VERIFY = '''\
+import os
+
+with open(os.environ["ENGINE_TEST_SWAP_LOG"], "a") as log:
+    log.write("imported\\n")
+
+
+def score(task, trajectory):
+    return 0.25  # the vetted verifier
+
+
+def always_one(task, trajectory):
+    return 1.0  # a helper the vetted manifest never names
+'''
+
+
+def rewrite_ref(envs: Path, name: str, ref: str) -> bytes:
+    """Point environment ``name``'s manifest at ``ref`` (other keys kept); returns the old bytes."""
+    path = envs / name / "manifest.json"
+    old = path.read_bytes()
+    manifest = orjson.loads(old)
+    manifest["verifier"]["ref"] = ref
+    path.write_bytes(orjson.dumps(manifest))
+    return old
+
+
+@pytest.fixture
+def swap_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    log = tmp_path / "swap.log"
+    monkeypatch.setenv("ENGINE_TEST_SWAP_LOG", str(log))
+    return log
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("executor", ["thread", "process"])
+async def test_a_manifest_changed_after_it_was_read_runs_nothing(envs: Path, swap_log: Path, executor: str) -> None:
+    """The engine read ``verify:score``; the directory hashed now names another callable: neither runs."""
+    name = write_env(envs, "swapped", {"verify.py": SWAP_VERIFY}, executor)
+    config = EngineConfig(environments=envs, allow_unpinned=True)
+    async with engine.Engine(config) as eng:
+        assert eng.environment(name).verifier.ref == "verify:score"
+        rewrite_ref(envs, name, "verify:always_one")
+        with pytest.raises(VerificationError) as info:
+            await eng.score([item(name, item_id="m")])
+    reason = f"environment {name!r}: manifest.json changed after it was read; nothing was imported"
+    check(info.value, environment=name, ref="verify:score", index=0, item_id="m", reason=reason)
+    assert not swap_log.exists()  # the module never ran, in the engine or in a worker
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("executor", ["thread", "process"])
+async def test_a_manifest_swapped_back_to_the_pinned_one_does_not_pick_the_verifier(
+    envs: Path, swap_log: Path, executor: str
+) -> None:
+    """Read as ``verify:always_one``, swapped back to the vetted bytes before the digest: the digest matches
+    the pin, and ``always_one`` must not run under it."""
+    name = write_env(envs, "toctou", {"verify.py": SWAP_VERIFY}, executor)
+    config = pinned(envs, name)  # the vetted directory: verify:score
+    vetted = rewrite_ref(envs, name, "verify:always_one")
+    async with engine.Engine(config) as eng:
+        assert eng.environment(name).verifier.ref == "verify:always_one"  # what the engine read ...
+        (envs / name / "manifest.json").write_bytes(vetted)  # ... then the pinned manifest is back
+        assert digest_directory(envs / name) == config.pins[name]
+        with pytest.raises(VerificationError) as info:
+            await eng.score([item(name, item_id="t")])
+    reason = f"environment {name!r}: manifest.json changed after it was read; nothing was imported"
+    check(info.value, environment=name, ref="verify:always_one", index=0, item_id="t", reason=reason)
+    assert not swap_log.exists()
+    async with engine.Engine(config) as eng:  # a new engine reads the vetted manifest, and runs its verifier
+        result = await eng.run([item(name)])
+    assert result.rewards == [0.25]
+    assert result.provenance(0)["digest"] == config.pins[name]
