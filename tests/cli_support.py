@@ -8,6 +8,7 @@ directly from its file, so a test can compare the rewards the CLI wrote with wha
 
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
 import importlib.util
 import itertools
@@ -16,7 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -247,6 +248,17 @@ from engine.cli import main
 
 main()
 """
+
+
+@contextlib.contextmanager
+def reaped(process: subprocess.Popen[str]) -> Iterator[subprocess.Popen[str]]:
+    """``process``, killed and waited for on leaving if it still runs (a test that failed half-way)."""
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate(timeout=RUN_TIMEOUT)
 
 
 def start_under_trace(

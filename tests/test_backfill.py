@@ -36,6 +36,7 @@ from cli_support import (
     make_workspace,
     partial_records,
     read_log,
+    reaped,
     row,
     rows,
     start_under_trace,
@@ -146,14 +147,10 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_output(space: Workspace, sto
         "score", inp, "-o", out, "--config", space.config, *chunk_args(), env=knobs(killed_log, sleep=0.02)
     )
     signum, status = STOPS[stop]
-    try:
+    with reaped(process):
         wait_for_rows_done(out, 2 * CHUNK, process)
         os.kill(process.pid, signum)
-        _, stderr = process.communicate(timeout=10)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate(timeout=10)
+        _, stderr = process.communicate(timeout=RUN_TIMEOUT)
     assert process.returncode == status, stderr
     if signum == signal.SIGINT:
         assert one_error_line(stderr).startswith("error: interrupted (Ctrl-C); ")
@@ -637,17 +634,13 @@ def test_a_signal_stops_a_run_with_one_line_however_it_lands(space: Workspace, h
             command, cwd=space.root, env=child_env(None),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
-        try:
+        with reaped(process):
             wait_for_rows_done(out, BUSY_CHUNK * (1 + attempt % 3), process)
             process.send_signal(signum)
             if times == 2:  # the second while the run unwinds from the first: at once, or a little later
                 time.sleep(GAPS[attempt])
                 process.send_signal(signum)
             _, stderr = process.communicate(timeout=RUN_TIMEOUT)
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.communicate(timeout=RUN_TIMEOUT)
         assert process.returncode == status, (attempt, stderr)
         line = one_error_line(stderr)
         said = "error: terminated (SIGTERM); " if status == EXIT_TERMINATED else "error: interrupted (Ctrl-C); "
@@ -710,15 +703,11 @@ def test_an_early_signal_exits_with_one_line_and_the_run_goes_on(space: Workspac
         out = space.root / f"{moment.replace(' ', '-')}-{delay}" / "rewards.jsonl"
         slow = knobs(space.root / "calls.log", sleep=0.02)
         process = space.start("score", inp, "-o", out, "--config", space.config, *chunk_args(), env=slow)
-        try:
+        with reaped(process):
             wait_until(partial(reached, process, moment), message=f"the run never reached {moment!r}")
             time.sleep(delay)
             process.send_signal(signum)
             _, stderr = process.communicate(timeout=RUN_TIMEOUT)
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.communicate(timeout=RUN_TIMEOUT)
         assert process.returncode == status, (moment, delay, stderr)
         line = one_error_line(stderr)
         assert line.startswith(said), line

@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import anyio
 import httpx
 import pytest
 from conftest import SleepRecorder, add_endpoint_env, item
@@ -263,8 +262,6 @@ async def test_timeout_bounds_the_whole_call(envs: Path, sleeps: SleepRecorder) 
     with DripServer(b'{"reward": 1.0}' + b" " * 15, interval=0.04) as server:  # 30 bytes over 1.2 s
         add_endpoint_env(envs, "remote", server.url)
         config = EngineConfig(environments=envs, refs={server.url: Limits(timeout=0.3)})
-        start = anyio.current_time()
         async with engine.Engine(config, sleep=sleeps) as eng:
-            with pytest.raises(VerificationError, match="timed out"):
+            with pytest.raises(VerificationError, match="timed out"):  # a timeout per read would never fire
                 await eng.score([item("remote")])
-        assert anyio.current_time() - start < 1.0

@@ -207,14 +207,13 @@ NOT_NUMBERS = [
     ("huge_decimal", "returned Decimal('1E+400'), which is not a finite number"),
     ("raising", "(Raising), whose float() raised RuntimeError('no float for you')"),
     ("str_float", "returned 'wrong' (Text), which is not a real number"),  # was 1.0
-]
-# Each was a reward: 0.75, 1.0, 0.25, 0.3 (the real part)
-NUMPY_NOT_NUMBERS = [
+    # numpy's: each was a reward (0.75, 1.0, 0.25, and 0.3, the real part)
     ("numpy_str", "returned np.str_('0.75') (str_), which is not a real number"),
     ("numpy_bytes", "returned np.bytes_(b'1') (bytes_), which is not a real number"),
     ("numpy_0d", "returned array('0.25', dtype='<U4') (ndarray), which is not a real number"),
     ("numpy_complex", "returned np.complex128(0.3+0.9j) (complex128), which is not a real number"),
 ]
+
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)
@@ -252,38 +251,6 @@ async def test_a_reward_that_is_not_a_real_number_inside_a_chunk_names_its_item(
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)
-@pytest.mark.parametrize(("mode", "reason"), NUMPY_NOT_NUMBERS, ids=[mode for mode, _ in NUMPY_NOT_NUMBERS])
-async def test_a_numpy_value_that_is_not_a_real_number_fails_its_item(
-    envs: Path, executor: str, mode: str, reason: str
-) -> None:
-    pytest.importorskip("numpy")
-    name = returns_env(envs, executor)
-    items = [item(name, item_id=f"r{n}", mode="float") for n in range(3)]
-    items[1] = item(name, item_id="bad", mode=mode)
-    err = await fails(EngineConfig(environments=envs, allow_unpinned=True), items)
-    check(err, environment=name, ref="verify:score", index=1, item_id="bad", reason=reason)
-
-
-@pytest.mark.timeout(20)  # a worker process starts, and 6,000 calls
-@pytest.mark.parametrize("executor", ["thread", "process"])
-@pytest.mark.parametrize(("mode", "reason"), NUMPY_NOT_NUMBERS, ids=[mode for mode, _ in NUMPY_NOT_NUMBERS])
-async def test_a_numpy_value_that_is_not_a_real_number_inside_a_chunk_names_its_item(
-    envs: Path, executor: str, mode: str, reason: str
-) -> None:
-    """A chunk took them too: its sum in C reads a numpy string as the number it spells."""
-    pytest.importorskip("numpy")
-    name = returns_env(envs, executor)
-    items = [item(name, item_id=f"r{n}", mode="float") for n in range(4_000)]
-    items[2_777] = item(name, item_id="bad", mode=mode)
-    async with engine.Engine(EngineConfig(environments=envs, allow_unpinned=True)) as eng:
-        assert await eng.score(items[:2_000]) == [0.5] * 2_000  # chunks form after this
-        assert eng.verifier_for(eng.environment(name)).chunk_size(4_000) > 1
-        with pytest.raises(VerificationError) as info:
-            await eng.score(items)
-        check(info.value, environment=name, ref="verify:score", index=2_777, item_id="bad", reason=reason)
-
-
-@pytest.mark.parametrize("executor", EXECUTORS)
 async def test_real_numbers_of_every_kind_are_rewards(envs: Path, executor: str) -> None:
     name = returns_env(envs, executor)
     modes = ["float", "int", "bool", "decimal", "fraction"]
@@ -295,7 +262,6 @@ async def test_real_numbers_of_every_kind_are_rewards(envs: Path, executor: str)
 
 @pytest.mark.parametrize("executor", EXECUTORS)
 async def test_numpy_scalars_are_rewards(envs: Path, executor: str) -> None:
-    pytest.importorskip("numpy")
     name = returns_env(envs, executor)
     async with engine.Engine(EngineConfig(environments=envs, allow_unpinned=True)) as eng:
         rewards = await eng.score([item(name, mode=mode) for mode in ("numpy_float", "numpy_int", "numpy_bool")])
@@ -305,10 +271,9 @@ async def test_numpy_scalars_are_rewards(envs: Path, executor: str) -> None:
 
 async def test_sync_plugin_timeout(envs: Path) -> None:
     config = EngineConfig(environments=envs, allow_unpinned=True, refs={"faulty/faults:by_task": Limits(timeout=0.2)})
-    start = anyio.current_time()
-    # the abandoned thread sleeps on for 1 s; Python cannot stop it, the engine does not wait for it
-    err = await fails(config, [item("faulty", mode="ok"), item("faulty", item_id="h", mode="hang", seconds=1)])
-    assert anyio.current_time() - start < 0.9
+    # the abandoned thread sleeps on for 10 s; Python cannot stop it, the engine does not wait for it (if it
+    # did, the test's own timeout would fail it)
+    err = await fails(config, [item("faulty", mode="ok"), item("faulty", item_id="h", mode="hang", seconds=10)])
     check(err, environment="faulty", ref="faults:by_task", index=1, item_id="h", reason="timed out after 0.2 s")
 
 
