@@ -9,6 +9,7 @@ exists, so a test can "fix the verifier" between two runs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -589,16 +590,31 @@ def test_a_disk_full_when_the_run_starts_stops_with_exit_3_and_one_line(space: W
         assert not state_path(out).exists() and not partial_path(out).exists()
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only (0o555) directory all the same")
+@contextlib.contextmanager
+def read_only(folder: Path) -> Iterator[None]:
+    """``folder`` refuses new files: mode 0o555, and for root (whom modes do not stop, as in CI) the immutable
+    attribute, which stops root too (``chattr +i``; skipped where the file system or the machine has none)."""
+    folder.chmod(0o555)
+    immutable = os.geteuid() == 0
+    try:
+        if immutable:
+            done = subprocess.run(["chattr", "+i", str(folder)], capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                immutable = False
+                pytest.skip(f"root writes into a 0o555 directory, and chattr +i failed: {done.stderr.strip()}")
+        yield
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(folder)], check=True)
+        folder.chmod(0o755)
+
+
 def test_a_read_only_output_directory_is_a_write_error(space: Workspace) -> None:
     inp = write_rows(space.root / "in.jsonl", rows(10))
     folder = space.root / "read-only"
     folder.mkdir()
-    folder.chmod(0o555)
-    try:
+    with read_only(folder):
         refused = space.score(inp, folder / "rewards.jsonl")
-    finally:
-        folder.chmod(0o755)
     assert refused.returncode == EXIT_IO, refused.stderr
     assert one_error_line(refused.stderr).startswith(f"error: cannot write {lock_path(folder / 'rewards.jsonl')}: ")
 
