@@ -181,9 +181,8 @@ def snapshot_directory(
     """The digest of directory ``path``, and the bytes of its ``.py`` files (and manifest) as hashed.
 
     Raises ``NotADirectoryError`` if ``path`` is not a directory, :class:`~engine.errors.DigestError`
-    for a file in it that is not a regular file or directory or does not read as its size, and for a
-    walk past ``max_paths`` files and directories or ``max_bytes`` bytes; ``OSError`` if a file cannot
-    be read.
+    for a file in it that is not a regular file or directory, cannot be read, or does not read as its
+    size, and for a walk past ``max_paths`` files and directories or ``max_bytes`` bytes.
     """
     root = Path(path)
     if not root.is_dir():
@@ -197,18 +196,22 @@ def snapshot_directory(
         if not full.exists():  # a dangling link: nothing to import there, but where it points counts
             h.update(name + b"\0-> " + os.fsencode(os.readlink(full)) + b"\0")
             continue
-        with open(open_regular(full), "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
-            left -= size
-            if left < 0:
-                raise DigestError(
-                    f"{root} holds more than {max_bytes} bytes (links followed, at {full}): more than an "
-                    "environment holds; it is refused, not read to the end",
-                    path=full,
-                )
-            h.update(name + b"\0")
-            keep = rel.endswith(SOURCE_SUFFIX) or rel == MANIFEST  # one read: the bytes hashed are the bytes kept
-            data = _read(f, full, size, h, keep)
+        try:
+            with open(open_regular(full), "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                left -= size
+                if left < 0:
+                    raise DigestError(
+                        f"{root} holds more than {max_bytes} bytes (links followed, at {full}): more than an "
+                        "environment holds; it is refused, not read to the end",
+                        path=full,
+                    )
+                h.update(name + b"\0")
+                keep = rel.endswith(SOURCE_SUFFIX) or rel == MANIFEST  # one read: the bytes hashed are the bytes kept
+                data = _read(f, full, size, h, keep)
+        except OSError as exc:  # gone since the walk saw it (an editor's swap file), unreadable (EIO, EACCES)
+            reason = f"{_shown(full)} cannot be read ({exc.strerror or exc}), so it cannot be vetted"
+            raise DigestError(reason, path=full) from exc
         if rel == MANIFEST:
             manifest = data
         elif data is not None:

@@ -267,6 +267,27 @@ def test_a_file_that_reads_more_than_its_size_is_refused(tree: Path) -> None:
     assert done.stderr.startswith(f"error: {link} (a link to /proc/"), done.stderr
 
 
+PROCESS_MEMORY = Path("/proc/self/mem")
+
+
+@pytest.mark.timeout(40)
+@pytest.mark.skipif(not PROCESS_MEMORY.exists(), reason="needs Linux's /proc/self/mem")
+def test_a_file_that_cannot_be_read_is_refused_naming_it(tree: Path) -> None:
+    """/proc/self/mem is a regular file whose first page reads as an I/O error: a DigestError, not a raw OSError."""
+    link = tree / "data.bin"
+    link.symlink_to(PROCESS_MEMORY)
+    with pytest.raises(DigestError) as info:
+        digest_directory(tree)
+    assert info.value.path == link
+    assert str(info.value).startswith(f"{link} (a link to /proc/"), info.value
+    assert "cannot be read (Input/output error), so it cannot be vetted" in str(info.value)
+    done = subprocess.run(
+        [sys.executable, "-m", "engine", "digest", str(tree)], capture_output=True, text=True, check=False, timeout=30
+    )
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.startswith(f"error: {link} (a link to /proc/"), done.stderr
+
+
 def test_a_snapshot_keeps_the_manifest_it_hashed(tree: Path) -> None:
     assert snapshot_directory(tree).manifest == (tree / "manifest.json").read_bytes()
     (tree / "pkg" / "manifest.json").write_text("{}")  # only the root's is the environment's manifest
