@@ -557,7 +557,9 @@ class PluginVerifier:
                 raise failure from exc
         if deadline.cancelled_caught:
             failure = self._fail(f"timed out after {self.limits.timeout:g} s")
-            failure.index = converting[0] if converting[0] >= 0 else len(out)
+            # the call running at the deadline: the one after the last that returned, as the loop reads it now
+            # (a loop that comes late may find a later one; one that finds every call returned blames the last)
+            failure.index = converting[0] if converting[0] >= 0 else min(len(out), len(items) - 1)
             raise failure
         if rewards:
             self._measured(cost, len(rewards))

@@ -219,8 +219,9 @@ class RowReader:
             if missing:
                 raise self._fail(number, f"missing field(s) {', '.join(map(repr, missing))} (a row needs {FIELDS})")
             row_id, environment, task, trajectory = (data[name] for name in FIELDS)
-            if isinstance(row_id, float) and _written_as_integer(raw):
-                reason = f"'id' {_id_text(raw)}: an integer id must fit in 64 bits; write it as a string"
+            if not isinstance(row_id, str | int | None) and _has_float(row_id) and _written_as_integer(raw):
+                what = "an integer id" if isinstance(row_id, float) else "an integer in an id"
+                reason = f"'id' {_id_text(raw)}: {what} must fit in 64 bits; write it as a string"
                 raise self._fail(number, reason)
         else:
             row_id, environment, task, trajectory = raw
@@ -267,17 +268,41 @@ class RowReader:
         self.close()
 
 
+def _has_float(value: Any) -> bool:
+    """Whether ``value`` is a float or holds one (in a list or an object, at any depth)."""
+    if isinstance(value, float):
+        return True
+    if isinstance(value, list):
+        return any(map(_has_float, value))
+    if isinstance(value, dict):
+        return any(map(_has_float, value.values()))
+    return False
+
+
 def _written_as_integer(line: bytes) -> bool:
-    """Whether the row's ``id``, which orjson read as a float, is an integer in the text.
+    """Whether the row's ``id``, in which orjson read a float, has an integer orjson rounded in the text.
 
     orjson reads integers from -2**63 to 2**64 - 1 exactly and any other as a float: two different
-    wider ids could then be written as one float. The standard parser keeps every integer, so it
-    tells which it was; it runs only for float ids, which are rare.
+    wider ids (or ids holding one, as a list or an object can) could then be written as one. The
+    standard parser keeps every integer exactly, so where the two read the id differently, one was
+    rounded; it runs only for ids holding a float, which are rare.
     """
     try:
-        return isinstance(json.loads(line).get("id"), int)
+        exact = json.loads(line).get("id")
     except (ValueError, RecursionError):
         return False
+    return not _same(exact, orjson.loads(line).get("id"))
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two parsed JSON values are the same, types included (2**64 and its float are equal numbers)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, list):
+        return len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[key], b[key]) for key in a)
+    return bool(a == b)
 
 
 def _id_text(line: bytes) -> str:

@@ -449,3 +449,20 @@ def test_an_integer_id_orjson_cannot_keep_exact_is_refused_by_its_line(tmp_path:
         assert (info.value.unit, info.value.number) == ("line", 3)
         assert "an integer id must fit in 64 bits; write it as a string" in str(info.value)
         assert str(wide)[:15] in str(info.value)
+
+
+def test_an_id_holding_an_integer_orjson_cannot_keep_exact_is_refused_by_its_line(tmp_path: Path) -> None:
+    """The same inside a list or an object: [10**23 + 1] and [10**23] would be one id."""
+    base = rows_data(1)[0]
+    path = tmp_path / "in.jsonl"
+    kept = [[1.5, 2**63], {"a": [0.25]}]  # floats written as floats, integers orjson keeps
+    path.write_bytes(b"".join(orjson.dumps({**base, "id": value}) + b"\n" for value in kept))
+    with open_rows(path) as rows:
+        assert [row.id for row in rows] == kept
+    for wide in ("[100000000000000000000001]", '{"run": [1, 100000000000000000000001]}'):
+        line = orjson.dumps({**base, "id": "X"}).replace(b'"X"', wide.encode())
+        path.write_bytes(line + b"\n")
+        with open_rows(path) as rows, pytest.raises(InputError) as info:
+            list(rows)
+        assert (info.value.unit, info.value.number) == ("line", 1)
+        assert "an integer in an id must fit in 64 bits; write it as a string" in str(info.value)
