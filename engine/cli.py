@@ -299,13 +299,14 @@ def score(input_path: Path, output: Path, config_path: Path, resume: bool, chunk
     """Backfill rewards for a file of stored trajectories (JSON Lines or Parquet)."""
     try:
         config = _config(config_path)
-        if not input_path.is_file() and not (resume and _only_cleanup_left(output)):
+        cleanup_only = resume and _only_cleanup_left(output)  # the input is neither needed nor read then
+        if not cleanup_only and not input_path.is_file():
             _fail(EXIT_BAD_INPUT, f"{input_path}: no such input file")
         try:
             output.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             _fail(EXIT_IO, f"cannot create {output.parent}: {exc.strerror or exc}")
-        with _progress(count_rows(input_path)) as progress:
+        with _progress(None if cleanup_only else count_rows(input_path)) as progress:
             summary = _run(
                 lambda: score_file(
                     input_path=input_path,

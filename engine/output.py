@@ -502,8 +502,10 @@ class RewardWriter:
         try:
             f.flush()
             os.fsync(f.fileno())
-            self.close()
             path = _ids_path(self.output)
+            if self._ids is not None:  # its last hashes, or the count below would be short, silently
+                self._ids.flush()
+            self.close()
             repeated, distinct = _count_repeated(path)
             if self.format == "parquet":
                 path = _output_tmp(self.output)

@@ -510,9 +510,10 @@ def test_a_run_killed_while_finishing_an_input_with_a_tail_resumes(space: Worksp
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("change", ["edited", "moved"])
+@pytest.mark.parametrize("change", ["edited", "moved", "a FIFO now"])
 def test_a_run_killed_after_its_rename_completes_without_its_input(space: Workspace, change: str) -> None:
-    """Only the cleanup is left: the input, since edited or moved away, is not needed for it."""
+    """Only the cleanup is left: the input, since edited, moved away or replaced, is not needed nor read
+    (not even counted for the progress bar: a FIFO in its place would block that count for ever)."""
     inp = write_rows(space.root / "in.jsonl", rows(SMALL))
     reference = space.root / "reference" / "rewards.jsonl"
     traced = start_traced(space, inp, reference, 0)
@@ -526,8 +527,11 @@ def test_a_run_killed_after_its_rename_completes_without_its_input(space: Worksp
     assert out.read_bytes() == reference.read_bytes() and state_path(out).exists()
     if change == "edited":
         write_rows(inp, rows(SMALL + 5)[5:])
-    else:
+    elif change == "moved":
         inp.rename(space.root / "elsewhere.jsonl")
+    else:
+        inp.unlink()
+        os.mkfifo(inp)
 
     resumed = ok(space.score(inp, out, *chunk_args(), "--resume"))
     assert f"the run had already finished: {out} was complete" in resumed.stdout
