@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .blocking import BlockingEngine
-    from .config import EngineConfig, Limits, load_config
+    from .config import EngineConfig, JudgeConfig, Limits, load_config
     from .digest import digest_directory
     from .engine import Engine
     from .errors import ConfigError, DigestError, EngineError, ManifestError, VerificationError
@@ -34,6 +34,7 @@ __all__ = [
     "EngineConfig",
     "EngineError",
     "Environment",
+    "JudgeConfig",
     "Limits",
     "ManifestError",
     "VerificationError",
@@ -50,6 +51,7 @@ __all__ = [
 _MODULES = {  # where each public name lives
     "BlockingEngine": "blocking",
     "EngineConfig": "config",
+    "JudgeConfig": "config",
     "Limits": "config",
     "load_config": "config",
     "digest_directory": "digest",

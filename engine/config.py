@@ -21,6 +21,9 @@ one endpoint (or to ``[judge]``), never to ``[defaults]``, so a token is only se
 meant to go. A URL with credentials in it is refused (``engine.network``): they go in a header.
 
 ``ca_bundle`` names a PEM file of CA certificates trusted for HTTPS on top of the default trust.
+
+``[judge]`` is a :class:`JudgeConfig`, here with the rest of the config (not with the judge that
+uses it), so that this module depends on no verifier kind.
 """
 
 from __future__ import annotations
@@ -36,10 +39,17 @@ from typing import Any
 
 from .errors import ConfigError
 from .headers import check_headers
-from .judge import JudgeConfig
 from .network import ca_bundle_problem, credentials_refusal, shown_url, url_problem, without_credentials
 
 __all__ = [
+    "DEFAULT_JUDGE_MAX_ATTEMPTS",
+    "DEFAULT_JUDGE_MAX_BODY",
+    "DEFAULT_JUDGE_MAX_CONCURRENCY",
+    "DEFAULT_JUDGE_MAX_RATE",
+    "DEFAULT_JUDGE_MAX_TOKENS",
+    "DEFAULT_JUDGE_RETRY_DEADLINE",
+    "DEFAULT_JUDGE_TEMPERATURE",
+    "DEFAULT_JUDGE_TIMEOUT",
     "DEFAULT_MAX_ABANDONED",
     "DEFAULT_MAX_ATTEMPTS",
     "DEFAULT_MAX_CONCURRENCY",
@@ -48,6 +58,7 @@ __all__ = [
     "DEFAULT_THREADS",
     "DEFAULT_TIMEOUT",
     "EngineConfig",
+    "JudgeConfig",
     "Limits",
     "load_config",
 ]
@@ -62,6 +73,16 @@ DEFAULT_MAX_BODY = 1 << 20  # bytes: an endpoint's response body may be at most 
 DEFAULT_MAX_ABANDONED = 8  # a thread plugin's timed-out calls still running, beyond which it starts no more
 DEFAULT_ENVIRONMENTS = "envs"
 DEFAULT_RUBRICS = "rubrics"
+
+# the judge's ([judge] table)
+DEFAULT_JUDGE_TEMPERATURE = 0.0  # the same item should get the same grade
+DEFAULT_JUDGE_MAX_TOKENS = 512  # room for the JSON and a short reason
+DEFAULT_JUDGE_TIMEOUT = 120.0  # seconds per request: a loaded judge can be slow
+DEFAULT_JUDGE_MAX_CONCURRENCY = 32  # requests in flight at once, over all rubrics
+DEFAULT_JUDGE_MAX_RATE: float | None = None  # requests per second; None means unlimited
+DEFAULT_JUDGE_MAX_ATTEMPTS = 5  # first try plus retries
+DEFAULT_JUDGE_RETRY_DEADLINE = 300.0  # seconds from the first try; rate-limit waits can be long
+DEFAULT_JUDGE_MAX_BODY = 1 << 20  # bytes of reply: far more than max_tokens of JSON, far less than a flood
 
 DIGEST_PATTERN = re.compile(r"sha256:[0-9a-f]{64}")
 _JUDGE_CALL_KEYS = ("timeout", "max_attempts", "retry_deadline", "max_body")
@@ -144,6 +165,109 @@ class Limits:
             where = f"{source}: " if source is not None else ""
             raise ConfigError(f"{where}{prefix}.{str(exc).removeprefix('Limits.')}") from None
         return limits
+
+
+def _judge_fail(source: Path | None, key: str, message: str) -> ConfigError:
+    where = f"{source}: " if source is not None else ""
+    return ConfigError(f"{where}judge.{key}: {message}")
+
+
+def _is_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+
+
+_ENV_VAR = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+@dataclass(frozen=True)
+class JudgeConfig:
+    """The ``[judge]`` table of the engine's config, validated when built."""
+
+    base_url: str
+    model: str
+    api_key_env: str | None = None  # the environment variable holding the API key, if the server wants one
+    max_concurrency: int = DEFAULT_JUDGE_MAX_CONCURRENCY
+    max_rate: float | None = DEFAULT_JUDGE_MAX_RATE
+    temperature: float = DEFAULT_JUDGE_TEMPERATURE
+    max_tokens: int = DEFAULT_JUDGE_MAX_TOKENS
+    timeout: float = DEFAULT_JUDGE_TIMEOUT
+    max_attempts: int = DEFAULT_JUDGE_MAX_ATTEMPTS
+    retry_deadline: float = DEFAULT_JUDGE_RETRY_DEADLINE
+    max_body: int = DEFAULT_JUDGE_MAX_BODY
+    response_format: bool = True  # send response_format={"type": "json_object"}
+    # extra headers whose values name environment variables (``engine.headers``), for a judge behind
+    # a gateway that wants more than a Bearer key; not hashed, a mapping is not hashable
+    headers: Mapping[str, str] = field(default_factory=dict, hash=False)
+    source: Path | None = None  # the file this came from, for messages
+
+    def __post_init__(self) -> None:
+        src = self.source
+        if isinstance(self.base_url, str) and (plain := without_credentials(self.base_url)) is not None:
+            raise _judge_fail(  # never echo the URL: it holds a password
+                src,
+                "base_url",
+                "the URL carries credentials (user:password@), which would be logged with every request; "
+                f"use {plain} and send them in a header read from an environment variable: "
+                'headers = { Authorization = "Basic ${JUDGE_AUTH}" } (the variable holding base64 of '
+                "user:password), or name the variable holding an API key in api_key_env (sent as a Bearer token)",
+            )
+        if not isinstance(self.base_url, str) or not re.fullmatch(r"https?://[^\s/?#]+[^\s?#]*", self.base_url):
+            shown = shown_url(self.base_url) if isinstance(self.base_url, str) else self.base_url  # a password?
+            raise _judge_fail(src, "base_url", f"must be an http:// or https:// URL, got {shown!r}")
+        if (problem := url_problem(self.base_url)) is not None:  # found now, not when the engine opens
+            raise _judge_fail(src, "base_url", problem)
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise _judge_fail(src, "model", f"must be the model's name, got {self.model!r}")
+        if self.api_key_env is not None and (
+            not isinstance(self.api_key_env, str) or not _ENV_VAR.fullmatch(self.api_key_env)
+        ):
+            # never echo the value: someone may have pasted the key itself here
+            raise _judge_fail(
+                src, "api_key_env", "must be the name of an environment variable (the key itself goes there)"
+            )
+        for key in ("max_concurrency", "max_tokens", "max_attempts", "max_body"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise _judge_fail(src, key, f"must be a whole number >= 1, got {value!r}")
+        for key in ("timeout", "retry_deadline", "max_rate"):
+            value = getattr(self, key)
+            if key == "max_rate" and value is None:
+                continue
+            if not _is_number(value) or value <= 0:
+                raise _judge_fail(src, key, f"must be a number > 0, got {value!r}")
+            object.__setattr__(self, key, float(value))
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise _judge_fail(src, "temperature", f"must be a number >= 0, got {self.temperature!r}")
+        object.__setattr__(self, "temperature", float(self.temperature))
+        if not isinstance(self.response_format, bool):
+            raise _judge_fail(src, "response_format", f"must be true or false, got {self.response_format!r}")
+        headers = check_headers(self.headers, lambda subkey, message: _judge_fail(src, f"headers{subkey}", message))
+        if self.api_key_env is not None and any(name.lower() == "authorization" for name in headers):
+            raise _judge_fail(src, "headers.Authorization", "api_key_env sends it already: set one or the other")
+        object.__setattr__(self, "headers", headers)
+
+    @property
+    def url(self) -> str:
+        """Where completions are requested."""
+        return self.base_url.rstrip("/") + "/chat/completions"
+
+    @classmethod
+    def from_table(cls, table: Mapping[str, Any], source: Path | None = None) -> JudgeConfig:
+        """A config from the parsed ``[judge]`` TOML table; ``ConfigError`` names the bad key."""
+        if not isinstance(table, Mapping):
+            where = f"{source}: " if source is not None else ""
+            raise ConfigError(f"{where}judge: must be a table")
+        known = [f.name for f in fields(cls) if f.name != "source"]
+        for key in table:
+            if key == "api_key":
+                reason = "an API key is never written in the config: name its variable in api_key_env"
+                raise _judge_fail(source, key, reason)
+            if key not in known:
+                raise _judge_fail(source, key, f"unknown key (known: {', '.join(known)})")
+        for key in ("base_url", "model"):
+            if key not in table:
+                raise _judge_fail(source, key, "is required")
+        return cls(**dict(table), source=source)
 
 
 @dataclass(frozen=True)
