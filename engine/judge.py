@@ -35,17 +35,7 @@ import httpx
 import orjson
 import tenacity
 
-from .config import (
-    DEFAULT_JUDGE_MAX_ATTEMPTS,
-    DEFAULT_JUDGE_MAX_BODY,
-    DEFAULT_JUDGE_MAX_CONCURRENCY,
-    DEFAULT_JUDGE_MAX_RATE,
-    DEFAULT_JUDGE_MAX_TOKENS,
-    DEFAULT_JUDGE_RETRY_DEADLINE,
-    DEFAULT_JUDGE_TEMPERATURE,
-    DEFAULT_JUDGE_TIMEOUT,
-    JudgeConfig,
-)
+from .config import JudgeConfig
 from .errors import Scrubber, VerificationError, describe, excerpt
 from .headers import fill_headers
 from .network import read_capped
@@ -56,19 +46,10 @@ from .trajectory import flatten
 from .transport import MAX_BODY, TOTAL_TIMEOUT, CallTimeout
 
 __all__ = [
-    "DEFAULT_JUDGE_MAX_ATTEMPTS",
-    "DEFAULT_JUDGE_MAX_BODY",
-    "DEFAULT_JUDGE_MAX_CONCURRENCY",
-    "DEFAULT_JUDGE_MAX_RATE",
-    "DEFAULT_JUDGE_MAX_TOKENS",
-    "DEFAULT_JUDGE_RETRY_DEADLINE",
-    "DEFAULT_JUDGE_TEMPERATURE",
-    "DEFAULT_JUDGE_TIMEOUT",
     "REFERENCE_BLOCK",
     "SYSTEM_PROMPT",
     "USER_PROMPT",
     "Judge",
-    "JudgeConfig",
     "RubricVerifier",
     "Usage",
     "build_messages",

@@ -14,17 +14,15 @@ from conftest import SleepRecorder
 from httpserver import Response
 from judgeserver import JudgeServer, assert_rate_held, completion, hold_until, judge_servers, score, status
 
-from engine.errors import ConfigError, VerificationError
-from engine.judge import (
+from engine.config import (
     DEFAULT_JUDGE_MAX_CONCURRENCY,
     DEFAULT_JUDGE_MAX_TOKENS,
     DEFAULT_JUDGE_TEMPERATURE,
     DEFAULT_JUDGE_TIMEOUT,
-    Judge,
     JudgeConfig,
-    RubricVerifier,
-    Usage,
 )
+from engine.errors import ConfigError, VerificationError
+from engine.judge import Judge, RubricVerifier, Usage
 from engine.retry import TransientStatus
 from engine.rubric import Rubric, RubricRegistry
 from engine.trajectory import flatten

@@ -28,9 +28,9 @@ from judgeserver import JudgeServer
 import engine
 from engine import ConfigError, EngineConfig, Limits, VerificationError, load_config
 from engine.cli import EXIT_BAD_INPUT
+from engine.config import JudgeConfig
 from engine.endpoint import EndpointVerifier
 from engine.errors import Scrubber
-from engine.judge import JudgeConfig
 from engine.network import Proxies, ssl_context
 
 RUBRICS = Path(__file__).parent / "rubrics"

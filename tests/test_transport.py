@@ -27,7 +27,7 @@ from polling import eventually
 from rawserver import AwaitData, Close, Hold, RawServer, Read, Send, Sleep, established
 
 import engine
-from engine.judge import JudgeConfig
+from engine.config import JudgeConfig
 from engine.transport import PoolTransport
 
 pytestmark = pytest.mark.timeout(10)
