@@ -295,8 +295,9 @@ class PluginVerifier:
         """The process ids of its worker processes (process executor; none before the first call)."""
         return self._pool.pids if self._pool is not None else []
 
-    def _fail(self, reason: str) -> VerificationError:
-        return VerificationError(self.kind, self.ref, reason, environment=self.environment.name)
+    def _fail(self, reason: str, index: int | None = None) -> VerificationError:
+        """The failure of this verifier; ``index``, the failing item's position in its chunk, if one is known."""
+        return VerificationError(self.kind, self.ref, reason, environment=self.environment.name, index=index)
 
     def _check_digest(self) -> Snapshot:
         """The environment's snapshot, once its digest matches the pin: what is imported, and only that.
@@ -457,9 +458,7 @@ class PluginVerifier:
         return reward
 
     def _failure(self, exc: WorkerFailure) -> VerificationError:
-        failure = self._fail(exc.reason)
-        failure.index = exc.position
-        return failure
+        return self._fail(exc.reason, exc.position)
 
     async def _in_process(self, pairs: Sequence[tuple[Mapping[str, Any], Any]]) -> list[float]:
         """The rewards of ``pairs`` from a worker process, in one round trip."""
@@ -530,9 +529,7 @@ class PluginVerifier:
             try:
                 pairs = _pairs(items, self.environment.name)
             except BadItem as exc:
-                failure = self._fail(exc.reason)
-                failure.index = exc.position
-                raise failure from exc.__cause__
+                raise self._fail(exc.reason, exc.position) from exc.__cause__
             return await self._in_process(pairs) if pairs else []
         await self._loaded()
         fn = self._fn
@@ -546,21 +543,16 @@ class PluginVerifier:
             except MalformedItem:
                 raise
             except BadItem as exc:
-                failure = self._fail(exc.reason)
-                failure.index = exc.position
-                raise failure from None
+                raise self._fail(exc.reason, exc.position) from None
             except BaseException as exc:  # the call at len(out) raised: SystemExit or any other, but ours
                 if _ours(exc):
                     raise
-                failure = self._fail(f"raised {said(exc)}")
-                failure.index = len(out)
-                raise failure from exc
+                raise self._fail(f"raised {said(exc)}", len(out)) from exc
         if deadline.cancelled_caught:
-            failure = self._fail(f"timed out after {self.limits.timeout:g} s")
             # the call running at the deadline: the one after the last that returned, as the loop reads it now
             # (a loop that comes late may find a later one; one that finds every call returned blames the last)
-            failure.index = converting[0] if converting[0] >= 0 else min(len(out), len(items) - 1)
-            raise failure
+            at = converting[0] if converting[0] >= 0 else min(len(out), len(items) - 1)
+            raise self._fail(f"timed out after {self.limits.timeout:g} s", at)
         if rewards:
             self._measured(cost, len(rewards))
         return rewards
