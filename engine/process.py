@@ -73,7 +73,6 @@ import threading
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from gc import is_tracked
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
@@ -242,27 +241,23 @@ def _serve_chunk(call: _Call, pairs: Sequence[Pair], progress: memoryview[float]
     process), so the engine's deadline and a death there name that item.
     """
     out: list[Any] = []
-    append, copy = out.append, dict.copy
+    append = out.append
+
+    def at(position: int) -> None:  # the item now in the plugin's hands, and since when
+        progress[0] = position
+        progress[1] = monotonic()
+
     started, cpu = perf_counter(), thread_time()
     position = 0
     try:
         for position, (task, trajectory) in enumerate(pairs):
-            progress[0] = position
-            progress[1] = monotonic()
-            if type(task) is dict and type(trajectory) is str and not is_tracked(task):  # as plugin._run_chunk
-                append(call(copy(task), trajectory))
-            else:
-                append(call(*private_pair(position, task, trajectory)))
+            at(position)
+            append(call(*private_pair(position, task, trajectory)))
     except BadItem as exc:  # the item cannot be copied
         return ("bad", exc.position, exc.reason)
     except BaseException as exc:  # SystemExit and the like fail the item, not the worker
         return ("raised", position, *_described(exc))
     cost = (perf_counter() - started, thread_time() - cpu)
-
-    def at(position: int) -> None:
-        progress[0] = position
-        progress[1] = monotonic()
-
     try:
         return ("done", as_rewards(out, at), cost)
     except BadItem as exc:
