@@ -14,12 +14,10 @@ stopped after its output was complete, while cleaning up, only completes the cle
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pyarrow.parquet as pq
@@ -131,47 +129,19 @@ async def score_file(
             return _summary(output, rows.rows_read, resumed_at, totals, writer)
 
 
-_TOTALS_FIELDS: dict[str, type | tuple[type, ...]] = {
-    "kind": str,
-    "ref": str,
-    "items": int,
-    "reward_sum": (int, float),
-    "retries": int,
-    "waited": (int, float),
-    "busy": (int, float),
-    "peak_in_flight": int,
-    "latency": dict,
-}
-
-
 def _previous_totals(writer: RewardWriter) -> dict[str, VerifierTotals]:
-    """The per-verifier totals a resumed run's checkpoint carries; ``ResumeError`` if they are not what a run writes.
-
-    The state is a file a user can edit: a wrong shape here must be refused as an unusable state,
-    not fail later with a traceback.
-    """
+    """The per-verifier totals a resumed run's checkpoint carries; ``ResumeError`` if they are not what a run
+    writes (the state is a file a user can edit)."""
     previous = writer.last_checkpoint.meta.get("verifiers", {})
-
-    def usable(value: Any) -> bool:
-        if not isinstance(value, dict) or set(value) != set(_TOTALS_FIELDS):
-            return False
-        if any(isinstance(value[k], bool) or not isinstance(value[k], t) for k, t in _TOTALS_FIELDS.items()):
-            return False
-        latency = value["latency"]
-        return all(
-            isinstance(bucket, str)
-            and re.fullmatch(r"-?[0-9]{1,6}", bucket) is not None
-            and type(count) is int
-            and count >= 0
-            for bucket, count in latency.items()
-        )
-
-    if not isinstance(previous, dict) or not all(isinstance(k, str) and usable(v) for k, v in previous.items()):
+    try:
+        if not isinstance(previous, dict) or not all(isinstance(key, str) for key in previous):
+            raise ValueError("not an object of verifiers' totals")
+        return {key: VerifierTotals.from_json(value) for key, value in previous.items()}
+    except ValueError:
         raise ResumeError(
             f"{writer.state}: unusable state file: field 'meta.verifiers' is not what a run writes; "
             "delete it to start over"
-        )
-    return {key: VerifierTotals.from_json(value) for key, value in previous.items()}
+        ) from None
 
 
 def _summary(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -153,10 +154,37 @@ class VerifierTotals:
         }
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> VerifierTotals:
-        latency = LatencyHistogram({int(bucket): count for bucket, count in data["latency"].items()})
+    def from_json(cls, data: Any) -> VerifierTotals:
+        """The totals :meth:`to_json` wrote; ``ValueError`` for anything else (they come back from a file
+        a user can edit: a wrong shape must be refused here, not fail later with a traceback)."""
+        if not isinstance(data, dict) or set(data) != set(_JSON_FIELDS):
+            raise ValueError("not a verifier's totals: its fields differ")
+        if any(isinstance(data[key], bool) or not isinstance(data[key], kind) for key, kind in _JSON_FIELDS.items()):
+            raise ValueError("not a verifier's totals: a field has the wrong type")
+        latency = data["latency"]
+        if not all(
+            isinstance(bucket, str) and _BUCKET.fullmatch(bucket) and type(count) is int and count >= 0
+            for bucket, count in latency.items()
+        ):
+            raise ValueError("not a verifier's totals: its latency histogram is not one")
+        histogram = LatencyHistogram({int(bucket): count for bucket, count in latency.items()})
         fields = {key: data[key] for key in ("items", "reward_sum", "retries", "waited", "busy", "peak_in_flight")}
-        return cls(data["kind"], data["ref"], latency=latency, **fields)
+        return cls(data["kind"], data["ref"], latency=histogram, **fields)
+
+
+# what VerifierTotals.to_json writes: each field and its JSON type(s); a histogram bucket's key
+_JSON_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "kind": str,
+    "ref": str,
+    "items": int,
+    "reward_sum": (int, float),
+    "retries": int,
+    "waited": (int, float),
+    "busy": (int, float),
+    "peak_in_flight": int,
+    "latency": dict,
+}
+_BUCKET = re.compile(r"-?[0-9]{1,6}")
 
 
 def add_reports(totals: dict[str, VerifierTotals], result: BatchResult) -> None:
