@@ -60,7 +60,7 @@ import os
 import re
 import tempfile
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from itertools import islice
 from pathlib import Path
 from types import MappingProxyType, TracebackType
@@ -222,12 +222,7 @@ class Finished:
     ids_repeated: int
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "output_bytes": self.output_bytes,
-            "output_checksum": self.output_checksum,
-            "repeated_ids": self.repeated_ids,
-            "ids_repeated": self.ids_repeated,
-        }
+        return asdict(self)
 
 
 @dataclass(frozen=True)
