@@ -219,9 +219,9 @@ class RowReader:
             if missing:
                 raise self._fail(number, f"missing field(s) {', '.join(map(repr, missing))} (a row needs {FIELDS})")
             row_id, environment, task, trajectory = (data[name] for name in FIELDS)
-            if not isinstance(row_id, str | int | None) and _has_float(row_id) and _written_as_integer(raw):
+            if not isinstance(row_id, str | int | None) and _has_float(row_id) and (exact := _rounded(raw, row_id)):
                 what = "an integer id" if isinstance(row_id, float) else "an integer in an id"
-                reason = f"'id' {_id_text(raw)}: {what} must fit in 64 bits; write it as a string"
+                reason = f"'id' {_id_text(exact[0])}: {what} must fit in 64 bits; write it as a string"
                 raise self._fail(number, reason)
         else:
             row_id, environment, task, trajectory = raw
@@ -279,8 +279,8 @@ def _has_float(value: Any) -> bool:
     return False
 
 
-def _written_as_integer(line: bytes) -> bool:
-    """Whether the row's ``id``, in which orjson read a float, has an integer orjson rounded in the text.
+def _rounded(line: bytes, row_id: Any) -> tuple[Any] | None:
+    """``(the id as written,)`` if orjson rounded an integer in ``row_id``, the row's id as it read it; else None.
 
     orjson reads integers from -2**63 to 2**64 - 1 exactly and any other as a float: two different
     wider ids (or ids holding one, as a list or an object can) could then be written as one. The
@@ -290,8 +290,8 @@ def _written_as_integer(line: bytes) -> bool:
     try:
         exact = json.loads(line).get("id")
     except (ValueError, RecursionError):
-        return False
-    return not _same(exact, orjson.loads(line).get("id"))
+        return None
+    return None if _same(exact, row_id) else (exact,)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -305,8 +305,8 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def _id_text(line: bytes) -> str:
-    text = str(json.loads(line)["id"])
+def _id_text(row_id: Any) -> str:
+    text = str(row_id)
     return text if len(text) <= 40 else f"{text[:20]}...{text[-10:]}"
 
 
