@@ -246,41 +246,30 @@ def test_a_walk_past_its_byte_limit_is_refused(tree: Path) -> None:
     assert f"holds more than {total} bytes" in str(info.value)
 
 
-PAGEMAP = Path("/proc/self/pagemap")
+PROC_FILES = [  # regular files to stat, of size 0, that a digest must refuse rather than read
+    # /proc/self/pagemap reads ~256 GiB: refused after one page
+    pytest.param(
+        Path("/proc/self/pagemap"), "reads more bytes than its size (0): it is not a plain file", id="reads-more"
+    ),
+    # /proc/self/mem's first page reads as an I/O error: a DigestError, not a raw OSError
+    pytest.param(
+        Path("/proc/self/mem"), "cannot be read (Input/output error), so it cannot be vetted", id="cannot-be-read"
+    ),
+]
 
 
 @pytest.mark.timeout(40)
-@pytest.mark.skipif(not PAGEMAP.exists(), reason="needs Linux's /proc/self/pagemap")
-def test_a_file_that_reads_more_than_its_size_is_refused(tree: Path) -> None:
-    """/proc/self/pagemap is a regular file of size 0 that reads ~256 GiB: refused after one page."""
+@pytest.mark.parametrize(("target", "why"), PROC_FILES)
+def test_a_file_that_does_not_read_as_a_plain_file_is_refused_naming_it(tree: Path, target: Path, why: str) -> None:
+    if not target.exists():
+        pytest.skip(f"needs Linux's {target}")
     link = tree / "data.bin"
-    link.symlink_to(PAGEMAP)
-    with pytest.raises(DigestError) as info:
-        digest_directory(tree)
-    assert info.value.path == link
-    assert str(info.value).startswith(f"{link} (a link to /proc/")
-    assert "reads more bytes than its size (0): it is not a plain file" in str(info.value)
-    done = subprocess.run(
-        [sys.executable, "-m", "engine", "digest", str(tree)], capture_output=True, text=True, check=False, timeout=30
-    )
-    assert (done.returncode, done.stdout) == (2, "")
-    assert done.stderr.startswith(f"error: {link} (a link to /proc/"), done.stderr
-
-
-PROCESS_MEMORY = Path("/proc/self/mem")
-
-
-@pytest.mark.timeout(40)
-@pytest.mark.skipif(not PROCESS_MEMORY.exists(), reason="needs Linux's /proc/self/mem")
-def test_a_file_that_cannot_be_read_is_refused_naming_it(tree: Path) -> None:
-    """/proc/self/mem is a regular file whose first page reads as an I/O error: a DigestError, not a raw OSError."""
-    link = tree / "data.bin"
-    link.symlink_to(PROCESS_MEMORY)
+    link.symlink_to(target)
     with pytest.raises(DigestError) as info:
         digest_directory(tree)
     assert info.value.path == link
     assert str(info.value).startswith(f"{link} (a link to /proc/"), info.value
-    assert "cannot be read (Input/output error), so it cannot be vetted" in str(info.value)
+    assert why in str(info.value)
     done = subprocess.run(
         [sys.executable, "-m", "engine", "digest", str(tree)], capture_output=True, text=True, check=False, timeout=30
     )
