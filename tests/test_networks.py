@@ -633,6 +633,16 @@ async def test_a_no_proxy_entry_httpx_cannot_read_is_a_config_error_naming_it(
     assert str(info.value).startswith(f"NO_PROXY (or no_proxy) holds {entry!r}, which httpx cannot read"), info.value
 
 
+PROXY = "http://proxy.invalid:3128"  # never reached: these tests only ask which URLs would go to it
+
+
+def proxy_for(no_proxies: pytest.MonkeyPatch, no_proxy: str, url: str) -> str | None:
+    """The proxy the engine sends ``url`` through, with HTTP_PROXY set and NO_PROXY as given."""
+    no_proxies.setenv("HTTP_PROXY", PROXY)
+    no_proxies.setenv("NO_PROXY", no_proxy)
+    return Proxies.from_environment().proxy_for(httpx.URL(url))
+
+
 @pytest.mark.parametrize(
     ("no_proxy", "url", "direct"),
     [
@@ -647,9 +657,7 @@ def test_a_bracketed_ipv6_no_proxy_entry_is_that_address(
     no_proxies: pytest.MonkeyPatch, no_proxy: str, url: str, direct: bool
 ) -> None:
     """httpx itself raises on ``[::1]`` (it reads it as a domain); curl and others take it for ::1."""
-    no_proxies.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
-    no_proxies.setenv("NO_PROXY", no_proxy)
-    assert Proxies.from_environment().proxy_for(httpx.URL(url)) == (None if direct else "http://proxy.invalid:3128")
+    assert proxy_for(no_proxies, no_proxy, url) == (None if direct else PROXY)
 
 
 @pytest.mark.parametrize(
@@ -672,11 +680,8 @@ def test_a_bracketed_ipv6_no_proxy_entry_is_that_address(
 def test_no_proxy_is_read_as_httpx_reads_it(
     no_proxies: pytest.MonkeyPatch, no_proxy: str, host: str, direct: bool
 ) -> None:
-    no_proxies.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
-    no_proxies.setenv("NO_PROXY", no_proxy)
     url = f"http://{host}/score"
-    ours = Proxies.from_environment().proxy_for(httpx.URL(url))
-    assert ours == (None if direct else "http://proxy.invalid:3128")
+    assert proxy_for(no_proxies, no_proxy, url) == (None if direct else PROXY)
     # httpx itself, on a client that reads the environment, agrees
     client = httpx.Client()
     try:
