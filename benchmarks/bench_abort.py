@@ -55,7 +55,7 @@ import orjson
 from _common import free_port, machine, table, wait_for_port, write_env
 
 import engine
-from engine.transport import PoolTransport
+from engine._http.transport import PoolTransport
 
 LEVELS = (64, 1024)
 QUEUED = (1024, 64)  # in flight, connections: requests queue in the transport's pool

@@ -3,8 +3,11 @@
 A batch of rollouts goes in; one float reward per item comes out, in input order, or one
 ``VerificationError`` naming the verifier that failed. Never a zero in place of a failure.
 
-The names below are imported on first use (PEP 562), so that ``import engine`` is cheap: the
-``engine`` command imports this package before it can handle a Ctrl-C (``engine.__main__``).
+This module is the package's one public face: every name in ``__all__`` and nothing else (the
+modules behind it are private, ``engine._*``, and a test holds this list to what they export).
+The names are imported on first use (PEP 562), so that ``import engine`` is cheap and changes
+nothing in its host process: the ``engine`` command imports this package before it can handle a
+Ctrl-C (``engine.__main__``).
 """
 
 from __future__ import annotations
@@ -13,15 +16,27 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .blocking import BlockingEngine
-    from .config import EngineConfig, JudgeConfig, Limits, load_config
-    from .digest import digest_directory
-    from .engine import Engine
-    from .errors import ConfigError, DigestError, EngineError, ManifestError, VerificationError
-    from .manifest import KINDS, Environment, VerifierSpec, load_environment
-    from .report import BatchResult, VerifierReport
-    from .trajectory import flatten
-    from .verifier import AsyncVerifyFn, Verifier, VerifyFn
+    from engine._backfill.output import RewardRecord, read_rewards
+    from engine._blocking import BlockingEngine
+    from engine._config import EngineConfig, JudgeConfig, Limits, load_config
+    from engine._core.contract import AsyncVerifyFn, Verifier, VerifyFn
+    from engine._core.report import BatchResult, VerifierReport
+    from engine._engine import Engine
+    from engine._environments.digest import digest_directory
+    from engine._environments.manifest import KINDS, Environment, VerifierSpec, load_environment
+    from engine._errors import (
+        ConfigError,
+        DigestError,
+        EngineError,
+        InputError,
+        ManifestError,
+        OutputError,
+        ResumeError,
+        RubricError,
+        VerificationError,
+        WriteError,
+    )
+    from engine._verifiers.rubric.prompt import flatten
 
 __all__ = [
     "KINDS",
@@ -34,43 +49,57 @@ __all__ = [
     "EngineConfig",
     "EngineError",
     "Environment",
+    "InputError",
     "JudgeConfig",
     "Limits",
     "ManifestError",
+    "OutputError",
+    "ResumeError",
+    "RewardRecord",
+    "RubricError",
     "VerificationError",
     "Verifier",
     "VerifierReport",
     "VerifierSpec",
     "VerifyFn",
+    "WriteError",
     "digest_directory",
     "flatten",
     "load_config",
     "load_environment",
+    "read_rewards",
 ]
 
 _MODULES = {  # where each public name lives
-    "BlockingEngine": "blocking",
-    "EngineConfig": "config",
-    "JudgeConfig": "config",
-    "Limits": "config",
-    "load_config": "config",
-    "digest_directory": "digest",
-    "Engine": "engine",
-    "ConfigError": "errors",
-    "DigestError": "errors",
-    "EngineError": "errors",
-    "ManifestError": "errors",
-    "VerificationError": "errors",
-    "KINDS": "manifest",
-    "Environment": "manifest",
-    "VerifierSpec": "manifest",
-    "load_environment": "manifest",
-    "BatchResult": "report",
-    "VerifierReport": "report",
-    "flatten": "trajectory",
-    "AsyncVerifyFn": "verifier",
-    "Verifier": "verifier",
-    "VerifyFn": "verifier",
+    "BlockingEngine": "engine._blocking",
+    "EngineConfig": "engine._config",
+    "JudgeConfig": "engine._config",
+    "Limits": "engine._config",
+    "load_config": "engine._config",
+    "digest_directory": "engine._environments.digest",
+    "Engine": "engine._engine",
+    "ConfigError": "engine._errors",
+    "DigestError": "engine._errors",
+    "EngineError": "engine._errors",
+    "InputError": "engine._errors",
+    "ManifestError": "engine._errors",
+    "OutputError": "engine._errors",
+    "ResumeError": "engine._errors",
+    "RubricError": "engine._errors",
+    "VerificationError": "engine._errors",
+    "WriteError": "engine._errors",
+    "Environment": "engine._environments.manifest",
+    "KINDS": "engine._environments.manifest",
+    "VerifierSpec": "engine._environments.manifest",
+    "load_environment": "engine._environments.manifest",
+    "BatchResult": "engine._core.report",
+    "VerifierReport": "engine._core.report",
+    "flatten": "engine._verifiers.rubric.prompt",
+    "AsyncVerifyFn": "engine._core.contract",
+    "Verifier": "engine._core.contract",
+    "VerifyFn": "engine._core.contract",
+    "RewardRecord": "engine._backfill.output",
+    "read_rewards": "engine._backfill.output",
 }
 
 
@@ -78,7 +107,7 @@ def __getattr__(name: str) -> Any:
     module = _MODULES.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 

@@ -37,14 +37,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressC
 from rich.table import Table
 from rich.text import Text
 
-from .backfill import DEFAULT_CHUNK_SIZE, RunSummary, count_rows, score_file
-from .bench import DEFAULT_BATCH_SIZE, bench_file, summarise
-from .check import check_environments
-from .config import EngineConfig, load_config
-from .digest import digest_directory
-from .errors import DigestError, EngineError, VerificationError
-from .output import Checkpoint, ResumeError, WriteError, state_path
-from .rubric import RubricRegistry
+from engine._backfill.bench import DEFAULT_BATCH_SIZE, bench_file, summarise
+from engine._backfill.output import Checkpoint, state_path
+from engine._backfill.run import DEFAULT_CHUNK_SIZE, RunSummary, count_rows, score_file
+from engine._check import check_environments
+from engine._config import EngineConfig, load_config
+from engine._environments.digest import digest_directory
+from engine._errors import DigestError, EngineError, ResumeError, VerificationError, WriteError
+from engine._verifiers.rubric.registry import RubricRegistry
 
 __all__ = [
     "EXIT_BAD_INPUT",

@@ -48,8 +48,8 @@ from conftest import add_endpoint_env
 from httpserver import Request, Response, TestServer
 from polling import wait_until
 
+from engine._backfill.output import lock_path, partial_path, state_path
 from engine.cli import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_IO, EXIT_TERMINATED
-from engine.output import lock_path, partial_path, state_path
 
 ROWS = 1000
 CHUNK = 50

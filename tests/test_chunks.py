@@ -16,7 +16,7 @@ from conftest import item, plugin_module, process_twin
 
 import engine
 from engine import EngineConfig, Limits, VerificationError
-from engine.plugin import PluginVerifier
+from engine._verifiers.plugin.verifier import PluginVerifier
 
 SIZE = 20_000
 KEY = "cheap/verify:score"

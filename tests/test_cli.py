@@ -47,8 +47,8 @@ from judgeserver import JudgeServer, score
 from polling import wait_until
 
 from engine import digest_directory
+from engine._backfill.output import open_run, partial_path, state_path
 from engine.cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_VERIFICATION, cli
-from engine.output import open_run, partial_path, state_path
 
 JUDGE_SCORE = 4  # what the test judge answers for every item
 HELPFUL = "bob/helpfulness"  # the rubric of the rubric environment, from tests/rubrics

@@ -10,7 +10,7 @@ from conftest import item
 
 import engine
 from engine import ConfigError, EngineConfig, Limits, load_config
-from engine.config import DEFAULT_MAX_CONCURRENCY, DEFAULT_MAX_IN_FLIGHT, DEFAULT_TIMEOUT
+from engine._config import DEFAULT_MAX_CONCURRENCY, DEFAULT_MAX_IN_FLIGHT, DEFAULT_TIMEOUT
 
 PIN = "sha256:" + "ab" * 32
 ENDPOINT = "http://127.0.0.1:8080/score"

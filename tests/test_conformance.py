@@ -48,7 +48,7 @@ import pytest
 from polling import eventually
 from rawserver import AwaitData, Close, Drip, Hold, RawServer, Read, Reset, Send, Sleep, Step
 
-from engine.transport import PoolTransport, ResponseTooLarge
+from engine._http.transport import PoolTransport, ResponseTooLarge
 
 pytestmark = pytest.mark.timeout(20)
 

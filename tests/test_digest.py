@@ -13,7 +13,7 @@ import pytest
 from special_files import SPECIAL_KINDS, make_special
 
 from engine import DigestError, digest_directory
-from engine.digest import MAX_PATHS, snapshot_directory
+from engine._environments.digest import MAX_PATHS, snapshot_directory
 
 
 @pytest.fixture

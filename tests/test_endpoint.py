@@ -16,7 +16,7 @@ from httpserver import Request, Response, TestServer, json_handler
 
 import engine
 from engine import EngineConfig, Limits, VerificationError
-from engine.retry import TransientStatus
+from engine._http.retry import TransientStatus
 
 
 def scripted(*responses: Response) -> Any:

@@ -30,7 +30,7 @@ from engine import (
     VerificationError,
     digest_directory,
 )
-from engine.config import JudgeConfig
+from engine._config import JudgeConfig
 
 RUBRICS = Path(__file__).parent / "rubrics"
 ARITH = "alice/arithmetic-correctness"  # version 1 on [0, 1], version 2 (latest) on [0, 10]

@@ -14,18 +14,18 @@ from conftest import SleepRecorder
 from httpserver import Response
 from judgeserver import JudgeServer, assert_rate_held, completion, hold_until, judge_servers, score, status
 
-from engine.config import (
+from engine._config import (
     DEFAULT_JUDGE_MAX_CONCURRENCY,
     DEFAULT_JUDGE_MAX_TOKENS,
     DEFAULT_JUDGE_TEMPERATURE,
     DEFAULT_JUDGE_TIMEOUT,
     JudgeConfig,
 )
-from engine.errors import ConfigError, VerificationError
-from engine.judge import Judge, RubricVerifier, Usage
-from engine.retry import TransientStatus
-from engine.rubric import Rubric, RubricRegistry
-from engine.trajectory import flatten
+from engine._errors import ConfigError, VerificationError
+from engine._http.retry import TransientStatus
+from engine._verifiers.rubric.judge import Judge, RubricVerifier, Usage
+from engine._verifiers.rubric.prompt import flatten
+from engine._verifiers.rubric.registry import Rubric, RubricRegistry
 
 RUBRICS = Path(__file__).parent / "rubrics"
 ARITH = "alice/arithmetic-correctness"

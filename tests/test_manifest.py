@@ -14,7 +14,7 @@ from special_files import SPECIAL_KINDS, make_special
 
 import engine
 from engine import ManifestError, load_environment
-from engine.manifest import MAX_MANIFEST_BYTES
+from engine._environments.manifest import MAX_MANIFEST_BYTES
 
 
 def write_manifest(root: Path, content: Any, name: str = "env") -> Path:
@@ -136,7 +136,7 @@ def test_no_manifest_file(tmp_path: Path) -> None:
 
 
 def test_the_manifest_is_kept_as_read(tmp_path: Path) -> None:
-    """What the digest must have hashed for a plugin to run (engine.plugin compares the two)."""
+    """What the digest must have hashed for a plugin to run (engine._verifiers.plugin.verifier compares the two)."""
     raw = b'{"kind": "environment",\n "verifier": {"kind": "plugin", "ref": "verify:score"}}\n'
     assert load_environment(write_manifest(tmp_path, raw)).manifest_bytes == raw
 

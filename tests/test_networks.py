@@ -27,11 +27,11 @@ from judgeserver import JudgeServer
 
 import engine
 from engine import ConfigError, EngineConfig, Limits, VerificationError, load_config
+from engine._config import JudgeConfig
+from engine._http.network import Proxies, ssl_context
+from engine._reasons import Scrubber
+from engine._verifiers.endpoint.verifier import EndpointVerifier
 from engine.cli import EXIT_BAD_INPUT
-from engine.config import JudgeConfig
-from engine.endpoint import EndpointVerifier
-from engine.errors import Scrubber
-from engine.network import Proxies, ssl_context
 
 RUBRICS = Path(__file__).parent / "rubrics"
 ARITH = "alice/arithmetic-correctness"  # version 1 scores on [0, 1]

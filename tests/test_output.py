@@ -1,4 +1,4 @@
-"""engine.output: atomic reward files, checkpoints, and resume after a crash, a failure or kill -9."""
+"""engine._backfill.output: atomic reward files, checkpoints, and resume after a crash, a failure or kill -9."""
 
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 from cli_support import finish_steps, kill_at_step, start_under_trace
 
-from engine.errors import VerificationError
-from engine.output import (
+from engine._backfill.output import (
     STATE_FORMAT,
     OutputError,
     ResumeError,
@@ -31,7 +30,8 @@ from engine.output import (
     read_rewards,
     state_path,
 )
-from engine.rows import EMPTY_CHECKSUM, Row, open_rows
+from engine._backfill.rows import EMPTY_CHECKSUM, Row, open_rows
+from engine._errors import VerificationError
 
 VERIFIER = {"kind": "plugin", "ref": "verify:score", "environment": "arith", "digest": "sha256:" + "ab" * 32}
 RUBRIC = {"kind": "rubric", "ref": "alice/arith", "environment": "judge", "rubric_version": 3, "rubric_digest": "x"}
@@ -461,7 +461,7 @@ record of the next chunk (more than a write buffer, so most of it reaches the fi
 import sys
 from itertools import islice
 
-from engine.output import open_run
+from engine._backfill.output import open_run
 
 input_path, output, chunk, hold = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 DIGEST = "sha256:" + "c" * 64
@@ -556,7 +556,7 @@ FINISH_SCRIPT = """
 sys.argv[0] = "score"
 from itertools import islice
 
-from engine.output import open_run
+from engine._backfill.output import open_run
 
 input_path, output = sys.argv[1], sys.argv[2]
 VERIFIER = {"kind": "endpoint", "ref": "http://127.0.0.1:1/score", "environment": "arith"}

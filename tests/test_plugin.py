@@ -19,9 +19,9 @@ from polling import eventually
 from special_files import SPECIAL_KINDS, make_special
 
 import engine
-import engine.importer
+import engine._verifiers.plugin.importer
 from engine import EngineConfig, Limits, VerificationError, digest_directory
-from engine.plugin import PluginVerifier
+from engine._verifiers.plugin.verifier import PluginVerifier
 
 
 async def fails(config: EngineConfig, items: list[dict[str, Any]]) -> VerificationError:
@@ -612,7 +612,7 @@ async def test_a_rewards_slow_float_times_out_and_leaves_the_event_loop_free(
 def registered(envs: Path, name: str) -> tuple[int, list[str]]:
     """The import finder's entries for environment ``name``, and its modules in ``sys.modules``."""
     root = envs / name
-    snapshots = sum(1 for s in list(engine.importer._finder.snapshots.values()) if s.root == root)
+    snapshots = sum(1 for s in list(engine._verifiers.plugin.importer._finder.snapshots.values()) if s.root == root)
     modules = sorted(m for m in list(sys.modules) if m.partition(".")[0].endswith(f"_{name}"))
     return snapshots, modules
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from engine.report import LatencyHistogram, percentile
+from engine._core.report import LatencyHistogram, percentile
 
 
 def test_percentile_by_nearest_rank() -> None:

@@ -13,8 +13,7 @@ import pytest
 import tenacity
 from conftest import SleepRecorder
 
-from engine.errors import describe
-from engine.retry import (
+from engine._http.retry import (
     BACKOFF_BASE,
     BACKOFF_MAX,
     RETRY_STATUSES,
@@ -24,6 +23,7 @@ from engine.retry import (
     make_retrying,
     parse_retry_after,
 )
+from engine._reasons import describe
 
 REQUEST = httpx.Request("POST", "http://127.0.0.1:9/score")
 
@@ -178,7 +178,7 @@ async def test_non_transient_failure_is_raised_at_once(sleeps: SleepRecorder) ->
     assert sleeps.calls == []
 
 
-# --- describing failures in words (engine.errors.describe) ---
+# --- describing failures in words (engine._reasons.describe) ---
 
 
 @pytest.mark.parametrize(

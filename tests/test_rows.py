@@ -1,4 +1,4 @@
-"""engine.rows: streaming stored trajectories from JSON Lines and Parquet, validation, skip and checksum."""
+"""engine._backfill.rows: streaming stored trajectories from JSON Lines and Parquet, validation, skip and checksum."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine.errors import EngineError
-from engine.rows import BATCH_ROWS, EMPTY_CHECKSUM, InputError, Row, open_rows
+from engine import InputError
+from engine._backfill.rows import BATCH_ROWS, EMPTY_CHECKSUM, Row, open_rows
+from engine._errors import EngineError
 
 TASKS: list[dict[str, Any]] = [{"a": 1, "b": 2}, {"question": "2+2?", "answer": "4"}, {"nested": {"x": [1, 2, 3]}}]
 TRAJECTORIES: list[Any] = [
@@ -419,7 +420,7 @@ def test_reading_past_the_last_row_leaves_the_checksum_a_resume_gets(tmp_path: P
     path.write_bytes(path.read_bytes()[:-1] if ending is None else path.read_bytes() + ending)
     with open_rows(path) as rows:
         checkpoints = []
-        while list(islice(rows, chunk)):  # as engine.backfill reads it
+        while list(islice(rows, chunk)):  # as engine._backfill.run reads it
             checkpoints.append((rows.rows_read, rows.checksum()))
     assert checkpoints[-1][0] == 5
     for done, checksum in checkpoints:

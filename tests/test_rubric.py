@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.errors import VerificationError
-from engine.rubric import Rubric, RubricError, RubricRegistry, normalise, parse_rubric
+from engine import RubricError
+from engine._errors import VerificationError
+from engine._verifiers.rubric.registry import Rubric, RubricRegistry, normalise, parse_rubric
 
 RUBRICS = Path(__file__).parent / "rubrics"
 

@@ -27,8 +27,8 @@ from polling import eventually
 from rawserver import AwaitData, Close, Hold, RawServer, Read, Send, Sleep, established
 
 import engine
-from engine.config import JudgeConfig
-from engine.transport import PoolTransport
+from engine._config import JudgeConfig
+from engine._http.transport import PoolTransport
 
 pytestmark = pytest.mark.timeout(10)
 

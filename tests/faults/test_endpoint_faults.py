@@ -26,10 +26,10 @@ from conftest import SleepRecorder, add_endpoint_env, item
 from httpserver import Request, Response, TestServer, all_closed
 
 from engine import ConfigError, Engine, EngineConfig, Limits, ManifestError, VerificationError
-from engine.config import load_config
-from engine.endpoint import EndpointVerifier
-from engine.errors import REDACTED
-from engine.transport import PoolTransport
+from engine._config import load_config
+from engine._http.transport import PoolTransport
+from engine._reasons import REDACTED
+from engine._verifiers.endpoint.verifier import EndpointVerifier
 from faults.conftest import Snapshot
 
 GOOD, REMOTE = "good", "remote"

@@ -39,8 +39,8 @@ from engine import (
     load_config,
     load_environment,
 )
-from engine.plugin import PluginVerifier
-from engine.process import PluginError
+from engine._verifiers.plugin.pool import PluginError
+from engine._verifiers.plugin.verifier import PluginVerifier
 
 from .conftest import Snapshot, child_pids, process_gone
 

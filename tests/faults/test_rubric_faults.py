@@ -26,8 +26,8 @@ from httpserver import Request, Response, all_closed
 from judgeserver import JudgeServer, completion, score, status
 
 from engine import Engine, EngineConfig, Limits, VerificationError
-from engine.config import JudgeConfig, load_config
-from engine.errors import REDACTED
+from engine._config import JudgeConfig, load_config
+from engine._reasons import REDACTED
 from faults.conftest import Snapshot
 
 RUBRICS = Path(__file__).parent.parent / "rubrics"

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import VerificationError
-from .manifest import RUBRIC_REF
+from engine._environments.manifest import RUBRIC_REF
+from engine._errors import RubricError
 
 __all__ = ["DEFAULT_SCALE", "Rubric", "RubricError", "RubricRegistry", "normalise", "parse_rubric"]
 
@@ -39,12 +39,6 @@ DEFAULT_SCALE: tuple[float, float] = (0.0, 1.0)
 FENCE = "+++"
 _VERSION_FILE = re.compile(r"([1-9][0-9]*)\.md")
 
-
-class RubricError(VerificationError):
-    """A rubric cannot be used: missing, missing the version asked for, malformed, or a bad scale."""
-
-    def __init__(self, ref: str, reason: str) -> None:
-        super().__init__("rubric", ref, reason)
 
 
 @dataclass(frozen=True, kw_only=True)

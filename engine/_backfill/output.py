@@ -70,8 +70,8 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .errors import EngineError
-from .rows import EMPTY_CHECKSUM, JSONL_SUFFIXES, PARQUET_SUFFIXES, RowReader, open_rows
+from engine._backfill.rows import EMPTY_CHECKSUM, JSONL_SUFFIXES, PARQUET_SUFFIXES, RowReader, open_rows
+from engine._errors import OutputError, ResumeError, WriteError
 
 __all__ = [
     "STATE_FORMAT",
@@ -105,25 +105,7 @@ Format = Literal["jsonl", "parquet"]
 IdKind = Literal["null", "int", "str", "json"]
 
 
-class OutputError(EngineError, ValueError):
-    """The output cannot be written where or how it was asked (bad extension, same file as input, ...)."""
 
-
-class ResumeError(OutputError):
-    """A run cannot start or resume: the state is missing or does not match, or the input changed."""
-
-
-class WriteError(EngineError):
-    """The system refused to write the output, its partial file or its state (disk full, I/O error, ...).
-
-    Not a misuse and not a bad input: nothing checkpointed is lost, and ``--resume`` continues once
-    the cause is fixed. ``path`` is the file being written, ``rows_done`` the rows checkpointed.
-    """
-
-    def __init__(self, path: Path, exc: OSError, rows_done: int) -> None:
-        self.path = path
-        self.rows_done = rows_done
-        super().__init__(f"cannot write {path}: {exc.strerror or exc}")
 
 
 def partial_path(output: Path) -> Path:
@@ -230,7 +212,7 @@ class Checkpoint:
     """What the state file records: enough to resume, and to refuse to resume wrongly.
 
     ``rows_done`` input rows (and as many records) are done; ``input_checksum`` is the input's
-    checksum through them (:meth:`engine.rows.RowReader.checksum`); the partial file's first
+    checksum through them (:meth:`engine._backfill.rows.RowReader.checksum`); the partial file's first
     ``output_bytes`` bytes hold their records and have ``output_checksum``. ``meta`` is the
     caller's own JSON object (counters for a summary, ...), handed back on resume. ``finished`` is
     set by the last checkpoint of a run, saved just before its output is renamed into place.

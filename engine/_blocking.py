@@ -14,9 +14,9 @@ from typing import Any, Self
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from .config import EngineConfig, load_config
-from .engine import Engine
-from .report import BatchResult
+from engine._config import EngineConfig, load_config
+from engine._core.report import BatchResult
+from engine._engine import Engine
 
 __all__ = ["BlockingEngine"]
 

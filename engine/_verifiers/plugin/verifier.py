@@ -3,7 +3,7 @@
 The module is imported lazily, on the first item that needs it, once however many items ask at
 the same time (and once even if a batch is aborted mid-import: the import finishes in its thread
 and the next batch uses it), never before the directory's digest matches its pin, and only from
-the snapshot of its sources taken as the digest was computed (``engine.importer``): what runs is
+the snapshot of its sources taken as the digest was computed (``engine._verifiers.plugin.importer``): what runs is
 what was pinned, even if a file changes afterwards.
 
 Sync callables run in the engine's bounded thread pool, so they never block the event loop;
@@ -14,14 +14,14 @@ new calls at once, saying why, instead of piling up threads that never end.
 
 Each call is handed a task and a trajectory of its own, so a plugin that changes them (adds a key,
 appends to a list) changes nothing another item's call sees, nor the caller's batch, under every
-executor alike (``engine.verifier.private``): a string is shared as it is, a task holding no
+executor alike (``engine._core.contract.private``): a string is shared as it is, a task holding no
 container is copied flat (the common case, ~0.06 us), anything deeper is copied as deep as it goes.
 Its limit: a mutable value that is not a container (a ``bytearray``, a numpy array) in an otherwise
 flat task is shared, not copied (telling it apart would cost every flat task a pass over its values).
-A reward is a real number (``engine.verifier.check_reward``): ``"42"`` is an error, not 42.0.
+A reward is a real number (``engine._core.contract.check_reward``): ``"42"`` is an error, not 42.0.
 
 A plugin whose manifest says ``"executor": "process"`` runs in worker processes instead
-(``engine.process``): the engine then only vets the directory's digest, the workers import the
+(``engine._verifiers.plugin.pool``): the engine then only vets the directory's digest, the workers import the
 module from the snapshot the engine vetted, and an overrun or a crash kills a worker, never a
 thread or the engine.
 
@@ -58,12 +58,14 @@ from typing import Any, TypeVar
 import anyio
 import anyio.to_thread
 
-from .config import Limits
-from .digest import MANIFEST, Snapshot, snapshot_directory
-from .errors import DigestError, VerificationError, describe
-from .importer import PluginLoadError, forget
-from .manifest import Environment
-from .process import (
+from engine._config import Limits
+from engine._core.contract import BadItem, MalformedItem, as_rewards, private_pair
+from engine._environments.digest import MANIFEST, Snapshot, snapshot_directory
+from engine._environments.manifest import Environment
+from engine._errors import DigestError, VerificationError
+from engine._reasons import describe
+from engine._verifiers.plugin.importer import PluginLoadError, forget
+from engine._verifiers.plugin.pool import (
     Cost,
     PluginSpec,
     WorkerFailure,
@@ -74,7 +76,6 @@ from .process import (
     said,
     wait_future,
 )
-from .verifier import BadItem, MalformedItem, as_rewards, private_pair
 
 __all__ = ["PluginVerifier"]
 
@@ -391,7 +392,7 @@ class PluginVerifier:
                 raise self._failure(exc) from exc.cause
 
     def _forget(self) -> None:
-        """Unregister the private packages its imports made (``engine.importer.forget``)."""
+        """Unregister the private packages its imports made (``engine._verifiers.plugin.importer.forget``)."""
         for snapshot in self._imported:
             forget(snapshot)
 

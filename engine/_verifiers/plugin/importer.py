@@ -4,7 +4,7 @@ Each environment is imported as a package of its own, ``_engine_env_<n>_<name>``
 environments that both ship ``verify.py`` each get theirs, and a plugin reaches its sibling files
 with relative imports (``from . import helpers``).
 
-Modules come from a :class:`~engine.digest.Snapshot`, the bytes of the environment's ``.py``
+Modules come from a :class:`~engine._environments.digest.Snapshot`, the bytes of the environment's ``.py``
 files read once while their digest was computed, never from the disk again: a file changed or
 swapped after the check (by anyone, the plugin itself included, or before a sibling imported
 lazily on the first call) does not change what runs. Only ``.py`` sources are ever used, and
@@ -34,8 +34,8 @@ from pathlib import Path
 from types import CodeType, ModuleType
 from typing import Any
 
-from .digest import Snapshot
-from .errors import describe
+from engine._environments.digest import Snapshot
+from engine._reasons import describe
 
 __all__ = ["PluginLoadError", "forget", "import_from_environment", "load_callable"]
 

@@ -3,7 +3,7 @@
 Every endpoint shares the engine's one ``httpx.AsyncClient``. The request body is
 ``{"task": ..., "trajectory": ...}`` serialized with orjson; the answer must be a JSON object
 whose ``reward`` is a JSON number (not a boolean, string, null or NaN). Transient failures are
-retried within the verifier's budget (``engine.retry``); anything else fails the item at once.
+retried within the verifier's budget (``engine._http.retry``); anything else fails the item at once.
 
 Every call is bounded: ``timeout`` seconds for the whole of it (connecting, waiting for a pooled
 connection, sending and reading together, not each in turn), and ``max_body`` bytes of response
@@ -23,13 +23,14 @@ import httpx
 import orjson
 import tenacity
 
-from .config import Limits
-from .errors import Scrubber, VerificationError, describe, excerpt
-from .headers import fill_headers
-from .network import credentials_refusal, read_capped, shown_url, url_problem, without_credentials
-from .retry import RETRY_STATUSES, Scrub, Sleep, TransientStatus, is_transient, last_failure, make_retrying
-from .transport import MAX_BODY, TOTAL_TIMEOUT, CallTimeout, PoolTransport, check_size
-from .verifier import check_reward
+from engine._config import Limits
+from engine._core.contract import check_reward
+from engine._errors import VerificationError
+from engine._http.headers import fill_headers
+from engine._http.network import credentials_refusal, read_capped, shown_url, url_problem, without_credentials
+from engine._http.retry import RETRY_STATUSES, Scrub, Sleep, TransientStatus, is_transient, last_failure, make_retrying
+from engine._http.transport import MAX_BODY, TOTAL_TIMEOUT, CallTimeout, PoolTransport, check_size
+from engine._reasons import Scrubber, describe, excerpt
 
 __all__ = ["EndpointVerifier", "encode_item", "parse_reward"]
 

@@ -46,7 +46,7 @@ class Verifier(Protocol):
 
     @property
     def key(self) -> str:
-        """The name its limits are configured under (``engine.config``)."""
+        """The name its limits are configured under (``engine._config``)."""
         ...
 
     @property

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import httpx
 
-from .errors import ConfigError
-from .transport import ResponseTooLarge, check_size
+from engine._errors import ConfigError
+from engine._http.transport import ResponseTooLarge, check_size
 
 __all__ = [
     "Proxies",

@@ -1,16 +1,12 @@
-"""The engine's exceptions, and the one place where third-party errors become ours.
+"""Every foreign exception becomes one reason, in words, here: the one translation table.
 
-Tree::
+A ``VerificationError``'s ``reason`` says what went wrong for any exception: httpx's, orjson's,
+tenacity's, an ``OSError``, ours (an ``engine._errors.Failure`` carries its own). The secrets a
+message must not repeat are scrubbed here too.
 
-    EngineError
-    ├── ConfigError            (also a ValueError) a bad config file, key or value
-    │   └── ManifestError      an environment's manifest.json is unreadable or invalid
-    ├── DigestError            an environment directory holds a file that cannot be hashed (a FIFO, a device)
-    └── VerificationError      a verifier could not produce a reward for an item;
-                               the whole batch aborts with it, never a zero in its place
-
-Misuse of the Python API (an item that is not a mapping, an unknown environment name) raises
-plain ``TypeError``/``ValueError``: those are bugs in the caller, not verifier failures.
+No third-party module is imported here: an exception of httpx's exists only if httpx was imported,
+so each is looked up in ``sys.modules`` when one is described, and a plugin's worker process,
+which imports this, imports no HTTP stack.
 """
 
 from __future__ import annotations
@@ -18,90 +14,15 @@ from __future__ import annotations
 import functools
 import re
 import ssl
+import sys
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
-import httpx
-import orjson
-import tenacity
-
-__all__ = [
-    "REDACTED",
-    "ConfigError",
-    "DigestError",
-    "EngineError",
-    "ManifestError",
-    "Scrubber",
-    "VerificationError",
-    "describe",
-    "excerpt",
-    "tls_verification_failure",
-]
+__all__ = ["REDACTED", "Scrubber", "describe", "excerpt", "tls_verification_failure"]
 
 EXCERPT_CHARS = 200
 _CHAIN_DEPTH = 8  # causes followed to find why a connection failed
 REDACTED = "[redacted]"  # what a secret is replaced with in a message
-
-
-class EngineError(Exception):
-    """Base class of every error the engine raises on purpose."""
-
-
-class ConfigError(EngineError, ValueError):
-    """The engine's configuration is unusable; the message names the file and the key."""
-
-
-class ManifestError(ConfigError):
-    """An environment's ``manifest.json`` is unreadable or invalid; names the file and the field."""
-
-
-class DigestError(EngineError):
-    """An environment directory cannot be digested: ``path`` is not a regular file or directory.
-
-    ``reason`` names the file and says why (a FIFO or a link to a device would block or never end).
-    """
-
-    def __init__(self, reason: str, *, path: Path) -> None:
-        self.reason = reason
-        self.path = path
-        super().__init__(reason)
-
-
-class VerificationError(EngineError):
-    """A verifier failed to produce a reward.
-
-    ``kind`` and ``ref`` name the verifier, ``environment`` the environment the item came from,
-    ``index`` the item's position in the batch and ``item_id`` its ``id`` (when the item had one).
-    ``reason`` says what went wrong; the original exception, if any, is chained as ``__cause__``.
-    """
-
-    def __init__(
-        self,
-        kind: str,
-        ref: str,
-        reason: str,
-        *,
-        environment: str | None = None,
-        index: int | None = None,
-        item_id: Any = None,
-    ) -> None:
-        self.kind = kind
-        self.ref = ref
-        self.reason = reason
-        self.environment = environment
-        self.index = index
-        self.item_id = item_id
-        super().__init__(kind, ref, reason)
-
-    def __str__(self) -> str:
-        where = ""
-        if self.index is not None:
-            where = f" on item {self.index}"
-            if self.item_id is not None:
-                where += f" (id {self.item_id!r})"
-        env = f" (environment {self.environment!r})" if self.environment else ""
-        return f"{self.kind} verifier {self.ref!r}{env} failed{where}: {self.reason}"
 
 
 def excerpt(text: str | bytes, limit: int = EXCERPT_CHARS) -> str:
@@ -135,7 +56,8 @@ def describe(exc: BaseException) -> str:
     readable reasons; an exception with a ``reason`` string of its own (ours) is described by it,
     and everything else by its type and message.
     """
-    if isinstance(exc, tenacity.RetryError):
+    tenacity: Any = sys.modules.get("tenacity")
+    if tenacity is not None and isinstance(exc, tenacity.RetryError):
         attempt = exc.last_attempt
         last = attempt.exception()
         why = describe(last) if last is not None else "no exception"
@@ -144,6 +66,20 @@ def describe(exc: BaseException) -> str:
     reason = getattr(exc, "reason", None)
     if isinstance(reason, str):
         return reason
+    httpx: Any = sys.modules.get("httpx")
+    if httpx is not None and isinstance(exc, httpx.HTTPError):
+        return _http_reason(exc, httpx)
+    orjson: Any = sys.modules.get("orjson")
+    if orjson is not None and isinstance(exc, orjson.JSONDecodeError):
+        return f"response is not valid JSON ({exc})"
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    message = str(exc)
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
+def _http_reason(exc: BaseException, httpx: Any) -> str:
+    """The reason for one of httpx's errors: which phase timed out, why a connection failed."""
     if isinstance(exc, httpx.TimeoutException):
         phase = {
             httpx.ConnectTimeout: "connecting",
@@ -157,14 +93,7 @@ def describe(exc: BaseException) -> str:
         if tls is not None:
             return f"TLS certificate verification failed: {tls.verify_message or tls} (a private CA goes in ca_bundle)"
         return f"could not connect: {str(exc) or type(exc).__name__}"
-    if isinstance(exc, httpx.HTTPError):
-        return f"HTTP error ({type(exc).__name__}){f': {exc}' if str(exc) else ''}"
-    if isinstance(exc, orjson.JSONDecodeError):
-        return f"response is not valid JSON ({exc})"
-    if isinstance(exc, TimeoutError):
-        return "timed out"
-    message = str(exc)
-    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    return f"HTTP error ({type(exc).__name__}){f': {exc}' if str(exc) else ''}"
 
 
 # How a JSON encoder may write a character inside a string besides itself and \uXXXX: json and orjson

@@ -1,14 +1,14 @@
 """``engine score``: rewards for a file of stored trajectories, streamed, checkpointed, resumable.
 
 The input is read a chunk at a time (memory stays flat however large the file), each chunk is
-scored as one batch, its records are written, and a checkpoint is taken (``engine.output``). A
+scored as one batch, its records are written, and a checkpoint is taken (``engine._backfill.output``). A
 crash, Ctrl-C or kill -9 loses at most the chunk in flight; ``--resume`` continues from the last
 checkpoint and produces the file an uninterrupted run would have. A verification error stops the
 run with the chunk before it checkpointed: fix the verifier, then ``--resume``.
 
 The run's summary (per verifier: items, mean reward, latency percentiles, retries) is carried in
 the checkpoints, so a resumed run reports on the whole file; so is the count of repeated ids, taken
-over the whole output when the run finishes (``engine.output``). A resume of a run that was
+over the whole output when the run finishes (``engine._backfill.output``). A resume of a run that was
 stopped after its output was complete, while cleaning up, only completes the cleanup.
 """
 
@@ -22,12 +22,12 @@ from pathlib import Path
 import httpx
 import pyarrow.parquet as pq
 
-from .config import EngineConfig
-from .engine import Engine
-from .errors import ManifestError, VerificationError
-from .output import ResumeError, RewardWriter, open_run
-from .report import VerifierTotals, add_reports
-from .rows import JSONL_SUFFIXES, InputError, Row, RowReader
+from engine._backfill.output import RewardWriter, open_run
+from engine._backfill.rows import JSONL_SUFFIXES, Row, RowReader
+from engine._config import EngineConfig
+from engine._core.report import VerifierTotals, add_reports
+from engine._engine import Engine
+from engine._errors import InputError, ManifestError, ResumeError, VerificationError
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "RunSummary", "count_rows", "refuse_unknown_environments", "score_file"]
 

@@ -29,9 +29,9 @@ from typing import Any, Literal
 
 import orjson
 
-from .digest import MANIFEST, open_regular
-from .errors import DigestError, ManifestError
-from .network import credentials_refusal, shown_url, url_problem, without_credentials
+from engine._environments.digest import MANIFEST, open_regular
+from engine._errors import DigestError, ManifestError
+from engine._http.network import credentials_refusal, shown_url, url_problem, without_credentials
 
 __all__ = ["EXECUTORS", "KINDS", "Environment", "VerifierSpec", "load_environment", "parse_verifier"]
 
@@ -74,7 +74,7 @@ class Environment:
     """A loaded, validated environment directory.
 
     ``manifest_bytes`` is its manifest as read: a plugin runs only if the digest hashed these same
-    bytes (``engine.plugin``), so the verifier the engine was configured with is the one pinned.
+    bytes (``engine._verifiers.plugin.verifier``), so the verifier the engine was configured with is the one pinned.
     """
 
     name: str
@@ -85,7 +85,7 @@ class Environment:
 
     @property
     def verifier_key(self) -> str:
-        """The verifier's name for limits and provenance (see ``engine.config``).
+        """The verifier's name for limits and provenance (see ``engine._config``).
 
         A plugin is only meaningful inside its environment, so its key carries the environment's
         name; a rubric's key drops the version pin, so one rubric shares one set of limits.

@@ -13,7 +13,7 @@ The judge has its own concurrency and rate limits, shared by every rubric it gra
 judge APIs have request quotas of their own. Throttling (429) and server errors (5xx) are retried
 with backoff, honouring ``Retry-After``, within a bounded budget. The API key is read from the
 environment variable the config names, on every request, as are the variables of ``headers``
-(``engine.headers``); they are never stored or logged, and a reply that echoes one has it
+(``engine._http.headers``); they are never stored or logged, and a reply that echoes one has it
 scrubbed before any of the reply goes into a message.
 
 Every request is bounded like an endpoint's: ``timeout`` seconds for the whole request (not per
@@ -35,15 +35,16 @@ import httpx
 import orjson
 import tenacity
 
-from .config import JudgeConfig
-from .errors import Scrubber, VerificationError, describe, excerpt
-from .headers import fill_headers
-from .network import read_capped
-from .retry import RETRY_STATUSES, Sleep, TransientStatus, last_failure, make_retrying
-from .rubric import Rubric, normalise
-from .scheduler import rate_limiter
-from .trajectory import flatten
-from .transport import MAX_BODY, TOTAL_TIMEOUT, CallTimeout
+from engine._config import JudgeConfig
+from engine._core.scheduler import rate_limiter
+from engine._errors import VerificationError
+from engine._http.headers import fill_headers
+from engine._http.network import read_capped
+from engine._http.retry import RETRY_STATUSES, Sleep, TransientStatus, last_failure, make_retrying
+from engine._http.transport import MAX_BODY, TOTAL_TIMEOUT, CallTimeout
+from engine._reasons import Scrubber, describe, excerpt
+from engine._verifiers.rubric.prompt import flatten
+from engine._verifiers.rubric.registry import Rubric, normalise
 
 __all__ = [
     "REFERENCE_BLOCK",

@@ -1,8 +1,8 @@
 """The engine: resolves each item's environment to its verifier, and scores batches.
 
-``Engine`` is the async API; ``engine.blocking.BlockingEngine`` wraps it for synchronous trainers.
+``Engine`` is the async API; ``engine._blocking.BlockingEngine`` wraps it for synchronous trainers.
 One engine owns one ``httpx.AsyncClient`` (one connection pool, and httpx's own pools to any
-proxies the environment names: ``engine.network``), one thread pool limiter for sync plugins, and
+proxies the environment names: ``engine._http.network``), one thread pool limiter for sync plugins, and
 the live limits of every verifier, all shared by every batch it scores.
 """
 
@@ -21,19 +21,20 @@ from typing import Any, Self
 import anyio
 import httpx
 
-from .config import DEFAULT_TIMEOUT, EngineConfig, load_config
-from .endpoint import EndpointVerifier
-from .errors import ConfigError, VerificationError, describe
-from .judge import Judge, RubricVerifier
-from .manifest import Environment, load_environment
-from .network import Proxies, Routes, ssl_context
-from .plugin import PluginVerifier
-from .report import BatchResult, VerifierReport
-from .retry import Sleep
-from .rubric import RubricRegistry
-from .scheduler import Gate, Lane, in_flight_cap, logger, run_lanes, total
-from .transport import PoolTransport
-from .verifier import ChunkedVerifier, Items, MalformedItem, Verifier, task_of
+from engine._config import DEFAULT_TIMEOUT, EngineConfig, load_config
+from engine._core.contract import ChunkedVerifier, Items, MalformedItem, Verifier, task_of
+from engine._core.report import BatchResult, VerifierReport
+from engine._core.scheduler import Gate, Lane, in_flight_cap, logger, run_lanes, total
+from engine._environments.manifest import Environment, load_environment
+from engine._errors import ConfigError, VerificationError
+from engine._http.network import Proxies, Routes, ssl_context
+from engine._http.retry import Sleep
+from engine._http.transport import PoolTransport
+from engine._reasons import describe
+from engine._verifiers.endpoint.verifier import EndpointVerifier
+from engine._verifiers.plugin.verifier import PluginVerifier
+from engine._verifiers.rubric.judge import Judge, RubricVerifier
+from engine._verifiers.rubric.registry import RubricRegistry
 
 __all__ = ["Engine"]
 
@@ -50,7 +51,7 @@ def _which(index: int, item: Mapping[str, Any]) -> str:
 def _check_item(index: int, item: Any) -> str:
     """The item's environment name; ``TypeError``/``ValueError`` naming the item if it is malformed.
 
-    (Its task and trajectory are checked where they are read, by ``engine.verifier.task_of`` or a
+    (Its task and trajectory are checked where they are read, by ``engine._core.contract.task_of`` or a
     plugin's chunk runner: looking at every item once more here would cost a cheap plugin's batch
     a fifth of its speed.)
     """

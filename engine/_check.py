@@ -14,13 +14,13 @@ from urllib.parse import urlsplit
 import anyio
 import httpx
 
-from .config import EngineConfig
-from .digest import digest_directory
-from .engine import Engine
-from .errors import DigestError, EngineError, ManifestError
-from .manifest import load_environment
-from .network import Proxies
-from .plugin import PluginVerifier
+from engine._config import EngineConfig
+from engine._engine import Engine
+from engine._environments.digest import digest_directory
+from engine._environments.manifest import load_environment
+from engine._errors import DigestError, EngineError, ManifestError
+from engine._http.network import Proxies
+from engine._verifiers.plugin.verifier import PluginVerifier
 
 __all__ = ["CONNECT_TIMEOUT", "EnvironmentCheck", "check_environments"]
 

@@ -9,7 +9,7 @@ Symbolic links are followed, as ``import`` follows them: a linked file or direct
 its content, so editing code behind a link changes the digest. A link back up the tree (a loop)
 is not entered twice; a dangling link contributes ``<path> NUL -> <target> NUL``. Anything that is
 not a regular file or a directory once links are followed (a FIFO, a socket, a device such as
-``/dev/zero``) is refused with :class:`~engine.errors.DigestError` naming it: reading one could
+``/dev/zero``) is refused with :class:`~engine._errors.DigestError` naming it: reading one could
 block or never end, and nothing in it could be vetted. A regular file is read only up to the size
 ``fstat`` gave it, plus one byte: one that reads more (``/proc/self/pagemap``: size 0, ~256 GiB of
 bytes) or less (it changed while hashed) is refused too. The walk is bounded (``MAX_PATHS``,
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from .errors import DigestError
+from engine._errors import DigestError
 
 __all__ = ["MANIFEST", "MAX_BYTES", "MAX_PATHS", "Snapshot", "digest_directory", "open_regular", "snapshot_directory"]
 
@@ -180,7 +180,7 @@ def snapshot_directory(
 ) -> Snapshot:
     """The digest of directory ``path``, and the bytes of its ``.py`` files (and manifest) as hashed.
 
-    Raises ``NotADirectoryError`` if ``path`` is not a directory, :class:`~engine.errors.DigestError`
+    Raises ``NotADirectoryError`` if ``path`` is not a directory, :class:`~engine._errors.DigestError`
     for a file in it that is not a regular file or directory, cannot be read, or does not read as its
     size, and for a walk past ``max_paths`` files and directories or ``max_bytes`` bytes.
     """

@@ -18,7 +18,7 @@ An endpoint's refs table may also send headers, whose values name environment va
 Every value names at least one variable (the config itself never holds a secret); the variables
 are read at call time, and their values are scrubbed from every error message. Headers belong to
 one endpoint (or to ``[judge]``), never to ``[defaults]``, so a token is only sent where it is
-meant to go. A URL with credentials in it is refused (``engine.network``): they go in a header.
+meant to go. A URL with credentials in it is refused (``engine._http.network``): they go in a header.
 
 ``ca_bundle`` names a PEM file of CA certificates trusted for HTTPS on top of the default trust.
 
@@ -37,9 +37,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from .errors import ConfigError
-from .headers import check_headers
-from .network import ca_bundle_problem, credentials_refusal, shown_url, url_problem, without_credentials
+from engine._errors import ConfigError
+from engine._http.headers import check_headers
+from engine._http.network import ca_bundle_problem, credentials_refusal, shown_url, url_problem, without_credentials
 
 __all__ = [
     "DEFAULT_JUDGE_MAX_ATTEMPTS",
@@ -92,7 +92,7 @@ def _is_endpoint_key(key: str) -> bool:
 
 
 def _check_headers(value: Any, key: str, source: Path | None) -> Mapping[str, str]:
-    """A refs table's ``headers``, validated (``engine.headers``); errors name the file and the key."""
+    """A refs table's ``headers``, validated (``engine._http.headers``); errors name the file and the key."""
     return check_headers(value, lambda subkey, message: _fail(source, f"{key}{subkey}", message))
 
 
@@ -195,7 +195,7 @@ class JudgeConfig:
     retry_deadline: float = DEFAULT_JUDGE_RETRY_DEADLINE
     max_body: int = DEFAULT_JUDGE_MAX_BODY
     response_format: bool = True  # send response_format={"type": "json_object"}
-    # extra headers whose values name environment variables (``engine.headers``), for a judge behind
+    # extra headers whose values name environment variables (``engine._http.headers``), for a judge behind
     # a gateway that wants more than a Bearer key; not hashed, a mapping is not hashable
     headers: Mapping[str, str] = field(default_factory=dict, hash=False)
     source: Path | None = None  # the file this came from, for messages

@@ -19,7 +19,7 @@ from email.utils import parsedate_to_datetime
 import httpx
 import tenacity
 
-from .errors import excerpt, tls_verification_failure
+from engine._reasons import excerpt, tls_verification_failure
 
 __all__ = [
     "RETRY_STATUSES",

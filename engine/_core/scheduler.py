@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING
 import anyio
 from aiolimiter import AsyncLimiter
 
-from .verifier import Verifier
+from engine._core.contract import Verifier
 
 if TYPE_CHECKING:  # config imports the judge, which takes its rate limiter from here
-    from .config import Limits
+    from engine._config import Limits
 
 __all__ = ["Gate", "Lane", "in_flight_cap", "rate_limiter", "run_lanes", "total"]
 

@@ -17,11 +17,11 @@ from typing import Any
 
 import httpx
 
-from .backfill import refuse_unknown_environments
-from .config import EngineConfig
-from .engine import Engine
-from .report import VerifierTotals, add_reports
-from .rows import open_rows
+from engine._backfill.rows import open_rows
+from engine._backfill.run import refuse_unknown_environments
+from engine._config import EngineConfig
+from engine._core.report import VerifierTotals, add_reports
+from engine._engine import Engine
 
 __all__ = ["DEFAULT_BATCH_SIZE", "BenchRun", "bench_file", "summarise"]
 

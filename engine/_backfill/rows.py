@@ -46,7 +46,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .errors import EngineError
+from engine._errors import InputError
 
 __all__ = [
     "BATCH_ROWS",
@@ -68,22 +68,6 @@ EMPTY_CHECKSUM = f"sha256:{hashlib.sha256().hexdigest()}"  # the checksum of no 
 
 Unit = Literal["line", "row"]
 
-
-class InputError(EngineError, ValueError):
-    """The input file is unreadable or holds a bad row.
-
-    ``path`` is the file; ``unit`` and ``number`` locate the row (``"line", 7`` in JSON Lines,
-    ``"row", 7`` in Parquet), both ``None`` for a problem with the file as a whole; ``reason``
-    says what is wrong.
-    """
-
-    def __init__(self, path: Path, reason: str, *, unit: Unit | None = None, number: int | None = None) -> None:
-        self.path = path
-        self.reason = reason
-        self.unit = unit
-        self.number = number
-        where = f"{path}: {unit} {number}" if number is not None else f"{path}"
-        super().__init__(f"{where}: {reason}")
 
 
 @dataclass(frozen=True, slots=True)

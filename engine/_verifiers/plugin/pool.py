@@ -14,9 +14,9 @@ MiB), and a script without ``if __name__ == "__main__":`` could not use workers 
 imports only the engine and the plugin. It
 
 1. says it is up, receives from the engine the snapshot of the environment's sources that the
-   engine vetted (``engine.digest``), imports the plugin from it (``engine.importer``: never from
-   the disk, so a file changed since the check does not run), and says it is ready or why it
-   cannot be;
+   engine vetted (``engine._environments.digest``), imports the plugin from it
+   (``engine._verifiers.plugin.importer``: never from the disk, so a file changed since the check
+   does not run), and says it is ready or why it cannot be;
 2. then serves *chunks*: a list of ``(task, trajectory)`` pairs in, one message out: the rewards
    (already checked to be finite floats) and what the calls cost, or the position in the chunk of
    the first item that failed and why. A plugin's exception travels as text (its type, message
@@ -81,10 +81,10 @@ from typing import Any, TypeVar
 
 import anyio
 
-from .digest import Snapshot
-from .errors import describe
-from .importer import PluginLoadError, load_callable
-from .verifier import BadItem, as_rewards, private_pair
+from engine._core.contract import BadItem, as_rewards, private_pair
+from engine._environments.digest import Snapshot
+from engine._reasons import describe
+from engine._verifiers.plugin.importer import PluginLoadError, load_callable
 
 __all__ = [
     "STARTUP_TIMEOUT",
@@ -193,8 +193,8 @@ def _described(exc: BaseException) -> tuple[str, str, str]:
 
 
 def load_plugin(snapshot: Snapshot, environment: str, ref: str) -> Callable[..., Any]:
-    """:func:`~engine.importer.load_callable`, and whatever else the plugin's code raises on its import
-    or while its callable is looked up (a ``BaseException`` of its own, such as pytest's ``Skipped``
+    """:func:`~engine._verifiers.plugin.importer.load_callable`, and whatever else the plugin's code raises on its
+    import or while its callable is looked up (a ``BaseException`` of its own, such as pytest's ``Skipped``
     or ``func_timeout``'s ``FunctionTimedOut``) a :class:`PluginLoadError` too, the cause chained.
 
     Only ``KeyboardInterrupt`` passes: it is the user's, not the plugin's.
@@ -415,7 +415,10 @@ class _Child:
 
     def start(self) -> None:
         # sys.path as the engine's: the worker imports the engine (and the plugin's libraries) as it does
-        code = f"import sys; sys.path[:] = {sys.path!r}; from engine.process import _child_main; _child_main()"
+        code = (
+            f"import sys; sys.path[:] = {sys.path!r}; "
+            "from engine._verifiers.plugin.pool import _child_main; _child_main()"
+        )
         self._popen = subprocess.Popen(
             [sys.executable, "-c", code, *map(str, self._fds), self._spec],
             pass_fds=self._fds,

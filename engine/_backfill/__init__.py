@@ -1,0 +1,1 @@
+"""Backfills: score a file of rows, resumably, and benchmark verifiers on one."""

@@ -1,0 +1,1 @@
+"""Environments: a directory's manifest and the digest that pins its contents."""

@@ -1,0 +1,162 @@
+"""The engine's exceptions: every error it raises on purpose, public or internal, in one tree.
+
+Tree::
+
+    EngineError
+    ├── ConfigError            (also a ValueError) a bad config file, key or value
+    │   └── ManifestError      an environment's manifest.json is unreadable or invalid
+    ├── DigestError            an environment directory holds a file that cannot be hashed (a FIFO, a device)
+    ├── VerificationError      a verifier could not produce a reward for an item;
+    │   │                      the whole batch aborts with it, never a zero in its place
+    │   └── RubricError        a rubric is missing, malformed, or lacks the version asked for
+    ├── InputError             (also a ValueError) a backfill's input file is unreadable or holds a bad row
+    ├── OutputError            (also a ValueError) a backfill's output cannot go where or how it was asked
+    │   └── ResumeError        a backfill cannot start or resume: its state is missing or does not match
+    └── WriteError             the system refused to write a backfill's output or state (disk full, ...)
+
+    Failure                    internal: a failure inside a verifier, with a ``reason`` in words; the
+                               engine turns it into the ``VerificationError`` naming the item
+
+Foreign exceptions (httpx, orjson, tenacity, OSError) become reasons in one place, ``engine._reasons``.
+
+Misuse of the Python API (an item that is not a mapping, an unknown environment name) raises
+plain ``TypeError``/``ValueError``: those are bugs in the caller, not verifier failures.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = [
+    "ConfigError",
+    "DigestError",
+    "EngineError",
+    "Failure",
+    "InputError",
+    "ManifestError",
+    "OutputError",
+    "ResumeError",
+    "RubricError",
+    "VerificationError",
+    "WriteError",
+]
+
+
+class EngineError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+
+class ConfigError(EngineError, ValueError):
+    """The engine's configuration is unusable; the message names the file and the key."""
+
+
+class ManifestError(ConfigError):
+    """An environment's ``manifest.json`` is unreadable or invalid; names the file and the field."""
+
+
+class DigestError(EngineError):
+    """An environment directory cannot be digested: ``path`` is not a regular file or directory.
+
+    ``reason`` names the file and says why (a FIFO or a link to a device would block or never end).
+    """
+
+    def __init__(self, reason: str, *, path: Path) -> None:
+        self.reason = reason
+        self.path = path
+        super().__init__(reason)
+
+
+class VerificationError(EngineError):
+    """A verifier failed to produce a reward.
+
+    ``kind`` and ``ref`` name the verifier, ``environment`` the environment the item came from,
+    ``index`` the item's position in the batch and ``item_id`` its ``id`` (when the item had one).
+    ``reason`` says what went wrong; the original exception, if any, is chained as ``__cause__``.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        ref: str,
+        reason: str,
+        *,
+        environment: str | None = None,
+        index: int | None = None,
+        item_id: Any = None,
+    ) -> None:
+        self.kind = kind
+        self.ref = ref
+        self.reason = reason
+        self.environment = environment
+        self.index = index
+        self.item_id = item_id
+        super().__init__(kind, ref, reason)
+
+    def __str__(self) -> str:
+        where = ""
+        if self.index is not None:
+            where = f" on item {self.index}"
+            if self.item_id is not None:
+                where += f" (id {self.item_id!r})"
+        env = f" (environment {self.environment!r})" if self.environment else ""
+        return f"{self.kind} verifier {self.ref!r}{env} failed{where}: {self.reason}"
+
+
+class RubricError(VerificationError):
+    """A rubric cannot be used: missing, missing the version asked for, malformed, or a bad scale."""
+
+    def __init__(self, ref: str, reason: str) -> None:
+        super().__init__("rubric", ref, reason)
+
+
+class InputError(EngineError, ValueError):
+    """The input file is unreadable or holds a bad row.
+
+    ``path`` is the file; ``unit`` and ``number`` locate the row (``"line", 7`` in JSON Lines,
+    ``"row", 7`` in Parquet), both ``None`` for a problem with the file as a whole; ``reason``
+    says what is wrong.
+    """
+
+    def __init__(
+        self, path: Path, reason: str, *, unit: Literal["line", "row"] | None = None, number: int | None = None
+    ) -> None:
+        self.path = path
+        self.reason = reason
+        self.unit = unit
+        self.number = number
+        where = f"{path}: {unit} {number}" if number is not None else f"{path}"
+        super().__init__(f"{where}: {reason}")
+
+
+class OutputError(EngineError, ValueError):
+    """The output cannot be written where or how it was asked (bad extension, same file as input, ...)."""
+
+
+class ResumeError(OutputError):
+    """A run cannot start or resume: the state is missing or does not match, or the input changed."""
+
+
+class WriteError(EngineError):
+    """The system refused to write the output, its partial file or its state (disk full, I/O error, ...).
+
+    Not a misuse and not a bad input: nothing checkpointed is lost, and ``--resume`` continues once
+    the cause is fixed. ``path`` is the file being written, ``rows_done`` the rows checkpointed.
+    """
+
+    def __init__(self, path: Path, exc: OSError, rows_done: int) -> None:
+        self.path = path
+        self.rows_done = rows_done
+        super().__init__(f"cannot write {path}: {exc.strerror or exc}")
+
+
+class Failure(Exception):
+    """Internal: something failed inside a verifier, and ``reason`` says what, in words.
+
+    Never seen by users: the engine turns it into the ``VerificationError`` naming the verifier and
+    the item (``engine._reasons.describe`` reads its reason). Raised where the reason is known.
+    """
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(reason)

@@ -1,0 +1,1 @@
+"""HTTP: the pooled transport, proxies and TLS, headers, and the retry policy."""

@@ -1,0 +1,1 @@
+"""The three verifier kinds, plugin, endpoint and rubric, each a package of one shape."""

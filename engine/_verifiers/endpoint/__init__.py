@@ -1,0 +1,1 @@
+"""The endpoint kind: POST the item to a URL, read its reward."""

@@ -1,0 +1,1 @@
+"""The rubric kind: an LLM judge grades against a versioned written rubric."""
