@@ -59,6 +59,7 @@ import anyio
 import anyio.to_thread
 
 from engine._config import Limits
+from engine._core import meters
 from engine._core.contract import BadItem, MalformedItem, as_rewards, private_pair
 from engine._environments.digest import MANIFEST, Snapshot, snapshot_directory
 from engine._environments.manifest import Environment
@@ -283,7 +284,7 @@ class PluginVerifier:
         self._serial = False  # whether chunks run one at a time (cheap calls) or in parallel
         # Chunks of one plugin run one at a time: they are cheap Python calls by construction, and
         # under the GIL a second thread only slows the first down (measured: 1.7M vs 2.1M items/s).
-        self._chunk_lock = anyio.Lock(fast_acquire=True)
+        self._chunk_lock = meters.slots(1)
         self._abandoned = _Abandoned()
         self.digest: str | None = None  # the digest the module was imported (or vetted) at
         self.retries = 0  # plugins are never retried: a failure is the plugin's answer
