@@ -169,9 +169,7 @@ class Engine:
         self._verifiers.clear()
         try:
             for verifier in verifiers:  # plugins with worker processes stop them
-                aclose = getattr(verifier, "aclose", None)
-                if aclose is not None:
-                    await aclose()
+                await verifier.aclose()
         finally:
             if client is not None:
                 await client.aclose()
@@ -381,8 +379,7 @@ class Engine:
                 )
             )
         usage: dict[str, int] = {}
-        for v in by_verifier:
-            if isinstance(v, RubricVerifier):  # a fresh one per batch: its usage is this batch's
-                for name, count in v.usage.as_dict().items():
-                    usage[name] = usage.get(name, 0) + count
+        for v in by_verifier:  # a rubric's verifier is this batch's: so is what it spent
+            for name, count in v.spent().items():
+                usage[name] = usage.get(name, 0) + count
         return BatchResult(rewards=rewards, verifiers=reports, elapsed=elapsed, verifier_of=verifier_of, usage=usage)

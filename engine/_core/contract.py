@@ -58,6 +58,21 @@ class Verifier(Protocol):
         """What scores the items: kind, ref, and the environment digest or rubric version."""
         ...
 
+    def spent(self) -> Mapping[str, int]:
+        """What its calls have cost so far, by name (judge requests and tokens); empty for kinds that spend none.
+
+        A rubric's verifier is built for one batch, so what it spent is that batch's.
+        """
+        ...
+
+    async def load(self) -> None:
+        """Make it ready to call (a plugin imports), or raise ``VerificationError`` saying why it cannot be."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release what it holds (a plugin's worker processes and imports); the engine calls it when it closes."""
+        ...
+
     def chunk_size(self, share: int) -> int:
         """How many items it wants per call: more than 1 only for a :class:`ChunkedVerifier`.
 

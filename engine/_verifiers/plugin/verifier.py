@@ -61,7 +61,7 @@ import anyio.to_thread
 from engine._config import Limits
 from engine._core import meters
 from engine._core.contract import BadItem, MalformedItem, as_rewards, private_pair
-from engine._environments.digest import MANIFEST, Snapshot, snapshot_directory
+from engine._environments.digest import MANIFEST, Pin, Snapshot, pin_verdict, snapshot_directory
 from engine._environments.manifest import Environment
 from engine._errors import DigestError, VerificationError
 from engine._reasons import describe
@@ -292,6 +292,9 @@ class PluginVerifier:
     def provenance(self) -> Mapping[str, Any]:
         return {"kind": self.kind, "ref": self.ref, "environment": self.environment.name, "digest": self.digest}
 
+    def spent(self) -> Mapping[str, int]:
+        return {}  # a plugin's calls cost only time, which the scheduler measures
+
     @property
     def worker_pids(self) -> list[int]:
         """The process ids of its worker processes (process executor; none before the first call)."""
@@ -320,13 +323,13 @@ class PluginVerifier:
                 "reads it again)"
             )
         digest = snapshot.digest
-        if self._pin is None:
-            if not self._allow_unpinned:
-                raise self._fail(
-                    f"environment {env.name!r} has no pin and allow_unpinned is false; after vetting it, "
-                    f'add under [pins]: {env.name} = "{digest}"'
-                )
-        elif digest != self._pin:
+        verdict = pin_verdict(digest, self._pin, required=not self._allow_unpinned)
+        if verdict is Pin.MISSING:
+            raise self._fail(
+                f"environment {env.name!r} has no pin and allow_unpinned is false; after vetting it, "
+                f'add under [pins]: {env.name} = "{digest}"'
+            )
+        if verdict is Pin.CHANGED:
             raise self._fail(
                 f"environment {env.name!r} changed since it was pinned: its digest is {digest}, "
                 f"the pin is {self._pin}; nothing was imported"

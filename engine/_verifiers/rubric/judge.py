@@ -395,6 +395,15 @@ class RubricVerifier:
     def retries(self) -> int:
         return self.usage.retries
 
+    def spent(self) -> Mapping[str, int]:
+        return self.usage.as_dict()
+
+    async def load(self) -> None:
+        pass  # its rubric was resolved when it was built, and the judge is the engine's
+
+    async def aclose(self) -> None:
+        pass  # the judge, and its connections, are the engine's
+
     def chunk_size(self, share: int) -> int:
         return 1  # one HTTP request per item
 
