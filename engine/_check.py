@@ -16,11 +16,10 @@ import httpx
 
 from engine._config import EngineConfig
 from engine._engine import Engine
-from engine._environments.digest import digest_directory
+from engine._environments.digest import Pin, digest_directory, pin_verdict
 from engine._environments.manifest import load_environment
 from engine._errors import DigestError, EngineError, ManifestError
 from engine._http.network import Proxies
-from engine._verifiers.plugin.verifier import PluginVerifier
 
 __all__ = ["CONNECT_TIMEOUT", "EnvironmentCheck", "check_environments"]
 
@@ -98,21 +97,21 @@ async def check_environments(*, config: EngineConfig) -> list[EnvironmentCheck]:
                 refused = "not imported (digest)"
                 checks.append(EnvironmentCheck(env.name, spec.kind, spec.ref, "ok", exc.reason, refused))
                 continue
-            if pin is not None:
-                digest_status = "ok" if pin == digest else f"changed since pinned (now {digest})"
-            elif env.verifier.kind == "plugin" and not config.allow_unpinned:
-                digest_status = f'no pin; after vetting, pin it: {env.name} = "{digest}"'
-            else:
-                digest_status = "-"
+            # a plugin needs a pin unless allow_unpinned; a pin of another kind is checked all the same
+            pinned = pin_verdict(digest, pin, required=env.verifier.kind == "plugin" and not config.allow_unpinned)
+            digest_status = {
+                Pin.MATCHES: "ok",
+                Pin.CHANGED: f"changed since pinned (now {digest})",
+                Pin.MISSING: f'no pin; after vetting, pin it: {env.name} = "{digest}"',
+                Pin.NOT_NEEDED: "-",
+            }[pinned]
             verdict = "ok"
             try:
                 if env.verifier.kind == "plugin":
                     if digest_status not in ("ok", "-"):
                         verdict = "not imported (digest)"
                     else:
-                        verifier = engine.verifier_for(env)
-                        assert isinstance(verifier, PluginVerifier)
-                        await verifier.load()
+                        await engine.verifier_for(env).load()
                 elif env.verifier.kind == "endpoint":
                     verdict = await _reachable(env.verifier.ref, proxies)
                 else:

@@ -13,7 +13,7 @@ import pytest
 from special_files import SPECIAL_KINDS, make_special
 
 from engine import DigestError, digest_directory
-from engine._environments.digest import MAX_PATHS, snapshot_directory
+from engine._environments.digest import MAX_PATHS, Pin, pin_verdict, snapshot_directory
 
 
 @pytest.fixture
@@ -283,3 +283,18 @@ def test_a_snapshot_keeps_the_manifest_it_hashed(tree: Path) -> None:
     assert snapshot_directory(tree).manifest == (tree / "manifest.json").read_bytes()
     (tree / "manifest.json").unlink()
     assert snapshot_directory(tree).manifest is None
+
+
+@pytest.mark.parametrize(
+    ("pin", "required", "verdict"),
+    [
+        ("sha256:aa", False, Pin.MATCHES),
+        ("sha256:aa", True, Pin.MATCHES),
+        ("sha256:bb", False, Pin.CHANGED),  # a pin is held to even where none is required
+        (None, True, Pin.MISSING),
+        (None, False, Pin.NOT_NEEDED),
+    ],
+)
+def test_the_pin_verdict(pin: str | None, required: bool, verdict: Pin) -> None:
+    """The one rule the plugin verifier and ``engine check`` both apply to a directory's digest and its pin."""
+    assert pin_verdict("sha256:aa", pin, required=required) is verdict

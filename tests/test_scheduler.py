@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -247,3 +248,19 @@ async def test_a_rate_below_one_per_second_is_allowed(envs: Path) -> None:
     config = EngineConfig(environments=envs, allow_unpinned=True, refs={"twin_a/verify:score": Limits(max_rate=0.5)})
     async with engine.Engine(config) as eng:
         assert await eng.score([item("twin_a")]) == [0.25]
+
+
+@pytest.mark.parametrize("environment", ["faulty", "faulty_async"])  # a chunked sync plugin and an async one
+async def test_an_items_route_visits_each_engine_module_once(envs: Path, environment: str) -> None:
+    """From ``Engine.run`` to the verifier that failed, the error's traceback passes through each of the
+    engine's modules in one stretch: the scheduler plans and calls on its own, never back into the engine."""
+    batch = [item(environment, mode="ok")] * 50 + [item(environment, mode="raise")]
+    async with engine.Engine(EngineConfig(environments=envs, allow_unpinned=True)) as eng:
+        with pytest.raises(VerificationError) as caught:
+            await eng.score(batch)
+    package = Path(engine.__file__).parent
+    frames = traceback.extract_tb(caught.value.__traceback__)
+    route = [frame.filename for frame in frames if Path(frame.filename).is_relative_to(package)]
+    stretches = [name for position, name in enumerate(route) if position == 0 or route[position - 1] != name]
+    assert stretches[0].endswith("_engine.py") and any(name.endswith("scheduler.py") for name in stretches)
+    assert len(stretches) == len(set(stretches)), stretches

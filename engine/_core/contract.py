@@ -10,12 +10,14 @@ from __future__ import annotations
 import copy
 import math
 import numbers
+import re
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from decimal import Decimal
 from gc import is_tracked
 from typing import Any, Protocol, overload, runtime_checkable
 
 __all__ = [
+    "ENV_NAME",
     "AsyncVerifyFn",
     "BadItem",
     "BadReward",
@@ -25,10 +27,12 @@ __all__ = [
     "Verifier",
     "VerifyFn",
     "as_rewards",
+    "check_item",
     "check_reward",
     "private",
     "private_pair",
     "task_of",
+    "which",
 ]
 
 VerifyFn = Callable[[Mapping[str, Any], Any], float]
@@ -56,6 +60,21 @@ class Verifier(Protocol):
 
     def provenance(self) -> Mapping[str, Any]:
         """What scores the items: kind, ref, and the environment digest or rubric version."""
+        ...
+
+    def spent(self) -> Mapping[str, int]:
+        """What its calls have cost so far, by name (judge requests and tokens); empty for kinds that spend none.
+
+        A rubric's verifier is built for one batch, so what it spent is that batch's.
+        """
+        ...
+
+    async def load(self) -> None:
+        """Make it ready to call (a plugin imports), or raise ``VerificationError`` saying why it cannot be."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release what it holds (a plugin's worker processes and imports); the engine calls it when it closes."""
         ...
 
     def chunk_size(self, share: int) -> int:
@@ -130,6 +149,36 @@ class MalformedItem(Exception):
     def __init__(self, position: int) -> None:
         self.position = position
         super().__init__(position)
+
+
+# an environment's name: a directory's, with no path separator, no leading dot, at most NAME_MAX (255)
+# bytes, as Linux allows
+ENV_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
+
+
+def which(index: int, item: Mapping[str, Any]) -> str:
+    """How a message names an item: its position, and its ``id`` if it has one."""
+    item_id = item.get("id")
+    return f"item {index}" if item_id is None else f"item {index} (id {item_id!r})"
+
+
+def check_item(index: int, item: Any) -> str:
+    """The item's environment name; ``TypeError``/``ValueError`` naming the item if it is malformed.
+
+    (Its task and trajectory are checked where they are read, by :func:`task_of` or a plugin's
+    chunk runner: looking at every item once more here would cost a cheap plugin's batch a fifth
+    of its speed.)
+    """
+    if not isinstance(item, Mapping):
+        raise TypeError(f"item {index} is a {type(item).__name__}, not a mapping")
+    if "environment" not in item:
+        raise ValueError(
+            f"{which(index, item)} has no 'environment' (an item needs 'environment', 'task', 'trajectory')"
+        )
+    name = item["environment"]
+    if not isinstance(name, str) or not ENV_NAME.fullmatch(name):
+        raise ValueError(f"{which(index, item)}: 'environment' must be an environment's directory name, got {name!r}")
+    return name
 
 
 def task_of(index: int, item: Mapping[str, Any]) -> tuple[Mapping[str, Any], Any]:

@@ -26,6 +26,7 @@ way, so the plugin can check that the manifest which named its verifier is the o
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import os
 import stat
@@ -36,7 +37,17 @@ from typing import BinaryIO
 
 from engine._errors import DigestError
 
-__all__ = ["MANIFEST", "MAX_BYTES", "MAX_PATHS", "Snapshot", "digest_directory", "open_regular", "snapshot_directory"]
+__all__ = [
+    "MANIFEST",
+    "MAX_BYTES",
+    "MAX_PATHS",
+    "Pin",
+    "Snapshot",
+    "digest_directory",
+    "open_regular",
+    "pin_verdict",
+    "snapshot_directory",
+]
 
 IGNORED_DIRS = frozenset({"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"})
 IGNORED_SUFFIXES = (".pyc", ".pyo")
@@ -217,6 +228,25 @@ def snapshot_directory(
         elif data is not None:
             sources[rel] = data
     return Snapshot(root, f"sha256:{h.hexdigest()}", sources, manifest)
+
+
+class Pin(enum.Enum):
+    """What a pin says of a directory's digest (:func:`pin_verdict`)."""
+
+    MATCHES = "matches"  # pinned, at this digest: it may be trusted
+    CHANGED = "changed"  # pinned, at another digest: it changed after it was vetted
+    MISSING = "missing"  # not pinned, and a pin is required
+    NOT_NEEDED = "not needed"  # not pinned, and none is required
+
+
+def pin_verdict(digest: str, pin: str | None, *, required: bool) -> Pin:
+    """What ``pin`` says of a directory whose digest is ``digest``; ``required``: whether it must have one.
+
+    The one rule both the plugin verifier (before it imports anything) and ``engine check`` apply.
+    """
+    if pin is not None:
+        return Pin.MATCHES if digest == pin else Pin.CHANGED
+    return Pin.MISSING if required else Pin.NOT_NEEDED
 
 
 def digest_directory(path: str | Path) -> str:

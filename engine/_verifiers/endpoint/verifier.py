@@ -123,6 +123,15 @@ class EndpointVerifier:
         self._templates = tuple(limits.headers.items())
         self.retries = 0  # transient failures retried, over the engine's life
 
+    def spent(self) -> Mapping[str, int]:
+        return {}  # an endpoint reports no cost
+
+    async def load(self) -> None:
+        pass  # nothing to prepare: each call connects (or reuses a connection) as it goes
+
+    async def aclose(self) -> None:
+        pass  # its connections are the engine's transport's
+
     def chunk_size(self, share: int) -> int:
         return 1  # one HTTP request per item
 

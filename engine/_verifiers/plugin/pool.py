@@ -79,8 +79,7 @@ from pathlib import Path
 from time import monotonic, perf_counter, sleep, thread_time
 from typing import Any, TypeVar
 
-import anyio
-
+from engine._core import meters
 from engine._core.contract import BadItem, as_rewards, private_pair
 from engine._environments.digest import Snapshot
 from engine._reasons import describe
@@ -736,7 +735,7 @@ class WorkerPool:
         self.sources = sources  # what every worker imports: the snapshot the engine vetted
         self.size = size
         self.timeout = timeout
-        self._slots = anyio.Semaphore(size)  # a caller holding one has a worker, or room to start one
+        self._slots = meters.slots(size)  # a caller holding one has a worker, or room to start one
         self._idle: list[_Worker] = []
         self._workers: set[_Worker] = set()  # not yet closed
         self._numbers = itertools.count()

@@ -36,7 +36,7 @@ import orjson
 import tenacity
 
 from engine._config import JudgeConfig
-from engine._core.scheduler import rate_limiter
+from engine._core.meters import Meter
 from engine._errors import VerificationError
 from engine._http.headers import fill_headers
 from engine._http.network import read_capped
@@ -254,8 +254,7 @@ class Judge:
         self.config = config
         self._client = client
         self._sleep = sleep
-        self._slots = anyio.Semaphore(config.max_concurrency)
-        self._rate = rate_limiter(config.max_rate) if config.max_rate is not None else None
+        self._meter = Meter.of(config.max_concurrency, config.max_rate)
         self._usage = Usage()
 
     @property
@@ -304,8 +303,8 @@ class Judge:
     async def _post(
         self, body: bytes, headers: dict[str, str], accounts: tuple[Usage, ...], scrub: Scrubber | None
     ) -> httpx.Response:
-        if self._rate is not None:
-            await self._rate.acquire()  # every request counts against the quota, retries too
+        if self._meter.rate is not None:
+            await self._meter.rate.acquire()  # every request counts against the quota, retries too
         for usage in accounts:
             usage.requests += 1
         config = self.config
@@ -344,7 +343,7 @@ class Judge:
         headers, scrub = self._headers(ref)
         accounts = (self._usage,) if usage is None else (self._usage, usage)
         config = self.config
-        async with self._slots:
+        async with self._meter.slots:
             retrying = make_retrying(config.max_attempts, config.retry_deadline, self._sleep)
             try:
                 async for attempt in retrying:
@@ -395,6 +394,15 @@ class RubricVerifier:
     @property
     def retries(self) -> int:
         return self.usage.retries
+
+    def spent(self) -> Mapping[str, int]:
+        return self.usage.as_dict()
+
+    async def load(self) -> None:
+        pass  # its rubric was resolved when it was built, and the judge is the engine's
+
+    async def aclose(self) -> None:
+        pass  # the judge, and its connections, are the engine's
 
     def chunk_size(self, share: int) -> int:
         return 1  # one HTTP request per item

@@ -1,0 +1,71 @@
+"""Every limit the engine keeps, in one vocabulary: *slots* (how many at once) and a *rate* (how many a second).
+
+A verifier's ``max_concurrency`` and ``max_rate`` become a :class:`Meter`, shared by every batch one
+engine scores; the judge has one of its own; the engine-wide cap on items in flight, a worker
+pool's workers and a plugin's serial chunks are slots; the threads of sync plugins are
+:func:`threads`. Slots are anyio semaphores with ``fast_acquire``: an uncontended acquire does not
+yield to the event loop, so holding one costs a cheap plugin's item next to nothing.
+
+Only anyio is imported here (aiolimiter when a rate is asked for): a plugin's worker process
+imports this module through its pool, and must stay cheap to start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import anyio
+
+if TYPE_CHECKING:
+    from aiolimiter import AsyncLimiter
+
+    from engine._config import Limits
+
+__all__ = ["Meter", "rate", "slots", "threads"]
+
+
+def slots(size: int) -> anyio.Semaphore:
+    """``size`` slots: at most that many holders at once (and never released past ``size``)."""
+    return anyio.Semaphore(size, max_value=size, fast_acquire=True)
+
+
+def rate(per_second: float) -> AsyncLimiter:
+    """A limiter of ``per_second`` calls a second: bursts of up to one second's worth.
+
+    aiolimiter's bucket holds ``max_rate`` tokens, so a rate below one a second is written as one
+    call per ``1 / per_second`` seconds (a bucket of less than one token would never grant any).
+    """
+    from aiolimiter import AsyncLimiter  # only rate-limited verifiers and judges need it
+
+    if per_second >= 1:
+        return AsyncLimiter(per_second, 1.0)
+    return AsyncLimiter(1, 1 / per_second)
+
+
+def threads(size: int) -> anyio.CapacityLimiter:
+    """``size`` threads at once: the form of slots ``anyio.to_thread.run_sync`` takes."""
+    return anyio.CapacityLimiter(size)
+
+
+@dataclass(frozen=True, eq=False)
+class Meter:
+    """A caller's limits as live objects: ``slots`` held for a whole call, and an optional ``rate``."""
+
+    slots: anyio.Semaphore
+    rate: AsyncLimiter | None
+
+    @classmethod
+    def of(cls, max_concurrency: int, max_rate: float | None) -> Meter:
+        return cls(slots(max_concurrency), rate(max_rate) if max_rate is not None else None)
+
+    @classmethod
+    def from_limits(cls, limits: Limits) -> Meter:
+        return cls.of(limits.max_concurrency, limits.max_rate)
+
+    @property
+    def width(self) -> int:
+        """How many calls may be in flight at once: its slots."""
+        width = self.slots.max_value
+        assert width is not None  # slots() always sets it
+        return width
