@@ -1,8 +1,8 @@
 """Judge faults through the public API: each is one VerificationError naming the rubric, never a score.
 
-A real OpenAI-compatible judge on 127.0.0.1 (``tests/judgeserver.py``) scores each item with the
-number its response says, until the test makes it fail: it goes down mid-batch (refusing, hanging,
-answering 503, resetting), or answers something no score can be read from. The batch mixes plugin
+A real OpenAI-compatible judge on 127.0.0.1 (``Server.judge``, ``tests/servers.py``) scores each
+item with the number its response says, until the test makes it fail: it goes down mid-batch
+(refusing, hanging, answering 503, resetting), or answers something no score can be read from. The batch mixes plugin
 items with rubric items judged one at a time, so the failing item is known. Each test checks the
 error (ref, index, id, reason), that there is no result, that the engine scores the next batch,
 and that nothing leaked. Retry waits go to a recorder and take no time.
@@ -22,8 +22,7 @@ import httpx
 import orjson
 import pytest
 from conftest import SleepRecorder, add_rubric_env, item
-from httpserver import Request, Response, all_closed
-from judgeserver import JudgeServer, completion, score, status
+from servers import Request, Response, Server, all_closed, completion, score, status
 
 from engine import Engine, EngineConfig, Limits, VerificationError
 from engine._config import JudgeConfig, load_config
@@ -77,7 +76,7 @@ class Judge:
 
 @dataclass
 class Setup:
-    server: JudgeServer
+    server: Server
     judge: Judge
     envs: Path
     rubrics: Path
@@ -99,7 +98,7 @@ def setup(envs: Path, tmp_path: Path) -> Iterator[Setup]:
     shutil.copytree(RUBRICS, rubrics)
     add_rubric_env(envs, "graded", ARITH)
     judge = Judge()
-    server = JudgeServer(default=judge)
+    server = Server.judge(default=judge)
     with server:
         yield Setup(server, judge, envs, rubrics)
 
@@ -148,8 +147,7 @@ async def test_the_judge_going_down_mid_batch(setup: Setup, sleeps: SleepRecorde
     async def go_down(request: Request) -> Response:
         # Stop listening, and close the kept-alive connection after this reply: every try after
         # this one is refused. This reply is the last healthy one.
-        assert server._server is not None
-        server._server.close()
+        server.stop_listening()
         reply = score(int(answer_of(request)))
         reply.headers["connection"] = "close"
         return reply
