@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from asserts import check_error
 from conftest import SleepRecorder, add_endpoint_env, item
 from servers import Request, Response, Server, json_handler
 
@@ -51,12 +53,7 @@ async def fails(config: EngineConfig, items: list[dict[str, Any]], sleep: SleepR
     return info.value
 
 
-def check(err: VerificationError, url: str, *, index: int, item_id: Any, reason: str) -> None:
-    assert (err.kind, err.ref, err.environment, err.index, err.item_id) == ("endpoint", url, "remote", index, item_id)
-    assert reason in err.reason, err.reason
-    message = str(err)
-    assert message.startswith(f"endpoint verifier {url!r} (environment 'remote') failed on item {index}"), message
-    assert reason in message
+check = partial(check_error, kind="endpoint", environment="remote")
 
 
 async def test_posts_task_and_trajectory_and_reads_the_reward(serve: Any, config: EngineConfig) -> None:

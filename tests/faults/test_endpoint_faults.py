@@ -15,11 +15,13 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from asserts import check_error
 from conftest import SleepRecorder, add_endpoint_env, item
 from servers import Request, Response, Server, all_closed
 
@@ -91,12 +93,7 @@ def point_remote_at(envs: Path, url: str) -> None:
     )
 
 
-def check(err: VerificationError, url: str, reason: str, *, index: int = BAD, item_id: Any = "bad") -> None:
-    assert type(err) is VerificationError
-    assert (err.kind, err.ref, err.environment, err.index, err.item_id) == ("endpoint", url, REMOTE, index, item_id)
-    assert reason in err.reason, err.reason
-    where = f"failed on item {index}" + (f" (id {item_id!r})" if item_id is not None else "")
-    assert str(err).startswith(f"endpoint verifier {url!r} (environment {REMOTE!r}) {where}: "), str(err)
+check = partial(check_error, kind="endpoint", environment=REMOTE, index=BAD, item_id="bad")
 
 
 async def aborts(

@@ -15,12 +15,14 @@ import logging
 import shutil
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import pytest
+from asserts import check_error
 from conftest import SleepRecorder, add_rubric_env, item
 from servers import Request, Response, Server, all_closed, completion, score, status
 
@@ -103,12 +105,7 @@ def setup(envs: Path, tmp_path: Path) -> Iterator[Setup]:
         yield Setup(server, judge, envs, rubrics)
 
 
-def check(err: VerificationError, reason: str, *, index: int = BAD, item_id: Any = "bad") -> None:
-    assert type(err) is VerificationError
-    assert (err.kind, err.ref, err.environment, err.index, err.item_id) == ("rubric", REF, "graded", index, item_id)
-    assert reason in err.reason, err.reason
-    where = f"failed on item {index}" + (f" (id {item_id!r})" if item_id is not None else "")
-    assert str(err).startswith(f"rubric verifier {REF!r} (environment 'graded') {where}: "), str(err)
+check = partial(check_error, ref=REF, kind="rubric", environment="graded", index=BAD, item_id="bad")
 
 
 async def aborts(
@@ -123,7 +120,7 @@ async def aborts(
     async with Engine(config, sleep=sleeps) as eng:
         with pytest.raises(VerificationError) as info:
             outcome = await eng.run(BATCH)
-        check(info.value, reason)
+        check(info.value, reason=reason)
         assert outcome is None  # no result list, not even a partial one
         # the items after the bad one never reached the judge
         assert "9" not in [answer_of(request) for request in setup.server.requests]
@@ -181,7 +178,8 @@ async def test_a_transport_of_ones_own_is_bounded_too(setup: Setup, sleeps: Slee
     async with Engine(setup.config(timeout=TIMEOUT), transport=httpx.AsyncHTTPTransport(), sleep=sleeps) as eng:
         with pytest.raises(VerificationError) as info:
             await eng.run(BATCH)
-    check(info.value, "judge request failed: timed out waiting for the response (timeout: 0.3 s for the whole call)")
+    timed_out = "judge request failed: timed out waiting for the response (timeout: 0.3 s for the whole call)"
+    check(info.value, reason=timed_out)
     assert asyncio.get_running_loop().time() - started < 3 * TIMEOUT + 1.0
     await all_closed(setup.server)
 
