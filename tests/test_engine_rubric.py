@@ -25,11 +25,11 @@ from engine import (
     ConfigError,
     Engine,
     EngineConfig,
+    JudgeConfig,
     Limits,
     VerificationError,
     digest_directory,
 )
-from engine._config import JudgeConfig
 
 RUBRICS = Path(__file__).parent / "rubrics"
 ARITH = "alice/arithmetic-correctness"  # version 1 on [0, 1], version 2 (latest) on [0, 10]

@@ -14,17 +14,15 @@ from conftest import SleepRecorder
 from polling import eventually
 from servers import Response, Server, assert_rate_held, completion, held, judges, score, status
 
+from engine import ConfigError, JudgeConfig, VerificationError, flatten
 from engine._config import (
     DEFAULT_JUDGE_MAX_CONCURRENCY,
     DEFAULT_JUDGE_MAX_TOKENS,
     DEFAULT_JUDGE_TEMPERATURE,
     DEFAULT_JUDGE_TIMEOUT,
-    JudgeConfig,
 )
-from engine._errors import ConfigError, VerificationError
 from engine._http.retry import TransientStatus
 from engine._verifiers.rubric.judge import Judge, RubricVerifier, Usage
-from engine._verifiers.rubric.prompt import flatten
 from engine._verifiers.rubric.registry import Rubric, RubricRegistry
 
 RUBRICS = Path(__file__).parent / "rubrics"

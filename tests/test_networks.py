@@ -23,8 +23,7 @@ from conftest import SleepRecorder, add_endpoint_env, add_rubric_env, item
 from servers import Request, Response, Server
 
 import engine
-from engine import ConfigError, EngineConfig, Limits, VerificationError, load_config
-from engine._config import JudgeConfig
+from engine import ConfigError, EngineConfig, JudgeConfig, Limits, VerificationError, load_config
 from engine._http.network import Proxies, ssl_context
 from engine._reasons import Scrubber
 from engine._verifiers.endpoint.verifier import EndpointVerifier

@@ -35,7 +35,7 @@ from servers import (
 )
 
 import engine
-from engine._config import JudgeConfig
+from engine import JudgeConfig
 from engine._http.transport import PoolTransport
 
 pytestmark = pytest.mark.timeout(10)

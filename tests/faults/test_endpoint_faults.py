@@ -25,8 +25,7 @@ from asserts import check_error
 from conftest import SleepRecorder, add_endpoint_env, item
 from servers import Request, Response, Server, all_closed
 
-from engine import ConfigError, Engine, EngineConfig, Limits, ManifestError, VerificationError
-from engine._config import load_config
+from engine import ConfigError, Engine, EngineConfig, Limits, ManifestError, VerificationError, load_config
 from engine._http.transport import PoolTransport
 from engine._reasons import REDACTED
 from engine._verifiers.endpoint.verifier import EndpointVerifier

@@ -26,8 +26,7 @@ from asserts import check_error
 from conftest import SleepRecorder, add_rubric_env, item
 from servers import Request, Response, Server, all_closed, completion, score, status
 
-from engine import Engine, EngineConfig, Limits, VerificationError
-from engine._config import JudgeConfig, load_config
+from engine import Engine, EngineConfig, JudgeConfig, Limits, VerificationError, load_config
 from engine._reasons import REDACTED
 from faults.conftest import Snapshot
 
