@@ -339,8 +339,8 @@ class Server:
             for sock in self._sockets:
                 with contextlib.suppress(OSError):  # a socket already closed
                     sock.shutdown(socket.SHUT_RDWR)
-                if not self.scripts:
-                    sock.close()  # a filler of the full queue
+                if self.scripts is None:
+                    sock.close()  # a filler of the full queue (raw mode's threads close their own)
         for thread in self._threads[1:]:
             thread.join(IO_TIMEOUT)
 
@@ -359,9 +359,7 @@ class Server:
             self.connections.append(connection)
         return connection
 
-    def _received(self, connection: Connection, head: bytes, body: bytes) -> Request:
-        method, path, headers = parse_head(head)
-        request = Request(method, path, headers, body, connection.number)
+    def _received(self, connection: Connection, request: Request) -> Request:
         with self._lock:
             connection.requests.append(request)
             self.requests.append(request)
@@ -402,9 +400,9 @@ class Server:
         head = await reader.readuntil(b"\r\n\r\n") if not reader.at_eof() else b""
         if not head:
             return False
-        _, _, headers = parse_head(head[:-4])
+        method, path, headers = parse_head(head[:-4])
         body = await reader.readexactly(int(headers.get("content-length", "0")))
-        request = self._received(connection, head[:-4], body)
+        request = self._received(connection, Request(method, path, headers, body, connection.number))
         assert self.handler is not None
         with self._lock:
             self.in_flight += 1
@@ -496,11 +494,11 @@ class Server:
                     self._sockets[self._sockets.index(plain)] = sock
             for step in script:
                 if isinstance(step, Read):
-                    head, body, buffer = _read_request(sock, buffer)
-                    if head is None:
+                    request, buffer = _read_request(sock, buffer, connection.number)
+                    if request is None:
                         connection.closed_by_client = True
                         return
-                    last = self._received(connection, head, body)
+                    last = self._received(connection, request)
                 elif isinstance(step, Send):
                     if callable(step.data):
                         assert last is not None, "a Send of a function of the request needs a Read before it"
@@ -562,26 +560,24 @@ class Server:
         raise AssertionError("the listener's accept queue never filled")
 
 
-def _read_request(sock: socket.socket, buffer: bytes) -> tuple[bytes | None, bytes, bytes]:
-    """One request's head and body from ``buffer`` and the socket, and the bytes left over.
-
-    The head is None at EOF before a request began.
-    """
+def _read_request(sock: socket.socket, buffer: bytes, connection: int) -> tuple[Request | None, bytes]:
+    """One request from ``buffer`` and the socket (None at EOF before one began), and the bytes left over."""
     while b"\r\n\r\n" not in buffer:
         chunk = sock.recv(65536)
         if not chunk:
             if buffer:
                 raise ConnectionError("EOF inside a request head")
-            return None, b"", b""
+            return None, b""
         buffer += chunk
     head, _, rest = buffer.partition(b"\r\n\r\n")
-    length = int(parse_head(head)[2].get("content-length", "0"))
+    method, path, headers = parse_head(head)
+    length = int(headers.get("content-length", "0"))
     while len(rest) < length:
         chunk = sock.recv(65536)
         if not chunk:
             raise ConnectionError("EOF inside a request body")
         rest += chunk
-    return head, rest[:length], rest[length:]
+    return Request(method, path, headers, rest[:length], connection), rest[length:]
 
 
 def established(port: int) -> bool:
