@@ -12,7 +12,7 @@ Ctrl-C (``engine.__main__``).
 
 from __future__ import annotations
 
-import importlib
+from importlib import import_module as _import_module  # not `import importlib`: engine.importlib would be a module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ def __getattr__(name: str) -> Any:
     module = _MODULES.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(_import_module(module), name)
     globals()[name] = value
     return value
 

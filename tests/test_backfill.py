@@ -45,8 +45,8 @@ from cli_support import (
     write_rows,
 )
 from conftest import add_endpoint_env
-from httpserver import Request, Response, TestServer
 from polling import wait_until
+from servers import Request, Response, Server
 
 from engine._backfill.output import lock_path, partial_path, state_path
 from engine.cli import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_IO, EXIT_TERMINATED
@@ -201,16 +201,16 @@ class Broken:
 
 
 @pytest.fixture
-def broken_endpoint() -> Iterator[tuple[TestServer, Broken]]:
+def broken_endpoint() -> Iterator[tuple[Server, Broken]]:
     handler = Broken(FAIL_LINE - 1)
-    with TestServer(handler) as server:
+    with Server(handler) as server:
         yield server, handler
 
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("kind", ["plugin", "endpoint"])
 def test_a_verifier_failing_at_row_700_keeps_the_rows_before_it_and_resumes(
-    space: Workspace, broken_endpoint: tuple[TestServer, Broken], kind: str
+    space: Workspace, broken_endpoint: tuple[Server, Broken], kind: str
 ) -> None:
     server, handler = broken_endpoint
     fixed = space.root / "fixed"

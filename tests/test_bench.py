@@ -9,7 +9,7 @@ from pathlib import Path
 import orjson
 from cli_support import PLUGIN_ENV, make_workspace, rows, write_rows
 from conftest import add_endpoint_env
-from httpserver import Request, Response, TestServer
+from servers import Request, Response, Server
 
 from engine.cli import EXIT_OK, EXIT_VERIFICATION
 
@@ -23,7 +23,7 @@ def test_bench_reports_each_verifier_and_writes_nothing(tmp_path: Path) -> None:
         await asyncio.sleep(0.002)
         return Response.json({"reward": 0.5})
 
-    with TestServer(endpoint) as server:
+    with Server(endpoint) as server:
         space = make_workspace(tmp_path, PLUGIN_ENV)
         add_endpoint_env(space.envs, "remote", f"{server.url}/score")
         space.write_config(f'[refs."{server.url}/score"]\nmax_concurrency = 3\n')

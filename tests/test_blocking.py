@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 from conftest import add_endpoint_env, import_count, item
-from httpserver import Request, TestServer, json_handler
+from polling import wait_until
+from servers import Request, Server
 
 from engine import BlockingEngine, EngineConfig, Limits, VerificationError
 
@@ -19,7 +20,7 @@ def reward_from_task(request: Request) -> dict[str, float]:
 def test_runs_from_sync_code_and_reuses_its_pool(envs: Path, import_log: Path) -> None:
     with pytest.raises(RuntimeError):
         asyncio.get_running_loop()  # plain sync code: no event loop here
-    with TestServer(json_handler(reward_from_task)) as server:
+    with Server.json(reward_from_task) as server:
         url = server.url + "/score"
         add_endpoint_env(envs, "remote", url)
         config = EngineConfig(environments=envs, allow_unpinned=True, refs={url: Limits(max_concurrency=3)})
@@ -33,7 +34,7 @@ def test_runs_from_sync_code_and_reuses_its_pool(envs: Path, import_log: Path) -
         assert 1 <= opened <= 3
         assert len(server.requests) == 18
         assert import_count(import_log) == 1  # imported plugins are kept between calls too
-        assert server.wait_until(lambda s: s.open_connections == 0)  # closed on exit
+        wait_until(lambda: server.open_connections == 0)  # closed on exit
 
 
 def test_failure_is_raised_in_the_caller(config: EngineConfig) -> None:

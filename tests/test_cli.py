@@ -42,9 +42,8 @@ from cli_support import (
 )
 from click.testing import CliRunner, Result
 from conftest import add_endpoint_env, add_rubric_env
-from httpserver import Request, Response, TestServer
-from judgeserver import JudgeServer, score
 from polling import wait_until
+from servers import Request, Response, Server, score
 
 from engine import digest_directory
 from engine._backfill.output import open_run, partial_path, state_path
@@ -114,7 +113,7 @@ class Mixed:
 
 @pytest.fixture
 def mixed(tmp_path: Path) -> Iterator[Mixed]:
-    with TestServer(endpoint) as server, JudgeServer(default=score(JUDGE_SCORE)) as judge:
+    with Server(endpoint) as server, Server.judge(default=score(JUDGE_SCORE)) as judge:
         config = f'rubrics = "rubrics"\n\n[judge]\nbase_url = "{judge.base_url}"\nmodel = "judge-test"\n'
         space = make_workspace(tmp_path, PLUGIN_ENV, config=config)
         shutil.copytree(RUBRICS, space.root / "rubrics")
@@ -186,7 +185,7 @@ class FlakyOnce:
 def test_progress_lines_and_summary_when_not_on_a_terminal(tmp_path: Path) -> None:
     flaky = {3, 90, 201}  # endpoint rows (n % 3 == 0) in three different chunks
     handler = FlakyOnce(flaky)
-    with TestServer(handler) as server:
+    with Server(handler) as server:
         space = make_workspace(tmp_path, PLUGIN_ENV)
         url = f"{server.url}/score"
         add_endpoint_env(space.envs, "remote", url)
@@ -380,7 +379,7 @@ def squeezed(text: str) -> str:
 
 
 def test_check_passes_when_every_environment_can_score(tmp_path: Path) -> None:
-    with TestServer(endpoint) as server:
+    with Server(endpoint) as server:
         envs = tmp_path / "envs"
         envs.mkdir()
         pin = digest_directory(copy_env(PLUGIN_ENV, envs))
@@ -412,7 +411,7 @@ def refused_port() -> Iterator[int]:
 
 
 def test_check_fails_with_a_table_of_what_cannot_score(tmp_path: Path, refused_port: int) -> None:
-    with JudgeServer() as judge:
+    with Server.judge() as judge:
         config = f'rubrics = "rubrics"\n[pins]\nstale = "sha256:{"0" * 64}"\n'
         config += f'[judge]\nbase_url = "{judge.base_url}"\nmodel = "judge-test"\n'
         space = make_workspace(tmp_path, PLUGIN_ENV, "broken_import", "no_attr", config=config)
@@ -447,7 +446,7 @@ def test_check_fails_with_a_table_of_what_cannot_score(tmp_path: Path, refused_p
 
 
 def test_check_tries_the_proxy_the_environment_names_for_an_endpoint(tmp_path: Path, refused_port: int) -> None:
-    with TestServer(endpoint) as server:  # reachable directly, but the environment says: through the proxy
+    with Server(endpoint) as server:  # reachable directly, but the environment says: through the proxy
         space = make_workspace(tmp_path)
         add_endpoint_env(space.envs, "remote", f"{server.url}/score")
         # either case, so that none inherited from the test's own environment wins (lowercase does, in urllib)

@@ -1,6 +1,6 @@
 """Differential conformance: the engine's transport against httpx's own, on the same bytes from a scripted server.
 
-Each case scripts a raw-socket server (``tests/rawserver.py``) connection by connection, sends the
+Each case scripts a raw-socket server (``Server.raw`` in ``tests/servers.py``) connection by connection, sends the
 same request(s) through ``PoolTransport`` and through ``httpx.AsyncHTTPTransport`` (httpcore and
 h11, a well-kept client), and asserts that both give the case's expected outcome: per request, the
 status and body (and the same headers from both), or an error of the same category. The expected
@@ -46,7 +46,7 @@ import anyio
 import httpx
 import pytest
 from polling import eventually
-from rawserver import AwaitData, Close, Drip, Hold, RawServer, Read, Reset, Send, Sleep, Step
+from servers import AwaitData, Close, Drip, Hold, Read, Reset, Send, Server, Sleep, Step
 
 from engine._http.transport import PoolTransport, ResponseTooLarge
 
@@ -270,7 +270,7 @@ async def run(case: Case, transport: httpx.AsyncBaseTransport) -> Run:
     """The case's requests, one after another through ``transport``, against a fresh server."""
     outcomes: list[str] = []
     headers: list[list[tuple[str, str]] | None] = []
-    with RawServer(case.scripts) as server:
+    with Server.raw(case.scripts) as server:
         timeout = httpx.Timeout(TIMEOUT, read=SHORT, write=SHORT) if case.short else httpx.Timeout(TIMEOUT)
         async with httpx.AsyncClient(transport=transport, timeout=timeout, trust_env=False) as client:  # no proxy
             for n in range(len(case.expect)):
@@ -278,7 +278,7 @@ async def run(case: Case, transport: httpx.AsyncBaseTransport) -> Run:
                     await eventually(lambda: server.connections and server.connections[0].scripted.is_set())
                     await anyio.sleep(0.02)  # a turn of the client's loop after the server's last bytes
                 try:
-                    response = await client.post(server.url, content=case.body)
+                    response = await client.post(f"{server.url}/score", content=case.body)
                 except httpx.HTTPError as exc:
                     outcomes.append(f"error: {category(exc)}")
                     headers.append(None)

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from asserts import check_error
 from conftest import SleepRecorder, add_endpoint_env, item
-from httpserver import Request, Response, TestServer, json_handler
+from servers import Request, Response, Server, json_handler
 
 import engine
 from engine import EngineConfig, Limits, VerificationError
@@ -32,10 +32,10 @@ def scripted(*responses: Response) -> Any:
 @pytest.fixture
 def serve(envs: Path) -> Iterator[Any]:
     """``serve(handler)`` starts a server and an environment ``remote`` pointing at it; returns the server."""
-    servers: list[TestServer] = []
+    servers: list[Server] = []
 
-    def start(handler: Any, path: str = "/score") -> TestServer:
-        server = TestServer(handler).__enter__()
+    def start(handler: Any, path: str = "/score") -> Server:
+        server = Server(handler).__enter__()
         servers.append(server)
         add_endpoint_env(envs, "remote", server.url + path)
         return server
@@ -53,12 +53,7 @@ async def fails(config: EngineConfig, items: list[dict[str, Any]], sleep: SleepR
     return info.value
 
 
-def check(err: VerificationError, url: str, *, index: int, item_id: Any, reason: str) -> None:
-    assert (err.kind, err.ref, err.environment, err.index, err.item_id) == ("endpoint", url, "remote", index, item_id)
-    assert reason in err.reason, err.reason
-    message = str(err)
-    assert message.startswith(f"endpoint verifier {url!r} (environment 'remote') failed on item {index}"), message
-    assert reason in message
+check = partial(check_error, kind="endpoint", environment="remote")
 
 
 async def test_posts_task_and_trajectory_and_reads_the_reward(serve: Any, config: EngineConfig) -> None:
@@ -76,7 +71,7 @@ async def test_posts_task_and_trajectory_and_reads_the_reward(serve: Any, config
 
 
 async def test_connection_refused_is_retried_then_named(envs: Path, sleeps: SleepRecorder) -> None:
-    with TestServer(json_handler(lambda request: {"reward": 1.0})) as gone:
+    with Server.json(lambda request: {"reward": 1.0}) as gone:
         url = gone.url + "/score"
     add_endpoint_env(envs, "remote", url)  # nothing listens there any more
     config = EngineConfig(environments=envs, refs={url: Limits(max_attempts=3)})
@@ -210,58 +205,17 @@ async def test_item_json_cannot_carry_is_named(serve: Any, config: EngineConfig,
     assert server.requests == []
 
 
-class DripServer:
-    """A real HTTP server on 127.0.0.1 for one connection: a 200 whose body trickles in a byte at a time.
-
-    ``TestServer`` writes each response at once; this one shows whether a call's timeout bounds the
-    whole call or only each wait for the next bytes.
-    """
-
-    def __init__(self, body: bytes, interval: float) -> None:
-        self.body, self.interval = body, interval
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/score"
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-
-    def __enter__(self) -> DripServer:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.listener.close()
-        self.thread.join(5)
-
-    def _serve(self) -> None:
-        self.listener.settimeout(5)
-        try:
-            conn, _ = self.listener.accept()
-        except OSError:
-            return
-        with conn:
-            head = b""
-            while b"\r\n\r\n" not in head and len(head) < 65536:
-                chunk = conn.recv(4096)
-                if not chunk:
-                    return
-                head += chunk
-            try:
-                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n")
-                conn.sendall(b"content-length: %d\r\n\r\n" % len(self.body))
-                for byte in self.body:
-                    if self.stop.wait(self.interval):
-                        return
-                    conn.sendall(bytes([byte]))
-            except OSError:  # the client hung up
-                return
+async def drip(request: Request) -> Response:
+    """A 200 whose 30 bytes of body trickle in a byte every 40 ms (1.2 s in all)."""
+    return Response(200, b'{"reward": 1.0}' + b" " * 15, {"content-type": "application/json"}, piece=1, trickle=0.04)
 
 
 async def test_timeout_bounds_the_whole_call(envs: Path, sleeps: SleepRecorder) -> None:
     """The timeout is per call, not per read: a server trickling bytes cannot stretch a call."""
-    with DripServer(b'{"reward": 1.0}' + b" " * 15, interval=0.04) as server:  # 30 bytes over 1.2 s
-        add_endpoint_env(envs, "remote", server.url)
-        config = EngineConfig(environments=envs, refs={server.url: Limits(timeout=0.3)})
+    with Server(drip) as server:
+        url = f"{server.url}/score"
+        add_endpoint_env(envs, "remote", url)
+        config = EngineConfig(environments=envs, refs={url: Limits(timeout=0.3)})
         async with engine.Engine(config, sleep=sleeps) as eng:
             with pytest.raises(VerificationError, match="timed out"):  # a timeout per read would never fire
                 await eng.score([item("remote")])

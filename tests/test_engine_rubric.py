@@ -1,6 +1,6 @@
 """Rubric verifiers through the engine's public API, against a real OpenAI-compatible judge on 127.0.0.1.
 
-The judge server (``tests/judgeserver.py``) grades each request by what it reads in it: the score is
+The judge server (``Server.judge`` in ``tests/servers.py``) grades each request by what it reads in it: the score is
 the item's response text (a number), so rewards are checked item by item whatever order the requests
 arrive in, and a few marker responses (``BROKEN``) ask for a broken reply. Every reply carries a
 ``usage`` derived from the score, so a batch's token count can be computed from its items.
@@ -17,8 +17,7 @@ from typing import Any
 import anyio
 import pytest
 from conftest import SleepRecorder, add_rubric_env, import_count, item
-from httpserver import Request, Response
-from judgeserver import JudgeServer, assert_rate_held, completion, judge_servers, score, status
+from servers import Request, Response, Server, assert_rate_held, completion, judges, score, status
 
 from engine import (
     BatchResult,
@@ -26,11 +25,11 @@ from engine import (
     ConfigError,
     Engine,
     EngineConfig,
+    JudgeConfig,
     Limits,
     VerificationError,
     digest_directory,
 )
-from engine._config import JudgeConfig
 
 RUBRICS = Path(__file__).parent / "rubrics"
 ARITH = "alice/arithmetic-correctness"  # version 1 on [0, 1], version 2 (latest) on [0, 10]
@@ -82,7 +81,7 @@ def by_response(request: Request) -> Response:
     return score(value, usage=usage_for(value))
 
 
-def graded(server: JudgeServer) -> dict[str, list[str]]:
+def graded(server: Server) -> dict[str, list[str]]:
     """Response text -> the rubric texts the judge received for it, one per request."""
     seen: dict[str, list[str]] = {}
     for request in server.requests:
@@ -96,7 +95,7 @@ def graded(server: JudgeServer) -> dict[str, list[str]]:
 @pytest.fixture
 def serve() -> Iterator[Any]:
     """``serve(*script, default=...)`` starts a judge server, stopped when the test ends."""
-    with judge_servers(default=by_response) as start:
+    with judges(default=by_response) as start:
         yield start
 
 
@@ -341,7 +340,7 @@ async def test_no_judge_configured_aborts_a_batch_with_rubric_items(envs: Path, 
 
 
 async def test_judge_down_aborts_the_batch(envs: Path, rubrics: Path, sleeps: SleepRecorder) -> None:
-    with JudgeServer() as gone:
+    with Server.judge() as gone:
         base_url = gone.base_url  # a port that was just listening and now refuses connections
     add_rubric_env(envs, "latest", ARITH)
     config = engine_config(envs, rubrics, judge_config(base_url, max_attempts=2))
@@ -366,7 +365,7 @@ async def test_a_judge_outage_mid_batch_beyond_the_retry_budget_aborts_it(
 ) -> None:
     healthy = 3  # requests answered before the outage
     answered = 0
-    server: JudgeServer
+    server: Server
 
     def then_an_outage(request: Request) -> Response:
         nonlocal answered
@@ -376,8 +375,7 @@ async def test_a_judge_outage_mid_batch_beyond_the_retry_budget_aborts_it(
             if outage == "refused" and answered == healthy:
                 # Stop listening, and have the client drop its kept-alive connection after this
                 # reply: from here on every connection attempt is refused.
-                assert server._server is not None
-                server._server.close()
+                server.stop_listening()
                 reply.headers["connection"] = "close"
             return reply
         if outage == "500":
@@ -469,7 +467,7 @@ max_concurrency = 2
     return path
 
 
-def check_requests(server: JudgeServer, answers: list[str]) -> None:
+def check_requests(server: Server, answers: list[str]) -> None:
     assert sorted(response_of(r) for r in server.requests) == sorted(answers)
     for request in server.requests:
         assert request.headers["authorization"] == "Bearer sk-from-the-environment"

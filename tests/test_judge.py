@@ -11,20 +11,18 @@ import anyio
 import httpx
 import pytest
 from conftest import SleepRecorder
-from httpserver import Response
-from judgeserver import JudgeServer, assert_rate_held, completion, hold_until, judge_servers, score, status
+from polling import eventually
+from servers import Response, Server, assert_rate_held, completion, held, judges, score, status
 
+from engine import ConfigError, JudgeConfig, VerificationError, flatten
 from engine._config import (
     DEFAULT_JUDGE_MAX_CONCURRENCY,
     DEFAULT_JUDGE_MAX_TOKENS,
     DEFAULT_JUDGE_TEMPERATURE,
     DEFAULT_JUDGE_TIMEOUT,
-    JudgeConfig,
 )
-from engine._errors import ConfigError, VerificationError
 from engine._http.retry import TransientStatus
 from engine._verifiers.rubric.judge import Judge, RubricVerifier, Usage
-from engine._verifiers.rubric.prompt import flatten
 from engine._verifiers.rubric.registry import Rubric, RubricRegistry
 
 RUBRICS = Path(__file__).parent / "rubrics"
@@ -37,13 +35,13 @@ TRAJECTORY = [
 ]
 KEY_VAR = "ENGINE_TEST_JUDGE_KEY"
 
-Serve = Callable[..., JudgeServer]
+Serve = Callable[..., Server]
 
 
 @pytest.fixture
 def serve() -> Iterator[Serve]:
     """``serve(*script, default=...)`` starts a judge server, stopped when the test ends."""
-    with judge_servers() as start:
+    with judges() as start:
         yield start
 
 
@@ -59,7 +57,7 @@ def registry() -> RubricRegistry:
 
 
 def make_judge(
-    server: JudgeServer, client: httpx.AsyncClient, sleeps: SleepRecorder | None = None, **config: Any
+    server: Server, client: httpx.AsyncClient, sleeps: SleepRecorder | None = None, **config: Any
 ) -> Judge:
     settings = JudgeConfig(base_url=server.base_url, model="judge-test", **config)
     return Judge(settings, client, sleep=sleeps if sleeps is not None else SleepRecorder())
@@ -397,7 +395,7 @@ async def test_a_retry_after_past_the_deadline_is_not_waited_for(
 
 
 async def test_judge_down(client: httpx.AsyncClient, registry: RubricRegistry, sleeps: SleepRecorder) -> None:
-    with JudgeServer() as gone:
+    with Server.judge() as gone:
         base_url = gone.base_url  # a port that was just listening and now refuses connections
     judge = Judge(JudgeConfig(base_url=base_url, model="m", max_attempts=2), client, sleep=sleeps)
     err = await failure(judge, registry.resolve(ARITH))
@@ -409,11 +407,11 @@ async def test_judge_down(client: httpx.AsyncClient, registry: RubricRegistry, s
 async def test_a_slow_judge_times_out_without_a_retry(
     serve: Serve, client: httpx.AsyncClient, registry: RubricRegistry, sleeps: SleepRecorder
 ) -> None:
-    server = serve(default=hold_until(lambda: False, score(1)))
+    server = serve(default=held(lambda: False, score(1)))
     err = await failure(make_judge(server, client, sleeps, timeout=0.2), registry.resolve(ARITH))
     assert "timed out waiting for the response" in err.reason, err.reason
     assert len(server.requests) == 1 and sleeps.calls == []
-    assert server.wait_until(lambda s: s.open_connections == 0)  # the request was abandoned
+    await eventually(lambda: server.open_connections == 0)  # the request was abandoned
 
 
 # --- limits --------------------------------------------------------------------------------------
@@ -426,7 +424,7 @@ async def test_the_concurrency_limit_holds_over_all_rubrics(
     server = serve()
     # Every request waits until `limit` are in flight (or all have arrived, for the tail): a judge
     # that let more through would show it in max_in_flight.
-    server.default = hold_until(lambda: server.in_flight >= limit or len(server.requests) == count, score(1))
+    server.handler.default = held(lambda: server.in_flight >= limit or len(server.requests) == count, score(1))
     judge = make_judge(server, client, max_concurrency=limit)
     verifiers = [RubricVerifier(registry.resolve(ref), judge) for ref in (f"{ARITH}@1", "bob/helpfulness")]
     results: list[float] = []

@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 import pytest
 from conftest import add_endpoint_env, import_count, item
-from httpserver import TestServer, json_handler
+from servers import Server
 from special_files import SPECIAL_KINDS, make_special
 
 import engine
@@ -172,8 +172,8 @@ async def test_a_fifo_manifest_in_a_batch_raises_at_once(envs: Path) -> None:
 # --- batch items: misuse of the API is TypeError/ValueError, raised before anything is scored ---
 
 
-def no_request_handler_server() -> TestServer:
-    return TestServer(json_handler(lambda request: {"reward": 1.0}))
+def no_request_handler_server() -> Server:
+    return Server.json(lambda request: {"reward": 1.0})
 
 
 @pytest.mark.parametrize(

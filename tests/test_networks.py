@@ -1,6 +1,6 @@
 """How the engine reaches its servers: URLs with credentials, private CAs over real TLS, proxies from the environment.
 
-Every server is real and on 127.0.0.1: endpoints and judges (``tests/httpserver.py``), a TLS server
+Every server is real and on 127.0.0.1: endpoints and judges (``tests/servers.py``), a TLS server
 with a certificate signed by a test CA (made with ``trustme``), and a minimal HTTP forward proxy that
 counts what it forwards.
 """
@@ -11,10 +11,8 @@ import asyncio
 import json
 import logging
 import re
-import ssl
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Self
 
 import httpx
 import orjson
@@ -22,12 +20,10 @@ import pytest
 import trustme
 from cli_support import make_workspace, row, write_rows
 from conftest import SleepRecorder, add_endpoint_env, add_rubric_env, item
-from httpserver import Request, Response, TestServer, json_handler
-from judgeserver import JudgeServer
+from servers import Request, Response, Server
 
 import engine
-from engine import ConfigError, EngineConfig, Limits, VerificationError, load_config
-from engine._config import JudgeConfig
+from engine import ConfigError, EngineConfig, JudgeConfig, Limits, VerificationError, load_config
 from engine._http.network import Proxies, ssl_context
 from engine._reasons import Scrubber
 from engine._verifiers.endpoint.verifier import EndpointVerifier
@@ -56,7 +52,7 @@ def all_logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
 async def test_an_endpoint_url_with_credentials_is_refused_and_never_shown(
     envs: Path, all_logs: pytest.LogCaptureFixture
 ) -> None:
-    with TestServer(json_handler(lambda request: {"reward": 1.0})) as server:
+    with Server.json(lambda request: {"reward": 1.0}) as server:
         plain = f"{server.url}/score"
         add_endpoint_env(envs, "secret", plain.replace("://", f"://alice:{SECRET}@"))
         async with engine.Engine(EngineConfig(environments=envs)) as eng:
@@ -71,7 +67,7 @@ async def test_an_endpoint_url_with_credentials_is_refused_and_never_shown(
 
 
 def test_the_command_line_refuses_it_and_writes_no_reward(tmp_path: Path) -> None:
-    with TestServer(json_handler(lambda request: {"reward": 1.0})) as server:
+    with Server.json(lambda request: {"reward": 1.0}) as server:
         space = make_workspace(tmp_path)
         add_endpoint_env(space.envs, "secret", f"{server.url}/score".replace("://", f"://alice:{SECRET}@"))
         out = space.root / "out.jsonl"
@@ -99,7 +95,7 @@ def test_a_judge_base_url_with_credentials_is_refused_without_echoing_it(tmp_pat
 
 def test_a_judge_config_built_in_code_refuses_credentials_too(all_logs: pytest.LogCaptureFixture) -> None:
     """httpx would have sent them, and logged the URL, password and all, at INFO with every request."""
-    with JudgeServer() as judge:
+    with Server.judge() as judge:
         base_url = judge.base_url.replace("://", f"://alice:{SECRET}@")
         with pytest.raises(ConfigError) as info:
             JudgeConfig(base_url=base_url, model="m")
@@ -114,7 +110,7 @@ async def test_the_judge_sends_basic_auth_from_a_header_variable_and_never_shows
     add_rubric_env(envs, "graded", f"{ARITH}@1")
     monkeypatch.delenv("ENGINE_TEST_JUDGE_AUTH", raising=False)
     echo = Response.json({"error": {"message": f"bad credentials {SECRET}"}}, 403)
-    with JudgeServer(echo) as judge:
+    with Server.judge(echo) as judge:
         headers = {"Authorization": "Basic ${ENGINE_TEST_JUDGE_AUTH}"}
         config = EngineConfig(
             environments=envs, rubrics=RUBRICS, judge=JudgeConfig(base_url=judge.base_url, model="m", headers=headers)
@@ -174,7 +170,7 @@ async def test_an_endpoint_echoing_a_header_secret_json_escaped_never_shows_it(
         return Response(401, encode({"error": f"bad token {request.headers['authorization']}"}))
 
     monkeypatch.setenv("ENGINE_TEST_TOKEN", ESCAPED_KEY)
-    with TestServer(echoing) as server:
+    with Server(echoing) as server:
         url = f"{server.url}/score"
         add_endpoint_env(envs, "remote", url)
         limits = Limits(headers={"Authorization": "Bearer ${ENGINE_TEST_TOKEN}"})
@@ -203,7 +199,7 @@ async def test_a_judge_echoing_its_api_key_json_escaped_never_shows_it(
 
     add_rubric_env(envs, "graded", f"{ARITH}@1")
     monkeypatch.setenv("ENGINE_TEST_JUDGE_KEY", ESCAPED_KEY)
-    with JudgeServer(echoing) as judge:
+    with Server.judge(echoing) as judge:
         judge_config = JudgeConfig(base_url=judge.base_url, model="m", api_key_env="ENGINE_TEST_JUDGE_KEY")
         config = EngineConfig(environments=envs, rubrics=RUBRICS, judge=judge_config)
         async with engine.Engine(config) as eng:
@@ -259,7 +255,7 @@ async def test_an_endpoint_url_with_an_ambiguous_password_is_refused_at_load_wit
     envs: Path, all_logs: pytest.LogCaptureFixture, userinfo: str
 ) -> None:
     """A ManifestError when the manifest is read, not a raw httpx.InvalidURL from the first call."""
-    with TestServer(json_handler(lambda request: {"reward": 1.0})) as server:
+    with Server.json(lambda request: {"reward": 1.0}) as server:
         add_endpoint_env(envs, "secret", f"{server.url}/score".replace("://", f"://{userinfo}@"))
         async with engine.Engine(EngineConfig(environments=envs)) as eng:
             with pytest.raises(ConfigError) as info:
@@ -317,33 +313,6 @@ def test_a_refs_key_with_an_ambiguous_password_is_refused_without_showing_it(tmp
 # --- TLS: failing verification, and a private CA added to the default trust ---------------------------
 
 
-class _TLS:
-    """A test server speaking HTTPS with a leaf certificate's key and chain (``serve_with``, before it starts)."""
-
-    context: ssl.SSLContext
-    port: int
-
-    def serve_with(self, leaf: trustme.LeafCert) -> Self:
-        self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        leaf.configure_cert(self.context)
-        return self
-
-    async def _start(self) -> asyncio.Server:
-        return await asyncio.start_server(self._connection, "127.0.0.1", 0, ssl=self.context)  # type: ignore[attr-defined]
-
-    @property
-    def url(self) -> str:
-        return f"https://127.0.0.1:{self.port}"
-
-
-class TLSServer(_TLS, TestServer):
-    pass
-
-
-class TLSJudgeServer(_TLS, JudgeServer):
-    pass
-
-
 @pytest.fixture
 def private_ca(tmp_path: Path) -> tuple[trustme.CA, Path]:
     """A CA no default trust store knows, and its certificate written as a PEM file."""
@@ -354,14 +323,13 @@ def private_ca(tmp_path: Path) -> tuple[trustme.CA, Path]:
 
 
 @pytest.fixture
-def tls_endpoint(private_ca: tuple[trustme.CA, Path]) -> Iterator[TLSServer]:
-    server = TLSServer(json_handler(lambda request: {"reward": 0.75}))
-    with server.serve_with(private_ca[0].issue_cert("127.0.0.1")):
+def tls_endpoint(private_ca: tuple[trustme.CA, Path]) -> Iterator[Server]:
+    with Server.json(lambda request: {"reward": 0.75}, tls=private_ca[0].issue_cert("127.0.0.1")) as server:
         yield server
 
 
 async def test_an_untrusted_certificate_fails_at_once_saying_why(
-    envs: Path, tls_endpoint: TLSServer, sleeps: SleepRecorder
+    envs: Path, tls_endpoint: Server, sleeps: SleepRecorder
 ) -> None:
     add_endpoint_env(envs, "private", f"{tls_endpoint.url}/score")
     async with engine.Engine(EngineConfig(environments=envs), sleep=sleeps) as eng:
@@ -375,7 +343,7 @@ async def test_an_untrusted_certificate_fails_at_once_saying_why(
 
 
 async def test_ca_bundle_trusts_a_private_ca_for_endpoints(
-    envs: Path, tls_endpoint: TLSServer, private_ca: tuple[trustme.CA, Path]
+    envs: Path, tls_endpoint: Server, private_ca: tuple[trustme.CA, Path]
 ) -> None:
     add_endpoint_env(envs, "private", f"{tls_endpoint.url}/score")
     async with engine.Engine(EngineConfig(environments=envs, ca_bundle=private_ca[1])) as eng:
@@ -387,7 +355,7 @@ async def test_ca_bundle_trusts_a_private_ca_for_the_judge(
     envs: Path, private_ca: tuple[trustme.CA, Path], sleeps: SleepRecorder
 ) -> None:
     add_rubric_env(envs, "graded", f"{ARITH}@1")
-    with TLSJudgeServer().serve_with(private_ca[0].issue_cert("127.0.0.1")) as judge:
+    with Server.judge(tls=private_ca[0].issue_cert("127.0.0.1")) as judge:
         judged = JudgeConfig(base_url=judge.base_url, model="m")
         untrusted = EngineConfig(environments=envs, rubrics=RUBRICS, judge=judged)
         async with engine.Engine(untrusted, sleep=sleeps) as eng:
@@ -413,10 +381,12 @@ async def test_ca_bundle_is_added_to_the_default_trust_not_put_in_its_place(
     public_pem = tmp_path / "public-ca.pem"
     public_ca.cert_pem.write_to_path(str(public_pem))
     monkeypatch.setenv("SSL_CERT_FILE", str(public_pem))
-    reward = json_handler(lambda request: {"reward": 0.5})
+    def reward(request: Request) -> dict[str, float]:
+        return {"reward": 0.5}
+
     with (
-        TLSServer(reward).serve_with(public_ca.issue_cert("127.0.0.1")) as public,
-        TLSServer(reward).serve_with(private_ca[0].issue_cert("127.0.0.1")) as private,
+        Server.json(reward, tls=public_ca.issue_cert("127.0.0.1")) as public,
+        Server.json(reward, tls=private_ca[0].issue_cert("127.0.0.1")) as private,
     ):
         add_endpoint_env(envs, "public", f"{public.url}/score")
         add_endpoint_env(envs, "private", f"{private.url}/score")
@@ -464,41 +434,36 @@ def test_a_bad_ca_bundle_is_a_config_error_naming_the_key(
 
 # --- proxies from the environment -----------------------------------------------------------------
 
-class ForwardProxy(TestServer):
+async def forward(request: Request) -> Response:
     """A plain HTTP forward proxy: takes ``POST http://host:port/path`` (absolute form) and forwards it.
 
-    ``requests`` holds what it forwarded, each with its absolute URL as ``path``.
+    Its server's ``requests`` hold what it forwarded, each with its absolute URL as ``path``.
     """
-
-    def __init__(self) -> None:
-        super().__init__(self._forward)
-
-    async def _forward(self, request: Request) -> Response:
-        assert request.path.startswith("http://"), request.path  # a proxy is sent the absolute form
-        headers = {k: v for k, v in request.headers.items() if k not in ("host", "proxy-authorization", "connection")}
-        async with httpx.AsyncClient(trust_env=False) as client:
-            answer = await client.request(request.method, request.path, content=request.body, headers=headers)
-        chunked = answer.headers.get("transfer-encoding") == "chunked"  # passed on as it came: no length
-        headers = {"content-type": answer.headers.get("content-type", "")}
-        return Response(answer.status_code, answer.content, headers, chunked=chunked, piece=512)
+    assert request.path.startswith("http://"), request.path  # a proxy is sent the absolute form
+    headers = {k: v for k, v in request.headers.items() if k not in ("host", "proxy-authorization", "connection")}
+    async with httpx.AsyncClient(trust_env=False) as client:
+        answer = await client.request(request.method, request.path, content=request.body, headers=headers)
+    chunked = answer.headers.get("transfer-encoding") == "chunked"  # passed on as it came: no length
+    headers = {"content-type": answer.headers.get("content-type", "")}
+    return Response(answer.status_code, answer.content, headers, chunked=chunked, piece=512)
 
 
 @pytest.fixture
-def proxy() -> Iterator[ForwardProxy]:
-    with ForwardProxy() as server:
+def proxy() -> Iterator[Server]:
+    with Server(forward) as server:
         yield server
 
 
 @pytest.fixture
-def target(envs: Path) -> Iterator[TestServer]:
+def target(envs: Path) -> Iterator[Server]:
     """An endpoint (environment ``remote``) answering each item's task's ``r`` as its reward."""
-    with TestServer(json_handler(lambda request: {"reward": request.json()["task"]["r"]})) as server:
+    with Server.json(lambda request: {"reward": request.json()["task"]["r"]}) as server:
         add_endpoint_env(envs, "remote", f"{server.url}/score")
         yield server
 
 
 async def test_an_endpoint_goes_through_the_proxy_the_environment_names(
-    envs: Path, proxy: ForwardProxy, target: TestServer, no_proxies: pytest.MonkeyPatch,
+    envs: Path, proxy: Server, target: Server, no_proxies: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO, logger="engine")
@@ -516,7 +481,7 @@ async def test_an_endpoint_goes_through_the_proxy_the_environment_names(
 
 @pytest.mark.parametrize("no_proxy", ["127.0.0.1", "localhost,127.0.0.1", "*", "example.com, 127.0.0.1"])
 async def test_an_endpoint_no_proxy_covers_is_called_directly(
-    envs: Path, proxy: ForwardProxy, target: TestServer, no_proxies: pytest.MonkeyPatch, no_proxy: str
+    envs: Path, proxy: Server, target: Server, no_proxies: pytest.MonkeyPatch, no_proxy: str
 ) -> None:
     no_proxies.setenv("HTTP_PROXY", proxy.url)
     no_proxies.setenv("no_proxy", no_proxy)
@@ -526,7 +491,7 @@ async def test_an_endpoint_no_proxy_covers_is_called_directly(
 
 
 async def test_all_proxy_is_used_and_https_proxy_is_not_for_http(
-    envs: Path, proxy: ForwardProxy, target: TestServer, no_proxies: pytest.MonkeyPatch
+    envs: Path, proxy: Server, target: Server, no_proxies: pytest.MonkeyPatch
 ) -> None:
     no_proxies.setenv("HTTPS_PROXY", "http://127.0.0.1:9")  # for https:// URLs only: never used here
     no_proxies.setenv("all_proxy", proxy.url)
@@ -536,7 +501,7 @@ async def test_all_proxy_is_used_and_https_proxy_is_not_for_http(
 
 
 async def test_a_proxied_call_keeps_max_body_and_the_whole_call_timeout(
-    envs: Path, proxy: ForwardProxy, no_proxies: pytest.MonkeyPatch, sleeps: SleepRecorder
+    envs: Path, proxy: Server, no_proxies: pytest.MonkeyPatch, sleeps: SleepRecorder
 ) -> None:
     async def big_or_never(request: Request) -> Response:
         task = request.json()["task"]
@@ -547,7 +512,7 @@ async def test_a_proxied_call_keeps_max_body_and_the_whole_call_timeout(
         return big
 
     no_proxies.setenv("HTTP_PROXY", proxy.url)
-    with TestServer(big_or_never) as server:
+    with Server(big_or_never) as server:
         url = f"{server.url}/score"
         add_endpoint_env(envs, "remote", url)
         config = EngineConfig(environments=envs, refs={url: Limits(max_body=1024, timeout=0.5)})
@@ -565,11 +530,11 @@ async def test_a_proxied_call_keeps_max_body_and_the_whole_call_timeout(
 
 
 async def test_the_judge_goes_through_the_proxy_unless_no_proxy_covers_it(
-    envs: Path, proxy: ForwardProxy, no_proxies: pytest.MonkeyPatch
+    envs: Path, proxy: Server, no_proxies: pytest.MonkeyPatch
 ) -> None:
     add_rubric_env(envs, "graded", f"{ARITH}@1")
     no_proxies.setenv("HTTP_PROXY", proxy.url)
-    with JudgeServer() as judge:
+    with Server.judge() as judge:
         config = EngineConfig(environments=envs, rubrics=RUBRICS, judge=JudgeConfig(base_url=judge.base_url, model="m"))
         async with engine.Engine(config) as eng:
             assert await eng.score([item("graded", "42", prompt="6 * 7?")]) == [1.0]
@@ -611,7 +576,7 @@ async def test_a_proxy_url_with_an_ambiguous_password_is_a_config_error_that_nev
 
 @pytest.mark.parametrize("no_proxy", ["[::1]", "host:notaport", "[::1]:x"])
 async def test_no_proxy_is_not_read_when_no_proxy_is_set(
-    envs: Path, target: TestServer, no_proxies: pytest.MonkeyPatch, no_proxy: str
+    envs: Path, target: Server, no_proxies: pytest.MonkeyPatch, no_proxy: str
 ) -> None:
     """It changes nothing then, so an entry httpx cannot read does not stop the engine from opening."""
     no_proxies.setenv("NO_PROXY", no_proxy)

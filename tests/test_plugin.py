@@ -8,12 +8,14 @@ import math
 import struct
 import sys
 import traceback
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import anyio
 import orjson
 import pytest
+from asserts import check_error
 from conftest import add_env, import_count, item, process_twin
 from polling import eventually
 from special_files import SPECIAL_KINDS, make_special
@@ -33,13 +35,7 @@ async def fails(config: EngineConfig, items: list[dict[str, Any]]) -> Verificati
     return info.value
 
 
-def check(err: VerificationError, *, environment: str, ref: str, index: int, item_id: Any, reason: str) -> None:
-    assert (err.kind, err.ref, err.environment, err.index, err.item_id) == ("plugin", ref, environment, index, item_id)
-    assert reason in err.reason, err.reason
-    message = str(err)
-    assert message.startswith(f"plugin verifier {ref!r} (environment {environment!r}) failed on item {index}")
-    assert f"(id {item_id!r})" in message
-    assert reason in message
+check = partial(check_error, kind="plugin")
 
 
 async def test_relative_imports_dotted_module_and_attribute(config: EngineConfig) -> None:

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import RubricError
-from engine._errors import VerificationError
+from engine import RubricError, VerificationError
 from engine._verifiers.rubric.registry import Rubric, RubricRegistry, normalise, parse_rubric
 
 RUBRICS = Path(__file__).parent / "rubrics"

@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import traceback
 from pathlib import Path
 from typing import Any
 
 import anyio
-import anyio.to_thread
 import pytest
 from conftest import add_endpoint_env, item, loaded_module, plugin_module
-from httpserver import Request, Response, TestServer, json_handler
+from polling import eventually
+from servers import Request, Response, Server
 
 import engine
 from engine import EngineConfig, Limits, VerificationError
 
-POLL = 0.005  # seconds between two looks at a condition in a bounded wait
+HOLD = 4.0  # seconds a handler waits for a condition before it answers anyway (and the test's asserts fail)
 
 
 def reward_from_task(request: Request) -> dict[str, Any]:
@@ -25,7 +26,7 @@ def reward_from_task(request: Request) -> dict[str, Any]:
 
 
 async def test_mixed_batch_in_input_order(envs: Path) -> None:
-    with TestServer(json_handler(reward_from_task)) as server:
+    with Server.json(reward_from_task) as server:
         add_endpoint_env(envs, "remote", server.url + "/score")
         config = EngineConfig(environments=envs, allow_unpinned=True)
         items: list[dict[str, Any]] = []
@@ -68,7 +69,7 @@ async def test_per_verifier_limit_for_an_endpoint(envs: Path) -> None:
         await asyncio.sleep(0.02)
         return Response.json({"reward": 0.5})
 
-    with TestServer(slowish) as server:
+    with Server(slowish) as server:
         url = server.url + "/score"
         add_endpoint_env(envs, "remote", url)
         config = EngineConfig(environments=envs, refs={url: Limits(max_concurrency=5)})
@@ -102,7 +103,7 @@ async def test_global_cap_holds_across_verifiers(envs: Path) -> None:
         await asyncio.sleep(0.02)
         return Response.json({"reward": 1.0 if request.path == "/a" else 2.0})
 
-    with TestServer(slowish) as server:
+    with Server(slowish) as server:
         # two URLs are two verifiers, each allowed 64 calls at once; the engine allows 4 in all
         add_endpoint_env(envs, "remote_a", server.url + "/a")
         add_endpoint_env(envs, "remote_b", server.url + "/b")
@@ -121,17 +122,18 @@ async def test_a_verifier_at_its_limit_does_not_hold_back_another(envs: Path) ->
     async def slow(request: Request) -> Response:
         if "spy_calls" not in seen:
             # hold the first request until the fast lane is done: all 20 spy calls made, none running
-            spy = None
-            for _ in range(int(4.0 / POLL)):
+            def fast_lane_done() -> bool:
                 spy = loaded_module(envs, "spy", "spy.py")
-                if spy is not None and spy.calls == 20 and spy.running == 0:
-                    break
-                await asyncio.sleep(POLL)
+                return spy is not None and spy.calls == 20 and spy.running == 0
+
+            with contextlib.suppress(AssertionError):
+                await eventually(fast_lane_done, HOLD)
+            spy = loaded_module(envs, "spy", "spy.py")
             seen["spy_calls"] = spy.calls if spy is not None else 0
             seen["spy_running"] = spy.running if spy is not None else None
         return Response.json({"reward": 0.5})
 
-    with TestServer(slow) as server:
+    with Server(slow) as server:
         url = server.url + "/slow"
         add_endpoint_env(envs, "remote", url)
         config = EngineConfig(environments=envs, allow_unpinned=True, refs={url: Limits(max_concurrency=1)})
@@ -146,21 +148,19 @@ async def test_a_verifier_at_its_limit_does_not_hold_back_another(envs: Path) ->
 
 @pytest.mark.timeout(30)  # the slow requests are held 30 s: an abort that waited for them fails here
 async def test_abort_with_a_hundred_slow_siblings(envs: Path, caplog: pytest.LogCaptureFixture) -> None:
-    holder: dict[str, TestServer] = {}
+    holder: dict[str, Server] = {}
 
     async def handler(request: Request) -> Response:
         server = holder["server"]
         if request.path == "/bad":
             # answer 400 only once the 100 slow requests (and this one) are in flight
-            for _ in range(int(4.0 / POLL)):
-                if server.in_flight >= 101:
-                    break
-                await asyncio.sleep(POLL)
+            with contextlib.suppress(AssertionError):
+                await eventually(lambda: server.in_flight >= 101, HOLD)
             return Response(400, b"this item is malformed")
         await asyncio.sleep(30)
         return Response.json({"reward": 1.0})
 
-    with TestServer(handler) as server:
+    with Server(handler) as server:
         holder["server"] = server
         slow_url, bad_url = server.url + "/slow", server.url + "/bad"
         add_endpoint_env(envs, "slow", slow_url)
@@ -174,9 +174,9 @@ async def test_abort_with_a_hundred_slow_siblings(envs: Path, caplog: pytest.Log
                 with pytest.raises(VerificationError) as info:
                     await eng.score(items)
                 # the 100 held requests were cancelled: their connections are closed
-                assert await anyio.to_thread.run_sync(lambda: server.wait_until(lambda s: s.in_flight == 0))
-                assert await anyio.to_thread.run_sync(lambda: server.wait_until(lambda s: s.closed >= 100))
-        assert await anyio.to_thread.run_sync(lambda: server.wait_until(lambda s: s.open_connections == 0))
+                await eventually(lambda: server.in_flight == 0)
+                await eventually(lambda: server.closed >= 100)
+        await eventually(lambda: server.open_connections == 0)
     err = info.value
     assert type(err) is VerificationError  # alone, never inside an ExceptionGroup
     assert not isinstance(err, BaseExceptionGroup)
@@ -215,8 +215,8 @@ async def test_plugin_failure_stops_an_endpoint_lane_and_queued_items_never_star
         await asyncio.sleep(30)
         return Response.json({"reward": 1.0})
 
-    holder: dict[str, TestServer] = {}
-    with TestServer(hold) as server:
+    holder: dict[str, Server] = {}
+    with Server(hold) as server:
         holder["server"] = server
         url = server.url + "/score"
         add_endpoint_env(envs, "remote", url)
@@ -225,8 +225,8 @@ async def test_plugin_failure_stops_an_endpoint_lane_and_queued_items_never_star
         async with engine.Engine(config) as eng:
             with pytest.raises(VerificationError) as info:
                 await eng.score(items)
-            assert await anyio.to_thread.run_sync(lambda: server.wait_until(lambda s: s.in_flight == 0))
-        assert await anyio.to_thread.run_sync(lambda: server.wait_until(lambda s: s.open_connections == 0))
+            await eventually(lambda: server.in_flight == 0)
+        await eventually(lambda: server.open_connections == 0)
     err = info.value
     assert (err.kind, err.environment, err.index, err.item_id) == ("plugin", "fail_when", 20, "f")
     assert type(err.__cause__).__name__ == "Cue"

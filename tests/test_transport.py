@@ -7,11 +7,8 @@ import contextlib
 import functools
 import json
 import shutil
-import socket
 import ssl
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,32 +18,27 @@ import httpx
 import pytest
 import trustme
 from conftest import add_endpoint_env, add_rubric_env, item
-from httpserver import Request, Response, TestServer, json_handler
-from judgeserver import score
 from polling import eventually
-from rawserver import AwaitData, Close, Hold, RawServer, Read, Send, Sleep, established
+from servers import (
+    AwaitData,
+    Close,
+    Hold,
+    Read,
+    Request,
+    Response,
+    Send,
+    Server,
+    Sleep,
+    established,
+    json_handler,
+    score,
+)
 
 import engine
-from engine._config import JudgeConfig
+from engine import JudgeConfig
 from engine._http.transport import PoolTransport
 
 pytestmark = pytest.mark.timeout(10)
-
-RawHandler = Callable[[anyio.abc.SocketStream], Awaitable[None]]
-
-
-@asynccontextmanager
-async def raw_server(handler: RawHandler) -> AsyncIterator[str]:
-    """A TCP server on 127.0.0.1 whose handler writes whatever bytes a test needs; yields its URL."""
-    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
-    port = listener.extra(anyio.abc.SocketAttribute.local_port)
-    async with listener, anyio.create_task_group() as tg:
-        tg.start_soon(listener.serve, handler)
-        try:
-            yield f"http://127.0.0.1:{port}/"
-        finally:
-            tg.cancel_scope.cancel()
-
 
 async def never(request: Request) -> Response:
     """A handler that holds its request (the client gives up first)."""
@@ -54,36 +46,15 @@ async def never(request: Request) -> Response:
     return Response()
 
 
-async def read_request(stream: anyio.abc.SocketStream) -> bytes:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += await stream.receive()
-    head, _, body = data.partition(b"\r\n\r\n")
-    lengths = [int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")]
-    length = lengths[0] if lengths else 0
-    while len(body) < length:
-        body += await stream.receive()
-    return head
-
-
 async def answered_with(data: bytes) -> httpx.Response:
     """A POST through a ``PoolTransport`` to a server that reads it, sends back ``data`` and closes."""
-
-    async def handler(stream: anyio.abc.SocketStream) -> None:
-        async with stream:
-            await read_request(stream)
-            await stream.send(data)
-
-    async with raw_server(handler) as url, httpx.AsyncClient(transport=PoolTransport()) as client:
-        try:
-            return await client.post(url, content=b"{}")
-        except httpx.TransportError as exc:  # raised out here, not wrapped by the server's task group
-            failure = exc
-    raise failure
+    with Server.raw([[Read(), Send(data), Close()]]) as server:
+        async with httpx.AsyncClient(transport=PoolTransport()) as client:
+            return await client.post(f"{server.url}/", content=b"{}")
 
 
 async def test_posts_and_reuses_one_connection() -> None:
-    with TestServer(json_handler(lambda r: {"echo": r.json(), "path": r.path})) as server:
+    with Server.json(lambda r: {"echo": r.json(), "path": r.path}) as server:
         async with httpx.AsyncClient(transport=PoolTransport(4)) as client:
             for n in range(5):
                 response = await client.post(f"{server.url}/score?x=1", json={"n": n})
@@ -97,11 +68,10 @@ async def test_pool_limit_bounds_connections_per_origin() -> None:
     release = threading.Event()
 
     async def hold(request: Request) -> Response:
-        while not release.is_set():  # the server runs on its own loop and thread: poll the flag
-            await asyncio.sleep(0.005)
+        await eventually(release.is_set)  # the server runs on its own loop and thread: poll the flag
         return Response.json({"ok": True})
 
-    with TestServer(hold) as server:
+    with Server(hold) as server:
         async with httpx.AsyncClient(transport=PoolTransport(3)) as client, anyio.create_task_group() as tg:
             for _ in range(10):
                 tg.start_soon(functools.partial(client.post, server.url, content=b"{}"))
@@ -137,7 +107,7 @@ async def test_malformed_response_is_a_protocol_error() -> None:
 
 
 async def test_refused_connection_is_a_connect_error() -> None:
-    with TestServer(json_handler(lambda r: {})) as server:
+    with Server.json(lambda r: {}) as server:
         url = server.url
     async with httpx.AsyncClient(transport=PoolTransport()) as client:
         with pytest.raises(httpx.ConnectError):
@@ -145,7 +115,7 @@ async def test_refused_connection_is_a_connect_error() -> None:
 
 
 async def test_read_timeout_closes_the_connection() -> None:
-    with TestServer(never) as server:
+    with Server(never) as server:
         async with httpx.AsyncClient(transport=PoolTransport(), timeout=httpx.Timeout(5, read=0.2)) as client:
             with pytest.raises(httpx.ReadTimeout):
                 await client.post(server.url, content=b"{}")
@@ -153,7 +123,7 @@ async def test_read_timeout_closes_the_connection() -> None:
 
 
 async def test_cancelled_request_closes_its_connection_and_frees_its_slot() -> None:
-    with TestServer(never) as server:
+    with Server(never) as server:
         async with httpx.AsyncClient(transport=PoolTransport(1)) as client:
             with anyio.move_on_after(0.2):
                 await client.post(server.url, content=b"{}")
@@ -162,7 +132,7 @@ async def test_cancelled_request_closes_its_connection_and_frees_its_slot() -> N
             assert (await client.post(server.url, content=b"{}")).json() == {"again": True}
 
 
-async def cut_short(client: httpx.AsyncClient, server: TestServer, count: int) -> None:
+async def cut_short(client: httpx.AsyncClient, server: Server, count: int) -> None:
     """Start ``count`` requests the server holds, and cancel them once it holds them all."""
     async with anyio.create_task_group() as tg:
         for _ in range(count):
@@ -172,7 +142,7 @@ async def cut_short(client: httpx.AsyncClient, server: TestServer, count: int) -
 
 
 async def test_connections_of_cancelled_requests_close_once_their_block_is_left() -> None:
-    with TestServer(never) as server:
+    with Server(never) as server:
         transport = PoolTransport(2)
         async with httpx.AsyncClient(transport=transport) as client:
             with transport.closes_deferred():  # another batch, still running: it holds nothing up
@@ -192,11 +162,11 @@ async def test_a_request_woken_for_a_connection_and_then_cancelled_hands_it_on()
     release = threading.Event()
 
     async def first_held(request: Request) -> Response:
-        while request.body == b"first" and not release.is_set():
-            await asyncio.sleep(0.005)
+        if request.body == b"first":
+            await eventually(release.is_set)
         return Response.json({"ok": request.body.decode()})
 
-    with TestServer(first_held) as server:
+    with Server(first_held) as server:
         async with httpx.AsyncClient(transport=PoolTransport(1), timeout=httpx.Timeout(30)) as client:
 
             async def first_then_cancel_the_waiter() -> None:
@@ -215,7 +185,7 @@ async def test_a_request_woken_for_a_connection_and_then_cancelled_hands_it_on()
             assert response.json() == {"ok": "second"}
             assert woken.cancelled()  # (so this did test a woken waiter that gave up)
 async def test_connections_held_for_closing_count_against_the_limit_and_close_with_the_transport() -> None:
-    with TestServer(never) as server:
+    with Server(never) as server:
         transport = PoolTransport(1)
         async with httpx.AsyncClient(transport=transport) as client:
             with transport.closes_deferred():
@@ -231,7 +201,7 @@ async def test_not_reused_after_connection_close() -> None:
     async def close_each(request: Request) -> Response:
         return Response.json({"n": len(request.body)}, headers={"connection": "close"})
 
-    with TestServer(close_each) as server:
+    with Server(close_each) as server:
         async with httpx.AsyncClient(transport=PoolTransport()) as client:
             for _ in range(3):
                 assert (await client.post(server.url, content=b"{}")).json() == {"n": 2}
@@ -244,7 +214,7 @@ async def test_unsupported_scheme() -> None:
             await client.post("ftp://127.0.0.1/x", content=b"{}")
 
 
-# --- interim responses, stale connections, sockets left behind (raw-socket servers, tests/rawserver.py) ---
+# --- interim responses, stale connections, sockets left behind (raw-socket servers, Server.raw) ---
 
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 EARLY_HINTS = b"HTTP/1.1 103 Early Hints\r\nlink: </style.css>; rel=preload\r\n\r\n"
@@ -260,13 +230,9 @@ def reward(n: float) -> bytes:
     return answer(json.dumps({"reward": n}).encode())
 
 
-def request_body(request: bytes) -> Any:
-    return json.loads(request.partition(b"\r\n\r\n")[2])
-
-
-def own_reward(request: bytes) -> bytes:
+def own_reward(request: Request) -> bytes:
     """The endpoint's answer to an engine item: the reward its task carries (``task["r"]``)."""
-    return reward(request_body(request)["task"]["r"])
+    return reward(request.json()["task"]["r"])
 
 
 def interim_then(final: Any) -> list[Any]:
@@ -274,12 +240,12 @@ def interim_then(final: Any) -> list[Any]:
     return [Read(), Send(CONTINUE), Sleep(0.05), Send(EARLY_HINTS), Sleep(0.02), Send(final)]
 
 
-async def post(server: RawServer, client: httpx.AsyncClient, n: int = 0) -> Any:
+async def post(server: Server, client: httpx.AsyncClient, n: int = 0) -> Any:
     return (await client.post(server.url, json={"n": n})).json()
 
 
 async def test_interim_responses_are_skipped_and_the_final_one_is_the_requests() -> None:
-    with RawServer([interim_then(reward(1)) + interim_then(reward(2))]) as server:
+    with Server.raw([interim_then(reward(1)) + interim_then(reward(2))]) as server:
         async with httpx.AsyncClient(transport=PoolTransport()) as client:
             assert await post(server, client) == {"reward": 1}
             assert await post(server, client) == {"reward": 2}
@@ -288,7 +254,7 @@ async def test_interim_responses_are_skipped_and_the_final_one_is_the_requests()
 
 async def test_a_101_nobody_asked_for_is_a_protocol_error() -> None:
     switching = b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n"
-    with RawServer([[Read(), Send(switching), Hold()]]) as server:
+    with Server.raw([[Read(), Send(switching), Hold()]]) as server:
         async with httpx.AsyncClient(transport=PoolTransport()) as client:
             with pytest.raises(httpx.RemoteProtocolError, match="switched protocols"):
                 await post(server, client)
@@ -297,17 +263,17 @@ async def test_a_101_nobody_asked_for_is_a_protocol_error() -> None:
 async def test_endpoint_items_on_one_connection_each_get_their_own_reward_after_interim_responses(
     envs: Path,
 ) -> None:
-    with RawServer([interim_then(own_reward) * 3]) as server:
-        add_endpoint_env(envs, "remote", server.url)
+    with Server.raw([interim_then(own_reward) * 3]) as server:
+        add_endpoint_env(envs, "remote", f"{server.url}/score")
         config = engine.EngineConfig(environments=envs, max_in_flight=1)  # one connection, the items in turn
         async with engine.Engine(config) as eng:
             assert await eng.score([item("remote", r=r) for r in (0.25, 0.5, 0.75)]) == [0.25, 0.5, 0.75]
         assert [len(connection.requests) for connection in server.connections] == [3]
 
 
-def judge_reply(request: bytes) -> bytes:
+def judge_reply(request: Request) -> bytes:
     """A judge's completion scoring an item with the number its response says."""
-    messages = request_body(request)["messages"]
+    messages = request.json()["messages"]
     text = next(message["content"] for message in messages if message["role"] == "user")
     answered = text.split("<response>\n", 1)[1].split("\n</response>", 1)[0]
     return answer(score(int(answered)).body)
@@ -319,8 +285,8 @@ async def test_judged_items_on_one_connection_each_get_their_own_score_after_int
     rubrics = tmp_path / "rubrics"
     shutil.copytree(RUBRICS, rubrics)
     add_rubric_env(envs, "judged", "alice/arithmetic-correctness")  # its latest version scores 0..10
-    with RawServer([interim_then(judge_reply) * 2]) as server:
-        judge = JudgeConfig(base_url=f"http://127.0.0.1:{server.port}/v1", model="judge-test", max_concurrency=1)
+    with Server.raw([interim_then(judge_reply) * 2]) as server:
+        judge = JudgeConfig(base_url=server.base_url, model="judge-test", max_concurrency=1)
         config = engine.EngineConfig(environments=envs, rubrics=rubrics, judge=judge, max_in_flight=1)
         items = [item("judged", answer, prompt="What is 6 * 7?", reference="42") for answer in ("3", "7")]
         async with engine.Engine(config) as eng:
@@ -334,25 +300,25 @@ def closes_when_the_next_request_comes(reply: Any) -> list[Any]:
 
 
 async def test_a_request_on_a_kept_connection_the_server_closed_goes_again_on_a_new_one() -> None:
-    with RawServer([closes_when_the_next_request_comes(reward(1)), [Read(), Send(reward(2))]]) as server:
+    with Server.raw([closes_when_the_next_request_comes(reward(1)), [Read(), Send(reward(2))]]) as server:
         async with httpx.AsyncClient(transport=PoolTransport()) as client:
             assert await post(server, client) == {"reward": 1}
             assert await post(server, client, 2) == {"reward": 2}
-        assert [request_body(request) for request in server.requests] == [{"n": 0}, {"n": 2}]  # each once
+        assert [request.json() for request in server.requests] == [{"n": 0}, {"n": 2}]  # each once
         assert len(server.connections) == 2
 
 
 async def test_endpoint_items_survive_a_server_that_closes_each_kept_connection(envs: Path) -> None:
-    with RawServer([closes_when_the_next_request_comes(own_reward)]) as server:
-        add_endpoint_env(envs, "remote", server.url)
+    with Server.raw([closes_when_the_next_request_comes(own_reward)]) as server:
+        add_endpoint_env(envs, "remote", f"{server.url}/score")
         config = engine.EngineConfig(environments=envs, max_in_flight=1)
         async with engine.Engine(config) as eng:
             assert await eng.score([item("remote", r=r) for r in (1, 2, 3, 4)]) == [1, 2, 3, 4]
-        assert sorted(request_body(request)["task"]["r"] for request in server.requests) == [1, 2, 3, 4]
+        assert sorted(request.json()["task"]["r"] for request in server.requests) == [1, 2, 3, 4]
 
 
 async def test_a_request_is_sent_again_once_only() -> None:
-    with RawServer([closes_when_the_next_request_comes(reward(1)), [Close()]]) as server:
+    with Server.raw([closes_when_the_next_request_comes(reward(1)), [Close()]]) as server:
         async with httpx.AsyncClient(transport=PoolTransport()) as client:
             assert await post(server, client) == {"reward": 1}
             with pytest.raises(httpx.TransportError):  # the new connection fails too: that is the end of it
@@ -368,7 +334,7 @@ async def test_a_request_is_sent_again_once_only() -> None:
     ],
 )
 async def test_a_request_that_may_have_been_acted_on_is_not_sent_again(then: list[Any]) -> None:
-    with RawServer([[Read(), Send(reward(1)), *then], [Read(), Send(reward(2))]]) as server:
+    with Server.raw([[Read(), Send(reward(1)), *then], [Read(), Send(reward(2))]]) as server:
         async with httpx.AsyncClient(transport=PoolTransport()) as client:
             assert await post(server, client) == {"reward": 1}
             with pytest.raises(httpx.RemoteProtocolError):
@@ -377,7 +343,7 @@ async def test_a_request_that_may_have_been_acted_on_is_not_sent_again(then: lis
 
 
 async def test_a_request_that_timed_out_on_a_kept_connection_is_not_sent_again() -> None:
-    with RawServer([[Read(), Send(reward(1)), Read(), Hold()], [Read(), Send(reward(2))]]) as server:
+    with Server.raw([[Read(), Send(reward(1)), Read(), Hold()], [Read(), Send(reward(2))]]) as server:
         async with httpx.AsyncClient(transport=PoolTransport(), timeout=httpx.Timeout(10, read=0.2)) as client:
             assert await post(server, client) == {"reward": 1}
             with pytest.raises(httpx.ReadTimeout):
@@ -388,7 +354,7 @@ async def test_a_request_that_timed_out_on_a_kept_connection_is_not_sent_again()
 BIG = b"x" * (8 << 20)  # a request body the kernel's buffers cannot hold while the server does not read
 
 
-async def released(server: RawServer) -> None:
+async def released(server: Server) -> None:
     """The server saw the client go (a FIN or a reset), and no socket of the client's is ESTABLISHED."""
     (connection,) = server.connections
     await eventually(lambda: connection.closed_by_client, message="the server never saw the client go")
@@ -396,7 +362,7 @@ async def released(server: RawServer) -> None:
 
 
 async def test_a_timed_out_request_whose_body_was_never_read_leaves_no_socket_behind() -> None:
-    with RawServer([[Hold()]]) as server:
+    with Server.raw([[Hold()]]) as server:
         async with httpx.AsyncClient(transport=PoolTransport(), timeout=httpx.Timeout(10, read=0.2)) as client:
             with pytest.raises(httpx.ReadTimeout):
                 await client.post(server.url, content=BIG)
@@ -405,7 +371,7 @@ async def test_a_timed_out_request_whose_body_was_never_read_leaves_no_socket_be
 
 @pytest.mark.parametrize("deferred", [False, True], ids=["plain", "closes-deferred"])
 async def test_a_cancelled_request_whose_body_was_never_read_leaves_no_socket_behind(deferred: bool) -> None:
-    with RawServer([[Hold()]]) as server:
+    with Server.raw([[Hold()]]) as server:
         transport = PoolTransport()
         async with httpx.AsyncClient(transport=transport) as client:
             with transport.closes_deferred() if deferred else contextlib.nullcontext():
@@ -418,9 +384,10 @@ async def test_a_cancelled_request_whose_body_was_never_read_leaves_no_socket_be
 
 
 async def test_an_endpoint_call_that_timed_out_on_an_unread_body_leaves_no_socket_behind(envs: Path) -> None:
-    with RawServer([[Hold()]]) as server:
-        add_endpoint_env(envs, "remote", server.url)
-        config = engine.EngineConfig(environments=envs, refs={server.url: engine.Limits(timeout=0.2)})
+    with Server.raw([[Hold()]]) as server:
+        url = f"{server.url}/score"
+        add_endpoint_env(envs, "remote", url)
+        config = engine.EngineConfig(environments=envs, refs={url: engine.Limits(timeout=0.2)})
         async with engine.Engine(config) as eng:
             with pytest.raises(engine.VerificationError, match="timed out"):
                 await eng.score([item("remote", "x" * (8 << 20))])
@@ -431,31 +398,12 @@ async def test_closing_resets_a_kept_tls_connection_whose_server_never_answers_t
     # A graceful TLS close waits for the server's close_notify (asyncio: up to 30 s); a server that
     # answers one request and then holds its socket without reading never sends it.
     ca = trustme.CA()
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert("127.0.0.1").configure_cert(context)
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    peers: list[int] = []
-    done = threading.Event()
-
-    def serve() -> None:
-        raw, (_, peer) = listener.accept()
-        peers.append(peer)
-        with context.wrap_socket(raw, server_side=True) as tls:
-            tls.recv(65536)  # the request (small: one read)
-            tls.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
-            done.wait(30)  # holds the connection, reading nothing
-
-    server = threading.Thread(target=serve, daemon=True)
-    server.start()
-    try:
+    answered = [Read(), Send(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}"), Hold()]  # then reads nothing
+    with Server.raw([answered], tls=ca.issue_cert("127.0.0.1")) as server:
         client_context = ssl.create_default_context()
         ca.configure_trust(client_context)
         transport = PoolTransport(ssl_context=client_context)
         async with httpx.AsyncClient(transport=transport) as client:
-            assert (await client.post(f"https://127.0.0.1:{port}/", content=b"{}")).json() == {}
-        assert peers and not established(peers[0])  # reset by aclose() once the graceful close went unanswered
-    finally:
-        done.set()
-        listener.close()
-        server.join(30)
+            assert (await client.post(f"{server.url}/", content=b"{}")).json() == {}
+        (connection,) = server.connections
+        assert not established(connection.peer_port)  # reset by aclose() once the graceful close went unanswered

@@ -1,6 +1,6 @@
 """Endpoint faults through the public API: each is one VerificationError, and the engine carries on.
 
-Every fault is injected by a real HTTP server on 127.0.0.1 (``tests/httpserver.py``) into one item
+Every fault is injected by a real HTTP server on 127.0.0.1 (``tests/servers.py``) into one item
 of a mixed batch: items of environment ``good`` go to one endpoint, items of ``remote`` to another
 on the same server, and only the ``remote`` item whose task says ``bad`` meets the fault. Each test
 checks that the batch raises a ``VerificationError`` naming the ``remote`` URL, the bad item's
@@ -13,20 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import select
-import socket
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from asserts import check_error
 from conftest import SleepRecorder, add_endpoint_env, item
-from httpserver import Request, Response, TestServer, all_closed
+from servers import Request, Response, Server, all_closed
 
-from engine import ConfigError, Engine, EngineConfig, Limits, ManifestError, VerificationError
-from engine._config import load_config
+from engine import ConfigError, Engine, EngineConfig, Limits, ManifestError, VerificationError, load_config
 from engine._http.transport import PoolTransport
 from engine._reasons import REDACTED
 from engine._verifiers.endpoint.verifier import EndpointVerifier
@@ -67,7 +66,7 @@ class Faulty:
 
 @dataclass
 class Remote:
-    server: TestServer
+    server: Server
     handler: Faulty
     url: str  # the remote endpoint's URL: the ref every error must name
     envs: Path
@@ -80,7 +79,7 @@ class Remote:
 @pytest.fixture
 def remote(envs: Path) -> Iterator[Remote]:
     handler = Faulty()
-    with TestServer(handler) as server:
+    with Server(handler) as server:
         add_endpoint_env(envs, GOOD, server.url + "/good")
         add_endpoint_env(envs, REMOTE, server.url + "/score")
         yield Remote(server, handler, server.url + "/score", envs)
@@ -93,12 +92,7 @@ def point_remote_at(envs: Path, url: str) -> None:
     )
 
 
-def check(err: VerificationError, url: str, reason: str, *, index: int = BAD, item_id: Any = "bad") -> None:
-    assert type(err) is VerificationError
-    assert (err.kind, err.ref, err.environment, err.index, err.item_id) == ("endpoint", url, REMOTE, index, item_id)
-    assert reason in err.reason, err.reason
-    where = f"failed on item {index}" + (f" (id {item_id!r})" if item_id is not None else "")
-    assert str(err).startswith(f"endpoint verifier {url!r} (environment {REMOTE!r}) {where}: "), str(err)
+check = partial(check_error, kind="endpoint", environment=REMOTE, index=BAD, item_id="bad")
 
 
 async def aborts(
@@ -117,7 +111,7 @@ async def aborts(
     return info.value
 
 
-async def settled(server: TestServer, tasks: set[asyncio.Task[Any]], snapshot: Snapshot) -> None:
+async def settled(server: Server, tasks: set[asyncio.Task[Any]], snapshot: Snapshot) -> None:
     """No connection left open on the server, no new asyncio task, thread, process, pipe or socket."""
     await all_closed(server)
     assert asyncio.all_tasks() <= tasks, asyncio.all_tasks() - tasks
@@ -130,7 +124,7 @@ async def settled(server: TestServer, tasks: set[asyncio.Task[Any]], snapshot: S
 async def test_refused_connection_is_retried_within_the_budget_then_named(
     envs: Path, sleeps: SleepRecorder, remote: Remote
 ) -> None:
-    with TestServer(remote.handler) as gone:
+    with Server(remote.handler) as gone:
         dead = gone.url + "/score"  # nothing listens here any more
     point_remote_at(envs, dead)
     config = EngineConfig(environments=envs, refs={dead: Limits(max_attempts=3, max_concurrency=1)})
@@ -149,33 +143,19 @@ async def test_a_connect_that_hangs_times_out_and_is_retried(
     envs: Path, sleeps: SleepRecorder, remote: Remote
 ) -> None:
     """A server whose accept queue is full drops the SYN: the connect hangs, and the deadline cuts it."""
-    with socket.create_server(("127.0.0.1", 0), backlog=0) as listener:
-        fillers: list[socket.socket] = []
-        try:
-            for _ in range(8):  # queue connections until one is not accepted at once
-                filler = socket.socket()
-                fillers.append(filler)
-                filler.setblocking(False)
-                filler.connect_ex(listener.getsockname())
-                if not select.select([], [filler], [], 0.2)[1]:
-                    break
-            else:
-                pytest.fail("the listener's accept queue never filled")
-            full = f"http://127.0.0.1:{listener.getsockname()[1]}/score"
-            point_remote_at(envs, full)
-            limits = Limits(timeout=0.2, max_attempts=2, max_concurrency=1)
-            config = EngineConfig(environments=envs, refs={full: limits})
-            tasks, snapshot = asyncio.all_tasks(), Snapshot.take()
-            async with Engine(config, sleep=sleeps) as eng:
-                with pytest.raises(VerificationError) as info:
-                    await eng.run(BATCH)
-                check(info.value, full, "gave up after 2 attempts; last: timed out connecting", index=1, item_id=None)
-                assert await eng.score([item(GOOD, r=0.5)]) == [0.5]
-            assert len(sleeps.calls) == 1
-            await settled(remote.server, tasks, snapshot)
-        finally:
-            for filler in fillers:
-                filler.close()
+    with Server.full() as listener:
+        full = f"{listener.url}/score"
+        point_remote_at(envs, full)
+        limits = Limits(timeout=0.2, max_attempts=2, max_concurrency=1)
+        config = EngineConfig(environments=envs, refs={full: limits})
+        tasks, snapshot = asyncio.all_tasks(), Snapshot.take()
+        async with Engine(config, sleep=sleeps) as eng:
+            with pytest.raises(VerificationError) as info:
+                await eng.run(BATCH)
+            check(info.value, full, "gave up after 2 attempts; last: timed out connecting", index=1, item_id=None)
+            assert await eng.score([item(GOOD, r=0.5)]) == [0.5]
+        assert len(sleeps.calls) == 1
+        await settled(remote.server, tasks, snapshot)
 
 
 async def test_hang_is_cut_at_the_deadline_and_not_retried(remote: Remote, sleeps: SleepRecorder) -> None:

@@ -18,12 +18,14 @@ import signal
 import subprocess
 import sys
 import threading
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import anyio
 import orjson
 import pytest
+from asserts import check_error
 from conftest import item, process_twin
 from polling import eventually, wait_until
 
@@ -74,11 +76,7 @@ def fails(eng: BlockingEngine, items: list[dict[str, Any]]) -> VerificationError
     return info.value
 
 
-def check(err: VerificationError, environment: str, index: int, item_id: Any, reason: str, ref: str = REF) -> None:
-    """``err`` names the plugin, the environment and the item, and its reason matches the regex ``reason``."""
-    assert (err.kind, err.ref, err.environment, err.index, err.item_id) == ("plugin", ref, environment, index, item_id)
-    assert re.fullmatch(reason, err.reason), err.reason
-    assert str(err).startswith(f"plugin verifier {ref!r} (environment {environment!r}) failed on item {index}")
+check = partial(check_error, ref=REF, kind="plugin")  # its reasons are regular expressions: match=
 
 
 def ok(environment: str, count: int = 1) -> list[dict[str, Any]]:
@@ -142,7 +140,7 @@ def test_a_bad_call_fails_its_item_and_the_engine_goes_on(
     env = EXECUTORS[executor]
     with BlockingEngine(config(fault_envs)) as eng:
         err = fails(eng, [*ok(env, 2), item(env, item_id=f"bad-{mode}", mode=mode), *ok(env)])
-        check(err, env, 2, f"bad-{mode}", reason)
+        check(err, environment=env, index=2, item_id=f"bad-{mode}", match=reason)
         assert eng.score(ok(env, 3)) == [0.5] * 3
 
 
@@ -171,7 +169,7 @@ def test_a_hanging_call_times_out(fault_envs: Path, tmp_path: Path, no_leaks: Sn
     with BlockingEngine(config(fault_envs)) as eng:
         assert eng.score(ok(env, 2)) == [0.5] * 2  # both workers are up: the time below is the call's alone
         err = fails(eng, [*ok(env), item(env, item_id="h", mode="block", release=str(release), pidfile=str(pidfile))])
-        check(err, env, 1, "h", re.escape(f"timed out after {TIMEOUT:g} s"))
+        check(err, environment=env, index=1, item_id="h", match=re.escape(f"timed out after {TIMEOUT:g} s"))
         pid = int(pidfile.read_text())
         if executor == "process":  # killed, and replaced for the next batch
             wait_until_gone(pid)
@@ -200,7 +198,7 @@ def test_a_bad_call_inside_a_chunk_names_its_item(
         assert plugin(eng, env).chunk_size(300) > 1
         batch = ok(env, 300)
         batch[177] = item(env, item_id="bad", mode=mode)
-        check(fails(eng, batch), env, 177, "bad", reason)
+        check(fails(eng, batch), environment=env, index=177, item_id="bad", match=reason)
         assert eng.score(ok(env, 300)) == [0.5] * 300
 
 
@@ -213,7 +211,13 @@ def test_a_worker_that_dies_reading_a_reward_names_its_item(fault_envs: Path, no
         batch = ok(PROCESS, 300)
         batch[177] = item(PROCESS, item_id="dies", mode="float_os_exit")
         err = fails(eng, batch)
-        check(err, PROCESS, 177, "dies", r"its worker process \(pid \d+\) died: it exited with code 7")
+        check(
+            err,
+            environment=PROCESS,
+            index=177,
+            item_id="dies",
+            match=r"its worker process \(pid \d+\) died: it exited with code 7",
+        )
         assert eng.score(ok(PROCESS, 300)) == [0.5] * 300
 
 
@@ -228,7 +232,7 @@ def test_an_async_plugins_fault_fails_its_item_on_the_event_loop(
     env = process_twin(fault_envs, THREAD, "async_thread", ref="faults:async_by_task", executor="thread")
     with BlockingEngine(config(fault_envs)) as eng:
         err = fails(eng, [*ok(env, 2), item(env, item_id="a", mode=mode)])
-        check(err, env, 2, "a", reason, ref="faults:async_by_task")
+        check(err, environment=env, index=2, item_id="a", match=reason, ref="faults:async_by_task")
         assert eng.score(ok(env, 3)) == [0.5] * 3
 
 
@@ -244,7 +248,13 @@ def test_an_import_that_raises_a_base_exception_fails_the_item(
     with BlockingEngine(config(fault_envs)) as eng:
         for _ in range(2):  # and again: a failed import is tried again
             err = fails(eng, [*ok(THREAD), item(env, item_id="s")])
-            check(err, env, 1, "s", re.escape("cannot load 'faults:by_task': Skipped: could not import sympy"))
+            check(
+                err,
+                environment=env,
+                index=1,
+                item_id="s",
+                match=re.escape("cannot load 'faults:by_task': Skipped: could not import sympy"),
+            )
         assert eng.score(ok(THREAD, 2)) == [0.5] * 2
 
 
@@ -274,7 +284,7 @@ def test_an_item_a_worker_cannot_unpickle_is_named(
         assert plugin(eng, PROCESS).chunk_size(300) > 1
         batch = ok(PROCESS, 300)
         batch[177] = item(PROCESS, item_id="meta", mode="ok", meta=trainer_only(3))
-        check(fails(eng, batch), PROCESS, 177, "meta", reason)
+        check(fails(eng, batch), environment=PROCESS, index=177, item_id="meta", match=reason)
         assert eng.score(ok(PROCESS, 300)) == [0.5] * 300
 
 
@@ -294,7 +304,13 @@ def test_a_worker_that_dies_fails_its_item_and_is_replaced(
     with BlockingEngine(config(fault_envs)) as eng:
         err = fails(eng, [*ok(PROCESS, 3), item(PROCESS, item_id="crash", mode=mode, pidfile=str(pidfile))])
         pid = int(pidfile.read_text())
-        check(err, PROCESS, 3, "crash", re.escape(f"its worker process (pid {pid}) died: {how}"))
+        check(
+            err,
+            environment=PROCESS,
+            index=3,
+            item_id="crash",
+            match=re.escape(f"its worker process (pid {pid}) died: {how}"),
+        )
         assert process_gone(pid)  # reaped, not a zombie
         assert eng.score(ok(PROCESS, 3)) == [0.5] * 3
 
@@ -316,7 +332,7 @@ def test_a_worker_killed_from_outside(fault_envs: Path, tmp_path: Path, no_leaks
             err = fails(eng, [*ok(PROCESS), block, *ok(PROCESS)])
             killer.join()
             reason = f"its worker process (pid {killed[0]}) died: killed by signal SIGKILL (kill -9, or the kernel's "
-            check(err, PROCESS, 1, "k", re.escape(reason + "out-of-memory killer)"))
+            check(err, environment=PROCESS, index=1, item_id="k", match=re.escape(reason + "out-of-memory killer)"))
             assert eng.score(ok(PROCESS, 3)) == [0.5] * 3
     finally:
         killer.join()
@@ -344,7 +360,7 @@ def test_an_abort_kills_the_worker_calls_in_flight(fault_envs: Path, tmp_path: P
     cue = item(THREAD, item_id="cue", mode="raise_when", when=str(pidfile))
     with BlockingEngine(config(fault_envs, timeout=10)) as eng:
         err = fails(eng, [busy, cue])
-        check(err, THREAD, 1, "cue", re.escape("raised Boom: cue pid seen"))
+        check(err, environment=THREAD, index=1, item_id="cue", match=re.escape("raised Boom: cue pid seen"))
         wait_until_gone(int(pidfile.read_text()))  # not left running for its 10 s
         assert eng.score(ok(PROCESS, 2)) == [0.5] * 2
 
@@ -382,7 +398,8 @@ def test_a_plugins_subprocess_does_not_outlive_its_worker(
             batch = [busy] if how == "timeout" else [busy, item(THREAD, mode="raise_when", when=str(pidfile))]
             err = fails(eng, batch)
             if how == "timeout":
-                check(err, PROCESS, 0, "busy", re.escape(f"timed out after {TIMEOUT:g} s"))
+                timed_out = re.escape(f"timed out after {TIMEOUT:g} s")
+                check(err, environment=PROCESS, index=0, item_id="busy", match=timed_out)
             child = int(childfile.read_text())
             wait_until_dead(child)  # with its worker, not when the engine closes
             assert eng.score(ok(PROCESS, 2)) == [0.5] * 2
@@ -457,7 +474,14 @@ def test_an_async_plugin_runs_in_a_worker_too(fault_envs: Path, no_leaks: Snapsh
     with BlockingEngine(config(fault_envs)) as eng:
         assert eng.score([item(env, mode="ok"), item(env, mode="main_thread")]) == [0.5, 1.0]
         err = fails(eng, [item(env, item_id="a", mode="raise")])
-        check(err, env, 0, "a", re.escape("raised Boom: the plugin blew up"), ref="faults:async_by_task")
+        check(
+            err,
+            environment=env,
+            index=0,
+            item_id="a",
+            match=re.escape("raised Boom: the plugin blew up"),
+            ref="faults:async_by_task",
+        )
 
 
 @pytest.mark.slow
@@ -471,13 +495,25 @@ def test_chunks_go_to_workers_and_a_failure_inside_names_its_item(fault_envs: Pa
 
         batch = ok(PROCESS, 3000)
         batch[1777] = item(PROCESS, item_id="nan", mode="nan")
-        check(fails(eng, batch), PROCESS, 1777, "nan", re.escape("returned nan, which is not a finite number"))
+        check(
+            fails(eng, batch),
+            environment=PROCESS,
+            index=1777,
+            item_id="nan",
+            match=re.escape("returned nan, which is not a finite number"),
+        )
         batch[1777] = item(PROCESS, item_id="h", mode="block", release="/nonexistent")
-        check(fails(eng, batch), PROCESS, 1777, "h", re.escape(f"timed out after {TIMEOUT:g} s"))
+        check(
+            fails(eng, batch),
+            environment=PROCESS,
+            index=1777,
+            item_id="h",
+            match=re.escape(f"timed out after {TIMEOUT:g} s"),
+        )
         batch[1777] = item(PROCESS, threading.Lock(), item_id="lock")
         err = fails(eng, batch)
         unpicklable = re.escape("cannot pass the item to a worker process: TypeError: ") + ".*lock.*"
-        check(err, PROCESS, 1777, "lock", unpicklable)
+        check(err, environment=PROCESS, index=1777, item_id="lock", match=unpicklable)
         assert eng.score(ok(PROCESS, 500)) == [0.5] * 500
 
 
@@ -519,7 +555,7 @@ def test_a_worker_that_cannot_import_the_plugin(fault_envs: Path, no_leaks: Snap
     (fault_envs / env / "faults.py").write_text(source)
     with BlockingEngine(config(fault_envs)) as eng:
         err = fails(eng, [*ok(PROCESS), item(env, item_id="b")])
-        check(err, env, 1, "b", reason)
+        check(err, environment=env, index=1, item_id="b", match=reason)
         if "ModuleNotFoundError" in reason:
             assert isinstance(err.__cause__, PluginError)
             assert err.__cause__.type_name == "ModuleNotFoundError"
@@ -581,13 +617,19 @@ def test_too_many_abandoned_threads_refuse_new_calls(fault_envs: Path, tmp_path:
     block = {"mode": "block", "release": str(release)}
     with BlockingEngine(config(fault_envs, timeout=0.2, max_abandoned=1)) as eng:
         for n in range(2):  # the first leaves one abandoned thread (not more than 1): the second still runs
-            check(fails(eng, [item(THREAD, item_id=n, **block)]), THREAD, 0, n, re.escape("timed out after 0.2 s"))
+            check(
+                fails(eng, [item(THREAD, item_id=n, **block)]),
+                environment=THREAD,
+                index=0,
+                item_id=n,
+                match=re.escape("timed out after 0.2 s"),
+            )
         err = fails(eng, [item(THREAD, item_id="next", mode="ok")])  # refused at once (the reason), not timed out
         reason = (
             "2 of its calls that timed out or were cut short by an abort are still running in threads; "
             "refusing to start more until they finish (max_abandoned=1)"
         )
-        check(err, THREAD, 0, "next", re.escape(reason))
+        check(err, environment=THREAD, index=0, item_id="next", match=re.escape(reason))
         assert eng.score(ok(PROCESS)) == [0.5]  # other verifiers are not concerned
 
         release.touch()  # the abandoned calls return; then they stop counting
@@ -634,10 +676,10 @@ def test_math_verify_in_a_thread_is_an_error_never_a_zero(fault_envs: Path, no_l
         err = fails(eng, [answer("math_verify", HALF, "\\boxed{1/2}", item_id="m")])
     check(
         err,
-        "math_verify",
-        0,
-        "m",
-        re.escape("raised ValueError: Math-Verify 'parse' function doesn't support threaded environment") + ".*",
+        environment="math_verify",
+        index=0,
+        item_id="m",
+        match=re.escape("raised ValueError: Math-Verify 'parse' function doesn't support threaded environment") + ".*",
         ref="verify:score",
     )
     assert isinstance(err.__cause__, ValueError)

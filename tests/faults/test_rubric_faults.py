@@ -1,8 +1,8 @@
 """Judge faults through the public API: each is one VerificationError naming the rubric, never a score.
 
-A real OpenAI-compatible judge on 127.0.0.1 (``tests/judgeserver.py``) scores each item with the
-number its response says, until the test makes it fail: it goes down mid-batch (refusing, hanging,
-answering 503, resetting), or answers something no score can be read from. The batch mixes plugin
+A real OpenAI-compatible judge on 127.0.0.1 (``Server.judge``, ``tests/servers.py``) scores each
+item with the number its response says, until the test makes it fail: it goes down mid-batch
+(refusing, hanging, answering 503, resetting), or answers something no score can be read from. The batch mixes plugin
 items with rubric items judged one at a time, so the failing item is known. Each test checks the
 error (ref, index, id, reason), that there is no result, that the engine scores the next batch,
 and that nothing leaked. Retry waits go to a recorder and take no time.
@@ -15,18 +15,18 @@ import logging
 import shutil
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import pytest
+from asserts import check_error
 from conftest import SleepRecorder, add_rubric_env, item
-from httpserver import Request, Response, all_closed
-from judgeserver import JudgeServer, completion, score, status
+from servers import Request, Response, Server, all_closed, completion, score, status
 
-from engine import Engine, EngineConfig, Limits, VerificationError
-from engine._config import JudgeConfig, load_config
+from engine import Engine, EngineConfig, JudgeConfig, Limits, VerificationError, load_config
 from engine._reasons import REDACTED
 from faults.conftest import Snapshot
 
@@ -77,7 +77,7 @@ class Judge:
 
 @dataclass
 class Setup:
-    server: JudgeServer
+    server: Server
     judge: Judge
     envs: Path
     rubrics: Path
@@ -99,17 +99,12 @@ def setup(envs: Path, tmp_path: Path) -> Iterator[Setup]:
     shutil.copytree(RUBRICS, rubrics)
     add_rubric_env(envs, "graded", ARITH)
     judge = Judge()
-    server = JudgeServer(default=judge)
+    server = Server.judge(default=judge)
     with server:
         yield Setup(server, judge, envs, rubrics)
 
 
-def check(err: VerificationError, reason: str, *, index: int = BAD, item_id: Any = "bad") -> None:
-    assert type(err) is VerificationError
-    assert (err.kind, err.ref, err.environment, err.index, err.item_id) == ("rubric", REF, "graded", index, item_id)
-    assert reason in err.reason, err.reason
-    where = f"failed on item {index}" + (f" (id {item_id!r})" if item_id is not None else "")
-    assert str(err).startswith(f"rubric verifier {REF!r} (environment 'graded') {where}: "), str(err)
+check = partial(check_error, ref=REF, kind="rubric", environment="graded", index=BAD, item_id="bad")
 
 
 async def aborts(
@@ -124,7 +119,7 @@ async def aborts(
     async with Engine(config, sleep=sleeps) as eng:
         with pytest.raises(VerificationError) as info:
             outcome = await eng.run(BATCH)
-        check(info.value, reason)
+        check(info.value, reason=reason)
         assert outcome is None  # no result list, not even a partial one
         # the items after the bad one never reached the judge
         assert "9" not in [answer_of(request) for request in setup.server.requests]
@@ -148,8 +143,7 @@ async def test_the_judge_going_down_mid_batch(setup: Setup, sleeps: SleepRecorde
     async def go_down(request: Request) -> Response:
         # Stop listening, and close the kept-alive connection after this reply: every try after
         # this one is refused. This reply is the last healthy one.
-        assert server._server is not None
-        server._server.close()
+        server.stop_listening()
         reply = score(int(answer_of(request)))
         reply.headers["connection"] = "close"
         return reply
@@ -183,7 +177,8 @@ async def test_a_transport_of_ones_own_is_bounded_too(setup: Setup, sleeps: Slee
     async with Engine(setup.config(timeout=TIMEOUT), transport=httpx.AsyncHTTPTransport(), sleep=sleeps) as eng:
         with pytest.raises(VerificationError) as info:
             await eng.run(BATCH)
-    check(info.value, "judge request failed: timed out waiting for the response (timeout: 0.3 s for the whole call)")
+    timed_out = "judge request failed: timed out waiting for the response (timeout: 0.3 s for the whole call)"
+    check(info.value, reason=timed_out)
     assert asyncio.get_running_loop().time() - started < 3 * TIMEOUT + 1.0
     await all_closed(setup.server)
 
