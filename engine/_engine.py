@@ -33,8 +33,9 @@ from engine._http.transport import PoolTransport
 from engine._reasons import describe
 from engine._verifiers.endpoint.verifier import EndpointVerifier
 from engine._verifiers.plugin.verifier import PluginVerifier
-from engine._verifiers.rubric.judge import Judge, RubricVerifier
+from engine._verifiers.rubric.judge import Judge
 from engine._verifiers.rubric.registry import RubricRegistry
+from engine._verifiers.rubric.verifier import RubricVerifier
 
 __all__ = ["Engine"]
 

@@ -23,9 +23,10 @@ from engine._config import (
 )
 from engine._errors import ConfigError, VerificationError
 from engine._http.retry import TransientStatus
-from engine._verifiers.rubric.judge import Judge, RubricVerifier, Usage
+from engine._verifiers.rubric.judge import Judge, Usage
 from engine._verifiers.rubric.prompt import flatten
 from engine._verifiers.rubric.registry import Rubric, RubricRegistry
+from engine._verifiers.rubric.verifier import RubricVerifier
 
 RUBRICS = Path(__file__).parent / "rubrics"
 ARITH = "alice/arithmetic-correctness"
