@@ -24,8 +24,9 @@ from engine._http.network import Routes
 from engine._http.retry import Sleep
 from engine._verifiers.endpoint.verifier import EndpointVerifier
 from engine._verifiers.plugin.verifier import PluginVerifier
-from engine._verifiers.rubric.judge import Judge, RubricVerifier
+from engine._verifiers.rubric.judge import Judge
 from engine._verifiers.rubric.registry import RubricRegistry
+from engine._verifiers.rubric.verifier import RubricVerifier
 
 __all__ = ["Registry", "Shared"]
 

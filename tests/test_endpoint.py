@@ -184,6 +184,20 @@ async def test_retry_after_beyond_the_deadline_gives_up_without_waiting(
     assert len(server.requests) == 1
 
 
+async def test_the_retry_deadline_counts_from_the_first_try(serve: Any, envs: Path, sleeps: SleepRecorder) -> None:
+    # as for the judge (one retry driver): a first try that outlasts retry_deadline leaves no time for a retry
+    async def slow_busy(request: Request) -> Response:
+        await asyncio.sleep(0.5)
+        return Response(503, b"busy", {"retry-after": "0"})
+
+    server = serve(slow_busy)
+    url = server.url + "/score"
+    config = EngineConfig(environments=envs, refs={url: Limits(retry_deadline=0.2)})
+    err = await fails(config, [item("remote")], sleeps)
+    assert "gave up after 1 attempt; last: HTTP 503: busy" in err.reason, err.reason
+    assert len(server.requests) == 1 and sleeps.calls == []
+
+
 async def test_read_timeout_fails_and_is_not_retried(serve: Any, envs: Path, sleeps: SleepRecorder) -> None:
     async def hold(request: Request) -> Response:
         await asyncio.sleep(30)  # cancelled when the client hangs up

@@ -22,8 +22,9 @@ from engine._config import (
     DEFAULT_JUDGE_TIMEOUT,
 )
 from engine._http.retry import TransientStatus
-from engine._verifiers.rubric.judge import Judge, RubricVerifier, Usage
+from engine._verifiers.rubric.judge import Judge, Usage
 from engine._verifiers.rubric.registry import Rubric, RubricRegistry
+from engine._verifiers.rubric.verifier import RubricVerifier
 
 RUBRICS = Path(__file__).parent / "rubrics"
 ARITH = "alice/arithmetic-correctness"

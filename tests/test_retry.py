@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ import pytest
 import tenacity
 from conftest import SleepRecorder
 
+from engine._http.post import Post
 from engine._http.retry import (
     BACKOFF_BASE,
     BACKOFF_MAX,
@@ -24,6 +26,8 @@ from engine._http.retry import (
     parse_retry_after,
 )
 from engine._reasons import describe
+from engine._verifiers.endpoint import verifier as endpoint
+from engine._verifiers.rubric import judge
 
 REQUEST = httpx.Request("POST", "http://127.0.0.1:9/score")
 
@@ -176,6 +180,15 @@ async def test_non_transient_failure_is_raised_at_once(sleeps: SleepRecorder) ->
         await run(make_retrying(5, 60.0, sleeps), operation)
     assert operation.calls == 1
     assert sleeps.calls == []
+
+
+def test_endpoint_and_judge_call_one_bounded_post_and_drive_no_retries_of_their_own() -> None:
+    # one driver and one POST (engine._http.post): neither verifier times, caps or retries a call itself
+    for module in (endpoint, judge):
+        source = inspect.getsource(module)
+        assert "tenacity" not in vars(module) and "make_retrying" not in source, module.__name__
+        assert "CallTimeout" not in source and "read_capped" not in source, module.__name__
+        assert Post in vars(module).values(), module.__name__
 
 
 # --- describing failures in words (engine._reasons.describe) ---

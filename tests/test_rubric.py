@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from engine import RubricError, VerificationError
-from engine._verifiers.rubric.registry import Rubric, RubricRegistry, normalise, parse_rubric
+from engine._verifiers.rubric.prompt import parse_score
+from engine._verifiers.rubric.registry import Rubric, RubricRegistry, parse_rubric
 
 RUBRICS = Path(__file__).parent / "rubrics"
 
@@ -154,12 +155,13 @@ def test_plus_signs_later_in_the_text_are_text() -> None:
     assert text == "Score it.\n+++\nscale = [0, 10]\n+++" and scale == (0.0, 1.0)
 
 
-def test_normalise() -> None:
-    assert normalise(7, (0.0, 10.0)) == pytest.approx(0.7)
-    assert normalise(1, (1.0, 5.0)) == 0.0 and normalise(5, (1.0, 5.0)) == 1.0
-    assert normalise(0.0, (-1.0, 1.0)) == 0.5
-    with pytest.raises(ValueError, match="outside the scale"):
-        normalise(10.5, (0.0, 10.0))
+def test_a_score_is_held_to_its_scale_and_normalised() -> None:
+    # one place checks a judge's score against the rubric's scale and maps it to 0..1
+    assert parse_score('{"score": 7}', (0.0, 10.0)) == pytest.approx(0.7)
+    assert parse_score('{"score": 1}', (1.0, 5.0)) == 0.0 and parse_score('{"score": 5}', (1.0, 5.0)) == 1.0
+    assert parse_score('{"score": 0.0}', (-1.0, 1.0)) == 0.5
+    with pytest.raises(ValueError, match="outside the rubric's scale"):
+        parse_score('{"score": 10.5}', (0.0, 10.0))
 
 
 def test_rubric_ref() -> None:

@@ -1,1 +1,1 @@
-"""HTTP: the pooled transport, proxies and TLS, headers, and the retry policy."""
+"""HTTP: the pooled transport, proxies and TLS, headers, the retry policy, and the one bounded POST with retries."""

@@ -31,14 +31,12 @@ from pathlib import Path
 import httpx
 
 from engine._errors import ConfigError
-from engine._http.transport import ResponseTooLarge, check_size
 
 __all__ = [
     "Proxies",
     "Routes",
     "ca_bundle_problem",
     "credentials_refusal",
-    "read_capped",
     "shown_url",
     "ssl_context",
     "url_problem",
@@ -293,40 +291,3 @@ class Routes:
     async def aclose(self) -> None:
         for transport in self._via.values():
             await transport.aclose()
-
-
-async def read_capped(response: httpx.Response, limit: int, request: httpx.Request) -> httpx.Response:
-    """``response`` read in full, refused past ``limit`` bytes as the engine's transport refuses it.
-
-    For a transport that does not keep the cap itself (httpx's own, under a proxy): a longer
-    announced body is refused before it is read, a body that grows past the cap as soon as it does,
-    and a compressed one (the engine asks for ``identity``) at once. A response the engine's
-    transport read already is only checked.
-    """
-    if response.is_stream_consumed:
-        await response.aclose()
-        check_size(response, limit)
-        return response
-    try:
-        length = response.headers.get("content-length", "").strip()
-        if length.isdigit() and int(length) > limit:
-            raise ResponseTooLarge(limit, int(length))
-        encoding = response.headers.get("content-encoding", "").strip().lower()
-        if encoding not in ("", "identity"):
-            raise httpx.DecodingError(f"the response is compressed (Content-Encoding: {encoding}), not asked for")
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in response.aiter_raw():
-            size += len(chunk)
-            if size > limit:
-                raise ResponseTooLarge(limit)
-            chunks.append(chunk)
-    finally:
-        await response.aclose()
-    return httpx.Response(
-        response.status_code,
-        headers=response.headers,
-        content=b"".join(chunks),
-        request=request,
-        extensions=response.extensions,
-    )

@@ -97,10 +97,29 @@ def last_failure(exc: tenacity.RetryError) -> BaseException | None:
     return exc.last_attempt.exception()
 
 
-def make_retrying(max_attempts: int, deadline: float, sleep: Sleep) -> tenacity.AsyncRetrying:
-    """A bounded retry loop: at most ``max_attempts`` tries, and no wait that would end past ``deadline``."""
+class _StopBefore(tenacity.stop.stop_base):
+    """Stop before a wait that would end past ``deadline`` seconds from ``started`` (``time.monotonic()``)."""
+
+    def __init__(self, deadline: float, started: float) -> None:
+        self.deadline = deadline
+        self.started = started
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
+        now = retry_state.outcome_timestamp
+        if now is None:
+            now = time.monotonic()
+        return now - self.started + retry_state.upcoming_sleep >= self.deadline
+
+
+def make_retrying(
+    max_attempts: int, deadline: float, sleep: Sleep, *, started: float | None = None
+) -> tenacity.AsyncRetrying:
+    """A bounded retry loop: at most ``max_attempts`` tries, and no wait that would end past ``deadline``
+    seconds from ``started`` (a ``time.monotonic()``: when the first try began, if it ran before the
+    loop), or from now."""
+    origin = time.monotonic() if started is None else started
     return tenacity.AsyncRetrying(
-        stop=tenacity.stop_after_attempt(max_attempts) | tenacity.stop_before_delay(deadline),
+        stop=tenacity.stop_after_attempt(max_attempts) | _StopBefore(deadline, origin),
         wait=_wait,
         retry=tenacity.retry_if_exception(is_transient),
         sleep=sleep,

@@ -77,7 +77,7 @@ from typing import cast
 import httptools
 import httpx
 
-__all__ = ["MAX_BODY", "TOTAL_TIMEOUT", "CallTimeout", "PoolTransport", "ResponseTooLarge", "check_size", "size_text"]
+__all__ = ["MAX_BODY", "TOTAL_TIMEOUT", "PoolTransport", "ResponseTooLarge", "size_text"]
 
 DEFAULT_MAX_CONNECTIONS = 1024
 CLOSE_WAIT = 1.0  # seconds aclose() waits for closed sockets to be released
@@ -109,20 +109,6 @@ class ResponseTooLarge(httpx.TransportError):
         else:
             self.reason = f"response body over the {size_text(limit)} limit (max_body)"
         super().__init__(self.reason)
-
-
-class CallTimeout(httpx.TimeoutException):
-    """No response within a call's whole timeout (waiting for a connection, connecting and reading together)."""
-
-    def __init__(self, seconds: float, request: httpx.Request | None = None) -> None:
-        self.reason = f"timed out waiting for the response (timeout: {seconds:g} s for the whole call)"
-        super().__init__(self.reason, request=request)
-
-
-def check_size(response: httpx.Response, limit: int) -> None:
-    """Refuse a read response over ``limit`` bytes: the cap for a transport that does not enforce it itself."""
-    if len(response.content) > limit:
-        raise ResponseTooLarge(limit)
 
 
 def _ends(request: httpx.Request, phase: str, deadline: float | None) -> float | None:

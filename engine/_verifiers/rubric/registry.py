@@ -33,7 +33,7 @@ from typing import Any
 from engine._environments.manifest import RUBRIC_REF
 from engine._errors import RubricError
 
-__all__ = ["DEFAULT_SCALE", "Rubric", "RubricError", "RubricRegistry", "normalise", "parse_rubric"]
+__all__ = ["DEFAULT_SCALE", "Rubric", "RubricError", "RubricRegistry", "parse_rubric"]
 
 DEFAULT_SCALE: tuple[float, float] = (0.0, 1.0)
 FENCE = "+++"
@@ -57,14 +57,6 @@ class Rubric:
     def ref(self) -> str:
         """The pinned ref of this version, ``owner/name@N``."""
         return f"{self.owner}/{self.name}@{self.version}"
-
-
-def normalise(score: float, scale: tuple[float, float]) -> float:
-    """``score`` on ``scale`` mapped to 0..1; ``ValueError`` if it lies outside the scale."""
-    lo, hi = scale
-    if not lo <= score <= hi:
-        raise ValueError(f"score {score!r} is outside the scale [{lo!r}, {hi!r}]")
-    return (score - lo) / (hi - lo)
 
 
 def _scale(value: Any) -> tuple[float, float]:
