@@ -8,6 +8,7 @@ of that same shape, so the scheduler never needs to know which kind it is drivin
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import numbers
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
@@ -26,6 +27,7 @@ __all__ = [
     "VerifyFn",
     "as_rewards",
     "check_reward",
+    "is_async",
     "private",
     "private_pair",
     "task_of",
@@ -33,6 +35,12 @@ __all__ = [
 
 VerifyFn = Callable[[Mapping[str, Any], Any], float]
 AsyncVerifyFn = Callable[[Mapping[str, Any], Any], Awaitable[float]]
+
+
+def is_async(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` is an :data:`AsyncVerifyFn`, to be awaited: an ``async def``, or an instance whose
+    ``__call__`` is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
 class Verifier(Protocol):
