@@ -16,6 +16,8 @@ from decimal import Decimal
 from gc import is_tracked
 from typing import Any, Protocol, overload, runtime_checkable
 
+from engine._errors import Failure
+
 __all__ = [
     "AsyncVerifyFn",
     "BadItem",
@@ -153,12 +155,13 @@ def task_of(index: int, item: Mapping[str, Any]) -> tuple[Mapping[str, Any], Any
     return task, trajectory
 
 
-class BadItem(Exception):
+class BadItem(Failure):
     """The item at ``position`` of a chunk cannot be scored: ``reason`` says why (the verifier's failure)."""
 
     def __init__(self, position: int, reason: str) -> None:
-        self.position, self.reason = position, reason
-        super().__init__(position, reason)
+        super().__init__(reason)
+        self.position = position
+        self.args = (position, reason)  # what unpickling calls the class with
 
 
 class BadReward(BadItem):

@@ -37,6 +37,7 @@ from types import CodeType, ModuleType
 from typing import Any
 
 from engine._environments.digest import Snapshot
+from engine._errors import Failure
 from engine._reasons import describe
 
 __all__ = ["PluginLoadError", "forget", "import_from_environment", "load_callable", "load_plugin", "said"]
@@ -169,12 +170,8 @@ def forget(snapshot: Snapshot) -> None:
             sys.modules.pop(name, None)
 
 
-class PluginLoadError(Exception):
+class PluginLoadError(Failure):
     """A plugin's module or callable cannot be loaded; ``reason`` says why (the cause is chained)."""
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-        super().__init__(reason)
 
 
 def load_callable(snapshot: Snapshot, name: str, ref: str) -> Callable[..., Any]:

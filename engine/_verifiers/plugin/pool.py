@@ -72,6 +72,7 @@ import anyio
 
 from engine._core.contract import BadItem, MalformedItem
 from engine._core.threads import in_thread, wait_future
+from engine._errors import Failure
 from engine._reasons import describe
 from engine._verifiers.plugin.wire import NOWHERE, PROGRESS_BYTES, Cost, PluginSpec, worker_argv
 
@@ -112,14 +113,13 @@ class PluginError(Exception):
         super().__init__(text)
 
 
-class WorkerFailure(Exception):
+class WorkerFailure(Failure):
     """A chunk (or a worker's start) failed: ``reason``, and ``position``, the item's place in the chunk."""
 
     def __init__(self, reason: str, position: int = 0, cause: BaseException | None = None) -> None:
-        self.reason = reason
+        super().__init__(reason)
         self.position = position
         self.cause = cause
-        super().__init__(reason)
 
 
 def as_dict(position: int, task: Mapping[str, Any]) -> dict[str, Any]:
