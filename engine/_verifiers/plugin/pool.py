@@ -74,11 +74,10 @@ from engine._core.contract import BadItem, MalformedItem
 from engine._core.threads import in_thread, wait_future
 from engine._errors import Failure
 from engine._reasons import describe
-from engine._verifiers.plugin.wire import NOWHERE, PROGRESS_BYTES, Cost, PluginSpec, worker_argv
+from engine._verifiers.plugin.wire import NOWHERE, PROGRESS_BYTES, Cost, Pair, PluginSpec, worker_argv
 
 __all__ = [
     "STARTUP_TIMEOUT",
-    "Cost",
     "PluginError",
     "WorkerFailure",
     "WorkerPool",
@@ -88,7 +87,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-Pair = tuple[Mapping[str, Any], Any]  # (task, trajectory)
 
 STARTUP_TIMEOUT = 60.0  # seconds for a worker's interpreter to start, before it imports the plugin
 CLOSE_GRACE = 2.0  # seconds an idle worker has to exit once its pipe is closed, before SIGKILL

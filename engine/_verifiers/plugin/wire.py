@@ -30,10 +30,13 @@ Then, on the socket pair, engine ``->`` worker and back:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["NOWHERE", "PROGRESS_BYTES", "Cost", "PluginSpec", "read_argv", "worker_argv"]
+__all__ = ["NOWHERE", "PROGRESS_BYTES", "Cost", "Pair", "PluginSpec", "read_argv", "worker_argv"]
+
+Pair = tuple[Mapping[str, Any], Any]  # (task, trajectory): what a chunk is a list of
 
 Cost = tuple[float, float]  # (wall seconds, CPU seconds of the calling thread) of some calls, as a chunk's answer says
 

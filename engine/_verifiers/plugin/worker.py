@@ -33,11 +33,10 @@ from typing import Any
 from engine._core.contract import BadItem, as_rewards, is_async, private_pair
 from engine._environments.digest import Snapshot
 from engine._verifiers.plugin.importer import PluginLoadError, load_plugin, said
-from engine._verifiers.plugin.wire import PROGRESS_BYTES, PluginSpec, read_argv
+from engine._verifiers.plugin.wire import PROGRESS_BYTES, Pair, PluginSpec, read_argv
 
 __all__ = ["main"]
 
-Pair = tuple[Mapping[str, Any], Any]  # (task, trajectory)
 _Call = Callable[[Mapping[str, Any], Any], Any]
 
 
