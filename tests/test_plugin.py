@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import marshal
 import math
+import pickle
 import struct
 import sys
 import traceback
@@ -23,6 +24,11 @@ from special_files import SPECIAL_KINDS, make_special
 import engine
 import engine._verifiers.plugin.importer
 from engine import EngineConfig, Limits, VerificationError, digest_directory
+from engine._core.contract import BadItem, BadReward
+from engine._errors import Failure
+from engine._reasons import describe
+from engine._verifiers.plugin.importer import PluginLoadError
+from engine._verifiers.plugin.pool import WorkerFailure
 from engine._verifiers.plugin.verifier import PluginVerifier
 
 
@@ -705,3 +711,27 @@ async def test_a_manifest_swapped_back_to_the_pinned_one_does_not_pick_the_verif
         result = await eng.run([item(name)])
     assert result.rewards == [0.25]
     assert result.provenance(0)["digest"] == config.pins[name]
+
+
+# --- the plugin kind's internal failures ---
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        BadItem(3, "cannot copy the item for the plugin: TypeError: cannot pickle '_thread.lock' object"),
+        BadReward(2, "returned '42' (str), which is not a real number"),
+        PluginLoadError("cannot import module 'verify': ModuleNotFoundError: No module named 'nowhere'"),
+        WorkerFailure("timed out after 0.5 s", 4),
+    ],
+    ids=lambda failure: type(failure).__name__,
+)
+def test_internal_failures_are_failures_that_carry_their_reason_through_a_pickle(failure: Failure) -> None:
+    """Each internal failure with a reason is an ``engine._errors.Failure``, so ``describe`` reads its reason, and
+    it survives a pickle (a process boundary) whole: its type, its fields and its arguments."""
+    assert isinstance(failure, Failure)
+    again = pickle.loads(pickle.dumps(failure))
+    assert type(again) is type(failure)
+    assert vars(again) == vars(failure)
+    assert again.args == failure.args
+    assert describe(again) == failure.reason

@@ -8,6 +8,7 @@ of that same shape, so the scheduler never needs to know which kind it is drivin
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import numbers
 import re
@@ -15,6 +16,8 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from decimal import Decimal
 from gc import is_tracked
 from typing import Any, Protocol, overload, runtime_checkable
+
+from engine._errors import Failure
 
 __all__ = [
     "ENV_NAME",
@@ -29,6 +32,7 @@ __all__ = [
     "as_rewards",
     "check_item",
     "check_reward",
+    "is_async",
     "private",
     "private_pair",
     "task_of",
@@ -37,6 +41,12 @@ __all__ = [
 
 VerifyFn = Callable[[Mapping[str, Any], Any], float]
 AsyncVerifyFn = Callable[[Mapping[str, Any], Any], Awaitable[float]]
+
+
+def is_async(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` is an :data:`AsyncVerifyFn`, to be awaited: an ``async def``, or an instance whose
+    ``__call__`` is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
 class Verifier(Protocol):
@@ -194,12 +204,13 @@ def task_of(index: int, item: Mapping[str, Any]) -> tuple[Mapping[str, Any], Any
     return task, trajectory
 
 
-class BadItem(Exception):
+class BadItem(Failure):
     """The item at ``position`` of a chunk cannot be scored: ``reason`` says why (the verifier's failure)."""
 
     def __init__(self, position: int, reason: str) -> None:
-        self.position, self.reason = position, reason
-        super().__init__(position, reason)
+        super().__init__(reason)
+        self.position = position
+        self.args = (position, reason)  # what unpickling calls the class with
 
 
 class BadReward(BadItem):

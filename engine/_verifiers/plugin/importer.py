@@ -13,8 +13,10 @@ Nothing is written next to the environment's files either. A module's ``__file__
 path (plugins find their data files by it), and :mod:`linecache` holds the snapshot's lines for
 it, so tracebacks quote the code that ran.
 
-:func:`load_callable` is the whole import of a plugin, shared by the engine's own process (thread
-executor) and its worker processes (process executor), so both say the same thing when it fails.
+:func:`load_plugin` is the whole import of a plugin, shared by the engine's own process (thread
+executor) and its worker processes (process executor), so both say the same thing when it fails;
+:func:`said` is how both describe a plugin's exception. A worker imports this module: it imports
+nothing a worker does not need (no event loop, no HTTP stack).
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ from types import CodeType, ModuleType
 from typing import Any
 
 from engine._environments.digest import Snapshot
+from engine._errors import Failure
 from engine._reasons import describe
 
-__all__ = ["PluginLoadError", "forget", "import_from_environment", "load_callable"]
+__all__ = ["PluginLoadError", "forget", "import_from_environment", "load_callable", "load_plugin", "said"]
 
 _numbers = itertools.count()
 
@@ -167,12 +170,8 @@ def forget(snapshot: Snapshot) -> None:
             sys.modules.pop(name, None)
 
 
-class PluginLoadError(Exception):
+class PluginLoadError(Failure):
     """A plugin's module or callable cannot be loaded; ``reason`` says why (the cause is chained)."""
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-        super().__init__(reason)
 
 
 def load_callable(snapshot: Snapshot, name: str, ref: str) -> Callable[..., Any]:
@@ -195,3 +194,28 @@ def load_callable(snapshot: Snapshot, name: str, ref: str) -> Callable[..., Any]
         raise PluginLoadError(f"{attr_path!r} in module {module_name!r} is a {type(target).__name__}, not callable")
     fn: Callable[..., Any] = target
     return fn
+
+
+def said(exc: BaseException) -> str:
+    """What ``describe`` says of a plugin's exception; never raises (its ``__str__`` is the plugin's code)."""
+    try:
+        return describe(exc)
+    except KeyboardInterrupt:
+        raise
+    except BaseException:  # an exception whose __str__ raises, even SystemExit
+        return type(exc).__name__
+
+
+def load_plugin(snapshot: Snapshot, environment: str, ref: str) -> Callable[..., Any]:
+    """:func:`load_callable`, and whatever else the plugin's code raises on its import or while its callable
+    is looked up (a ``BaseException`` of its own, such as pytest's ``Skipped`` or ``func_timeout``'s
+    ``FunctionTimedOut``) a :class:`PluginLoadError` too, the cause chained.
+
+    Only ``KeyboardInterrupt`` passes: it is the user's, not the plugin's.
+    """
+    try:
+        return load_callable(snapshot, environment, ref)
+    except (PluginLoadError, KeyboardInterrupt):
+        raise
+    except BaseException as exc:
+        raise PluginLoadError(f"cannot load {ref!r}: {said(exc)}") from exc

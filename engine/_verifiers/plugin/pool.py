@@ -1,32 +1,28 @@
-"""Process-isolated plugins: worker processes that each import a plugin once and call it in their main thread.
+"""Process-isolated plugins, the engine's side: worker processes that each import a plugin once and call it.
 
-A plugin whose manifest says ``"executor": "process"`` runs here instead of in the engine's
-threads. What that buys: a call that overruns its deadline is killed (Python cannot kill a
+A plugin whose manifest says ``"executor": "process"`` runs in worker processes instead of the
+engine's threads. What that buys: a call that overruns its deadline is killed (Python cannot kill a
 thread), a crash (a segfault, ``os._exit``, the OOM killer) fails an item instead of the trainer,
 libraries that time themselves out with ``signal.alarm`` (math-verify) work because the plugin
 runs in its process's main thread, and CPU-bound plugins use every core instead of one GIL.
+
+This module starts, talks to, kills and reaps them; the worker's own side is
+``engine._verifiers.plugin.worker``, and what the two say to each other ``engine._verifiers.plugin.wire``.
 
 Workers are fresh interpreters (``python -c``, see :class:`_Child`), not ``fork``ed (the engine
 runs an event loop and threads, which ``fork`` would copy half-way) and not multiprocessing's
 ``spawn`` either, which re-runs the program's ``__main__`` module in every child: each worker then
 paid for the trainer script's module-level imports (a model library: seconds, and hundreds of
 MiB), and a script without ``if __name__ == "__main__":`` could not use workers at all. A worker
-imports only the engine and the plugin. It
+imports only its own module (which imports none of the engine's event loop or HTTP stack) and the
+plugin, from the snapshot of the environment's sources the engine vetted: never from the disk, so
+a file changed since the check does not run. It is sent *chunks*, lists of ``(task, trajectory)``
+pairs, one round trip each; a chunk the worker cannot unpickle (a class of the trainer's
+``__main__``) is sent again as items pickled one by one, to name the one that fails.
 
-1. says it is up, receives from the engine the snapshot of the environment's sources that the
-   engine vetted (``engine._environments.digest``), imports the plugin from it
-   (``engine._verifiers.plugin.importer``: never from the disk, so a file changed since the check
-   does not run), and says it is ready or why it cannot be;
-2. then serves *chunks*: a list of ``(task, trajectory)`` pairs in, one message out: the rewards
-   (already checked to be finite floats) and what the calls cost, or the position in the chunk of
-   the first item that failed and why. A plugin's exception travels as text (its type, message
-   and traceback): it need not be picklable. A chunk the worker cannot unpickle (a class of the
-   trainer's ``__main__``) is sent again as items pickled one by one, to name the one that fails.
-
-Before each call the worker writes the item's position and start time to a few bytes shared with
-the engine: the engine's deadline is per item, and when a worker overruns it (it is then killed
-with SIGKILL) or dies, the engine knows which item it was running. A killed or dead worker is
-replaced by a fresh one when next needed.
+The engine's deadline is per item: when a worker overruns it (it is then killed with SIGKILL) or
+dies, the few bytes of progress it shares with the engine say which item it was running. A killed
+or dead worker is replaced by a fresh one when next needed.
 
 The engine's side of a round trip is blocking code in a thread that belongs to the worker (pickle
 and send the chunk, wait on the pipe and the process's sentinel until the deadline, receive), so a
@@ -50,15 +46,11 @@ released, as soon as it has died, not when the engine closes: a trainer aborts b
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import concurrent.futures
 import contextlib
-import dataclasses
 import functools
-import inspect
 import itertools
-import json
 import logging
 import mmap
 import multiprocessing.connection
@@ -70,71 +62,36 @@ import subprocess
 import sys
 import tempfile
 import threading
-import traceback
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
-from pathlib import Path
-from time import monotonic, perf_counter, sleep, thread_time
+from time import monotonic, sleep
 from typing import Any, TypeVar
 
 from engine._core import meters
-from engine._core.contract import BadItem, as_rewards, private_pair
-from engine._environments.digest import Snapshot
+from engine._core.contract import BadItem, MalformedItem
+from engine._core.threads import in_thread, wait_future
+from engine._errors import Failure
 from engine._reasons import describe
-from engine._verifiers.plugin.importer import PluginLoadError, load_callable
+from engine._verifiers.plugin.wire import NOWHERE, PROGRESS_BYTES, Cost, Pair, PluginSpec, worker_argv
 
 __all__ = [
     "STARTUP_TIMEOUT",
-    "Cost",
     "PluginError",
-    "PluginSpec",
     "WorkerFailure",
     "WorkerPool",
+    "as_dict",
     "default_workers",
-    "in_thread",
-    "load_plugin",
-    "said",
-    "wait_future",
+    "pairs_of",
 ]
 
 T = TypeVar("T")
-Cost = tuple[float, float]  # (wall seconds, CPU seconds of the calling thread) of some calls
-Pair = tuple[Mapping[str, Any], Any]  # (task, trajectory)
-_Call = Callable[[Mapping[str, Any], Any], Any]
 
 STARTUP_TIMEOUT = 60.0  # seconds for a worker's interpreter to start, before it imports the plugin
 CLOSE_GRACE = 2.0  # seconds an idle worker has to exit once its pipe is closed, before SIGKILL
 JOIN_POLL = 0.005  # seconds between looks at a worker that should exit, where there are no pidfds
-PROGRESS_BYTES = 16  # [position in the chunk, monotonic start] of the call a worker is running, as doubles
 
 logger = logging.getLogger("engine")
-
-
-# --- threads whose result outlives whoever waits for it ---
-
-
-def in_thread(fn: Callable[[], T], name: str) -> concurrent.futures.Future[T]:
-    """Run ``fn`` in a new daemon thread; its future outlives whoever started it."""
-    future: concurrent.futures.Future[T] = concurrent.futures.Future()
-
-    def run() -> None:
-        if future.set_running_or_notify_cancel():
-            try:
-                future.set_result(fn())
-            except BaseException as exc:
-                future.set_exception(exc)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return future
-
-
-async def wait_future(future: concurrent.futures.Future[T]) -> T:
-    """Await ``future``; cancelling the waiter leaves the future (and its thread) running."""
-    waiter = asyncio.wrap_future(future)
-    waiter.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved" log
-    return await asyncio.shield(waiter)
 
 
 def default_workers() -> int:
@@ -145,19 +102,6 @@ def default_workers() -> int:
         return os.cpu_count() or 1
 
 
-# --- what crosses the pipe ---
-
-
-@dataclass(frozen=True)
-class PluginSpec:
-    """What a worker needs to import a plugin: where, under which name, and the digest it was vetted at."""
-
-    root: str  # the environment directory, absolute
-    environment: str
-    ref: str
-    digest: str
-
-
 class PluginError(Exception):
     """A plugin's exception in a worker process, as text (chained as the ``VerificationError``'s cause)."""
 
@@ -166,163 +110,53 @@ class PluginError(Exception):
         super().__init__(text)
 
 
-class WorkerFailure(Exception):
+class WorkerFailure(Failure):
     """A chunk (or a worker's start) failed: ``reason``, and ``position``, the item's place in the chunk."""
 
     def __init__(self, reason: str, position: int = 0, cause: BaseException | None = None) -> None:
-        self.reason = reason
+        super().__init__(reason)
         self.position = position
         self.cause = cause
-        super().__init__(reason)
 
 
-def said(exc: BaseException) -> str:
-    """What ``describe`` says of a plugin's exception; never raises (its ``__str__`` is the plugin's code)."""
-    try:
-        return describe(exc)
-    except KeyboardInterrupt:
-        raise
-    except BaseException:  # an exception whose __str__ raises, even SystemExit
-        return type(exc).__name__
+def as_dict(position: int, task: Mapping[str, Any]) -> dict[str, Any]:
+    """A task for a worker process: as a plain dict, as threads are handed it (``private_pair``).
 
-
-def _described(exc: BaseException) -> tuple[str, str, str]:
-    """(type name, what ``describe`` says, the traceback) of a plugin's exception, as plain strings."""
-    return type(exc).__name__, said(exc), "".join(traceback.format_exception(exc))
-
-
-def load_plugin(snapshot: Snapshot, environment: str, ref: str) -> Callable[..., Any]:
-    """:func:`~engine._verifiers.plugin.importer.load_callable`, and whatever else the plugin's code raises on its
-    import or while its callable is looked up (a ``BaseException`` of its own, such as pytest's ``Skipped``
-    or ``func_timeout``'s ``FunctionTimedOut``) a :class:`PluginLoadError` too, the cause chained.
-
-    Only ``KeyboardInterrupt`` passes: it is the user's, not the plugin's.
+    Another kind of mapping (a ``MappingProxyType``, a class of the trainer's ``__main__``) may not
+    pickle, or not unpickle in a worker that cannot import its class. Raises :class:`BadItem` if
+    it cannot be read.
     """
+    if type(task) is dict:
+        return task
     try:
-        return load_callable(snapshot, environment, ref)
-    except (PluginLoadError, KeyboardInterrupt):
-        raise
-    except BaseException as exc:
-        raise PluginLoadError(f"cannot load {ref!r}: {said(exc)}") from exc
+        return dict(task.items())
+    except Exception as exc:
+        raise BadItem(position, f"cannot read the item's task: {describe(exc)}") from exc
 
 
-# --- the worker process ---
+def pairs_of(items: Sequence[Mapping[str, Any]], environment: str) -> list[tuple[dict[str, Any], Any]]:
+    """The ``(task, trajectory)`` of each item up to the first of another environment, each task a dict.
 
-
-def _watch_parent(alive: int) -> None:
-    """Exit once the engine's process dies (``alive`` reads end-of-file), even in the middle of a call."""
-
-    def watch() -> None:
-        while os.read(alive, 1):  # nothing is ever written: it returns b"" when the writer is gone
-            pass
-        if os.getpgrp() == os.getpid():  # it leads its group (see _Child): what the plugin started goes too
-            os.killpg(0, signal.SIGKILL)
-        os._exit(70)
-
-    threading.Thread(target=watch, name="engine-worker-watchdog", daemon=True).start()
-
-
-def _caller(fn: Callable[..., Any]) -> _Call:
-    """``fn`` as a plain call: an ``async def`` plugin runs on an event loop of the worker's own."""
-    if not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)):
-        return fn
-    loop = asyncio.new_event_loop()
-    return lambda task, trajectory: loop.run_until_complete(fn(task, trajectory))
-
-
-def _serve_chunk(call: _Call, pairs: Sequence[Pair], progress: memoryview[float]) -> tuple[Any, ...]:
-    """Call the plugin on each pair; the reply to send back.
-
-    Each call is handed its own copy of its task and trajectory (``private_pair``), as in the
-    engine's threads: unpickled together, the items of a chunk that shared a task share it here too.
-    A value that is not a plain float, int or bool is turned into a reward with its item's position
-    and start time in ``progress`` (its ``__float__`` is the plugin's code: it may hang, or end the
-    process), so the engine's deadline and a death there name that item.
+    Raises :class:`MalformedItem` at the first item that has no task or trajectory, :class:`BadItem`
+    at the first whose task cannot be read as a dict.
     """
-    out: list[Any] = []
-    append = out.append
-
-    def at(position: int) -> None:  # the item now in the plugin's hands, and since when
-        progress[0] = position
-        progress[1] = monotonic()
-
-    started, cpu = perf_counter(), thread_time()
-    position = 0
-    try:
-        for position, (task, trajectory) in enumerate(pairs):
-            at(position)
-            append(call(*private_pair(position, task, trajectory)))
-    except BadItem as exc:  # the item cannot be copied
-        return ("bad", exc.position, exc.reason)
-    except BaseException as exc:  # SystemExit and the like fail the item, not the worker
-        return ("raised", position, *_described(exc))
-    cost = (perf_counter() - started, thread_time() - cpu)
-    try:
-        return ("done", as_rewards(out, at), cost)
-    except BadItem as exc:
-        return ("bad", exc.position, exc.reason)
-    except BaseException as exc:  # KeyboardInterrupt from a value's code (SIGINT is ignored here: it is the plugin's)
-        return ("raised", int(progress[0]), *_described(exc))
-
-
-def _first_unpicklable(pickles: Sequence[bytes], progress: memoryview[float]) -> tuple[Any, ...]:
-    """The reply to a probe: the position of the first item, pickled alone, that does not unpickle here."""
-    for position, data in enumerate(pickles):
-        progress[0] = position
+    pairs = []
+    for position, item in enumerate(items):
         try:
-            ForkingPickler.loads(data)
-        except BaseException as exc:  # whatever unpickling the trainer's objects raises, even SystemExit
-            return ("bad", position, f"the worker process cannot unpickle the item: {said(exc)}")
-    return ("bad", -1, "every item unpickles alone")
+            task, trajectory, name = item["task"], item["trajectory"], item["environment"]
+        except (KeyError, TypeError):
+            raise MalformedItem(position) from None
+        if name != environment:
+            break
+        if type(task) is not dict:
+            if not isinstance(task, Mapping):
+                raise MalformedItem(position)
+            task = as_dict(position, task)
+        pairs.append((task, trajectory))
+    return pairs
 
 
-def _child_main() -> None:
-    """A worker process's entry point (see :class:`_Child`): argv holds its descriptors and its plugin's spec."""
-    conn_fd, progress_fd, alive_fd = (int(arg) for arg in sys.argv[1:4])
-    spec = PluginSpec(**json.loads(sys.argv[4]))
-    _watch_parent(alive_fd)
-    with mmap.mmap(progress_fd, PROGRESS_BYTES) as memory:
-        os.close(progress_fd)
-        progress = memoryview(memory).cast("d")
-        try:
-            _worker_main(Connection(conn_fd), progress, spec)
-        finally:
-            progress.release()
-
-
-def _worker_main(conn: Connection, progress: memoryview[float], spec: PluginSpec) -> None:
-    """A worker process's whole life: check, import, then serve chunks until the pipe closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; the engine stops us
-    conn.send(("started",))
-    try:
-        sources = conn.recv()  # the sources the engine hashed and vetted at spec.digest: never re-read from disk
-    except EOFError:  # the engine gave up on this worker
-        return
-    try:
-        fn = load_plugin(Snapshot(Path(spec.root), spec.digest, sources), spec.environment, spec.ref)
-    except PluginLoadError as exc:
-        cause = exc.__cause__
-        conn.send(("failed", exc.reason, _described(cause) if cause is not None else None))
-        return
-    call = _caller(fn)
-    conn.send(("ready",))
-    while True:
-        try:
-            data = conn.recv_bytes()
-        except EOFError:  # the engine closed the pool
-            return
-        try:
-            message = ForkingPickler.loads(data)
-        except BaseException as exc:  # pickled by the engine, but not unpicklable here (a class of its __main__)
-            conn.send(("unpicklable", said(exc)))  # the engine then asks which item it was (a probe)
-            continue
-        if type(message) is tuple:  # a probe: ("probe", each item of the chunk that failed, pickled alone)
-            conn.send(_first_unpicklable(message[1], progress))
-        else:
-            conn.send(_serve_chunk(call, message, progress))
-
-
-# --- the engine's side ---
+# --- the worker processes ---
 
 
 def _unpicklable(pairs: Sequence[Pair]) -> int:
@@ -337,9 +171,6 @@ def _unpicklable(pairs: Sequence[Pair]) -> int:
 
 class _Overran(Exception):
     """A deadline passed while waiting for a worker's message."""
-
-
-NOWHERE = -1  # progress[0] while a worker reads a chunk: it calls nothing yet, so no item is to blame
 
 
 def _at(reason: str, position: int) -> WorkerFailure:
@@ -378,8 +209,8 @@ _alive_lock = threading.Lock()
 
 def _alive_fd() -> int:
     """The read end of a pipe whose write end this process holds until it dies: each worker is handed it
-    (see _watch_parent). Neither end is inherited otherwise. Made once, when the first worker starts
-    (importing the engine opens nothing), and kept for the life of the process."""
+    (see ``engine._verifiers.plugin.worker``). Neither end is inherited otherwise. Made once, when the
+    first worker starts (importing the engine opens nothing), and kept for the life of the process."""
     global _alive_pipe
     with _alive_lock:
         if _alive_pipe is None:
@@ -396,7 +227,7 @@ def _progress_file() -> int:
 
 
 class _Child:
-    """A worker's process: ``python -c`` running :func:`_child_main`, handed ``fds`` (argv says which).
+    """A worker's process: ``python -c`` running ``engine._verifiers.plugin.worker``, handed ``fds`` (argv says which).
 
     The little of ``multiprocessing.Process`` the worker uses, over ``subprocess.Popen``; its
     ``sentinel`` is a pidfd (readable once the process has exited) where the platform has them,
@@ -407,19 +238,16 @@ class _Child:
 
     def __init__(self, fds: Sequence[int], spec: PluginSpec) -> None:
         self._fds = tuple(fds)
-        self._spec = json.dumps(dataclasses.asdict(spec))
+        self._argv = worker_argv(self._fds, spec)
         self._popen: subprocess.Popen[bytes] | None = None
         self.sentinel: int | None = None
         self.pid: int | None = None
 
     def start(self) -> None:
         # sys.path as the engine's: the worker imports the engine (and the plugin's libraries) as it does
-        code = (
-            f"import sys; sys.path[:] = {sys.path!r}; "
-            "from engine._verifiers.plugin.pool import _child_main; _child_main()"
-        )
+        code = f"import sys; sys.path[:] = {sys.path!r}; from engine._verifiers.plugin.worker import main; main()"
         self._popen = subprocess.Popen(
-            [sys.executable, "-c", code, *map(str, self._fds), self._spec],
+            [sys.executable, "-c", code, *self._argv],
             pass_fds=self._fds,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # its own process group, which whatever the plugin starts joins

@@ -1,5 +1,10 @@
 """Plugin verifiers: ``module:callable`` inside a digest-pinned environment directory.
 
+This module holds :class:`PluginVerifier`, the side on the event loop: vetting the digest,
+importing once, sizing chunks, and turning failures into ``VerificationError``. What runs in the
+engine's threads is in ``engine._verifiers.plugin.threads``; worker processes are started and
+spoken to by ``engine._verifiers.plugin.pool`` and run ``engine._verifiers.plugin.worker``.
+
 The module is imported lazily, on the first item that needs it, once however many items ask at
 the same time (and once even if a batch is aborted mid-import: the import finishes in its thread
 and the next batch uses it), never before the directory's digest matches its pin, and only from
@@ -9,8 +14,9 @@ what was pinned, even if a file changes afterwards.
 Sync callables run in the engine's bounded thread pool, so they never block the event loop;
 ``async def`` callables are awaited on the loop. The call timeout covers the first item's import
 too. An overrun abandons the thread (Python cannot kill it) and fails the item. Abandoned calls
-still running are counted per verifier: past ``Limits.max_abandoned`` of them, the verifier fails
-new calls at once, saying why, instead of piling up threads that never end.
+still running are counted per verifier (``engine._verifiers.plugin.threads.Abandoned``): past
+``Limits.max_abandoned`` of them, the verifier fails new calls at once, saying why, instead of
+piling up threads that never end.
 
 Each call is handed a task and a trajectory of its own, so a plugin that changes them (adds a key,
 appends to a list) changes nothing another item's call sees, nor the caller's batch, under every
@@ -21,9 +27,9 @@ flat task is shared, not copied (telling it apart would cost every flat task a p
 A reward is a real number (``engine._core.contract.check_reward``): ``"42"`` is an error, not 42.0.
 
 A plugin whose manifest says ``"executor": "process"`` runs in worker processes instead
-(``engine._verifiers.plugin.pool``): the engine then only vets the directory's digest, the workers import the
-module from the snapshot the engine vetted, and an overrun or a crash kills a worker, never a
-thread or the engine.
+(``engine._verifiers.plugin.pool``): the engine then only vets the directory's digest, the workers
+(``engine._verifiers.plugin.worker``) import the module from the snapshot the engine vetted, and an
+overrun or a crash kills a worker, never a thread or the engine.
 
 A round trip between the event loop and a thread costs ~100 us, far more than a cheap plugin's
 call, so sync plugins are called a *chunk* of items per round trip, sized from the measured cost per
@@ -47,12 +53,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import inspect
 import os
-import threading
 from collections.abc import Callable, Mapping, Sequence
-from gc import is_tracked
-from time import perf_counter, thread_time
 from typing import Any, TypeVar
 
 import anyio
@@ -60,23 +62,15 @@ import anyio.to_thread
 
 from engine._config import Limits
 from engine._core import meters
-from engine._core.contract import BadItem, MalformedItem, as_rewards, private_pair
+from engine._core.contract import BadItem, MalformedItem, as_rewards, is_async, private_pair
+from engine._core.threads import in_thread, wait_future
 from engine._environments.digest import MANIFEST, Pin, Snapshot, pin_verdict, snapshot_directory
 from engine._environments.manifest import Environment
 from engine._errors import DigestError, VerificationError
-from engine._reasons import describe
-from engine._verifiers.plugin.importer import PluginLoadError, forget
-from engine._verifiers.plugin.pool import (
-    Cost,
-    PluginSpec,
-    WorkerFailure,
-    WorkerPool,
-    default_workers,
-    in_thread,
-    load_plugin,
-    said,
-    wait_future,
-)
+from engine._verifiers.plugin.importer import PluginLoadError, forget, load_plugin, said
+from engine._verifiers.plugin.pool import WorkerFailure, WorkerPool, as_dict, default_workers, pairs_of
+from engine._verifiers.plugin.threads import Abandoned, run_chunk, timed
+from engine._verifiers.plugin.wire import Cost, PluginSpec
 
 __all__ = ["PluginVerifier"]
 
@@ -90,18 +84,6 @@ PROCESS_CHUNK_SECONDS = 0.05  # work per round trip to a worker process
 MAX_CHUNK = 1 << 18  # items: bounds what one chunk holds (its values and rewards, ~2 MiB of pointers each)
 
 
-def _timed(fn: Callable[..., Any], task: Mapping[str, Any], trajectory: Any) -> tuple[float, Cost]:
-    """The reward ``fn(task, trajectory)`` returns, and what it cost, measured in its thread (no hop, no queue).
-
-    The value becomes a reward here, in the call's thread and within its timeout, as a chunk's do:
-    its ``__float__`` is the plugin's code, which must not run on the event loop. A value that is
-    not a reward raises :class:`BadReward`.
-    """
-    started, cpu = perf_counter(), thread_time()
-    reward = as_rewards([fn(task, trajectory)])[0]
-    return reward, (perf_counter() - started, thread_time() - cpu)
-
-
 def _ours(exc: BaseException) -> bool:
     """Whether ``exc``, raised where a plugin's code ran, is not the plugin's failure but must pass:
     ``KeyboardInterrupt``, or the event loop cancelling this task (a timeout, an abort). A
@@ -112,141 +94,6 @@ def _ours(exc: BaseException) -> bool:
         task = asyncio.current_task()
         return task is None or task.cancelling() > 0
     return False
-
-
-def _run_chunk(
-    fn: Callable[..., Any],
-    items: Sequence[Mapping[str, Any]],
-    out: list[Any],
-    environment: str,
-    step: int,
-    wanted: Callable[[], bool],
-    converting: list[int],
-) -> tuple[list[float], Cost]:
-    """Call ``fn`` on each item into ``out`` (runs in a worker thread); the rewards, and what they cost.
-
-    Everything a chunk does to its items happens here, in one thread (see :class:`Items`): it slices
-    them ``step`` at a time, and between steps stops if its caller no longer waits (an abort, a
-    timeout), so an abandoned chunk ends within a step. It stops early, returning fewer rewards,
-    at an item of another environment than ``environment`` (the batch was not all one
-    environment's). On an exception, ``len(out)`` is the position of the item that raised;
-    :class:`BadItem` names an item that cannot be copied, or a value that is not a reward. Once
-    every call has returned, ``converting[0]`` is the position of the value being made a reward
-    one at a time (its ``__float__`` is the plugin's code, which may overrun the timeout).
-    """
-    append = out.append
-    at = functools.partial(converting.__setitem__, 0)
-    copy, tracked = dict.copy, is_tracked
-    started, cpu = perf_counter(), thread_time()
-    for start in range(0, len(items), step):
-        if not wanted():
-            raise RuntimeError("abandoned")  # nobody waits for this
-        for item in items[start : start + step]:
-            try:
-                task, trajectory, name = item["task"], item["trajectory"], item["environment"]
-            except (KeyError, TypeError):
-                raise MalformedItem(len(out)) from None
-            if name != environment:
-                return as_rewards(out, at), (perf_counter() - started, thread_time() - cpu)
-            # each call is handed a task and a trajectory of its own: private_pair, inlined for a text
-            # and a task with no container in it (a dict the garbage collector does not track)
-            if type(task) is dict and type(trajectory) is str and not tracked(task):
-                task = copy(task)
-            else:
-                task, trajectory = private_pair(len(out), task, trajectory)
-            append(fn(task, trajectory))
-    return as_rewards(out, at), (perf_counter() - started, thread_time() - cpu)
-
-
-class _Abandoned:
-    """A verifier's thread calls whose caller gave up (a timeout, an abort) while they still run."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.lock = threading.Lock()  # guards count and every call's state
-
-    def call(self) -> _ThreadCall:
-        return _ThreadCall(self)
-
-
-class _ThreadCall:
-    """One call in a thread: counted as abandoned from when its caller gives up until it returns."""
-
-    __slots__ = ("_abandoned", "_state")
-
-    def __init__(self, abandoned: _Abandoned) -> None:
-        self._abandoned = abandoned
-        self._state = "pending"  # -> running -> done; "given up" before or while running
-
-    def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` in the thread; skipped if its caller already gave up on it."""
-        lock = self._abandoned.lock
-        with lock:
-            if self._state == "given up":
-                raise RuntimeError("abandoned before it started")  # nobody waits for this
-            self._state = "running"
-        try:
-            return fn(*args)
-        finally:
-            with lock:
-                if self._state == "abandoned":
-                    self._abandoned.count -= 1
-                self._state = "done"
-
-    def wanted(self) -> bool:
-        """Whether its caller still waits for it (read without the lock: a stale answer costs one step)."""
-        return self._state == "running"
-
-    def give_up(self) -> None:
-        """Its caller stops waiting (no-op once it is done)."""
-        with self._abandoned.lock:
-            if self._state == "running":
-                self._state = "abandoned"
-                self._abandoned.count += 1
-            elif self._state == "pending":
-                self._state = "given up"
-
-
-def _is_async(fn: Callable[..., Any]) -> bool:
-    # an instance whose __call__ is "async def" is awaited too
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
-
-
-def _as_dict(position: int, task: Mapping[str, Any]) -> dict[str, Any]:
-    """A task for a worker process: as a plain dict, as threads are handed it (``private_pair``).
-
-    Another kind of mapping (a ``MappingProxyType``, a class of the trainer's ``__main__``) may not
-    pickle, or not unpickle in a worker that cannot import its class. Raises :class:`BadItem` if
-    it cannot be read.
-    """
-    if type(task) is dict:
-        return task
-    try:
-        return dict(task.items())
-    except Exception as exc:
-        raise BadItem(position, f"cannot read the item's task: {describe(exc)}") from exc
-
-
-def _pairs(items: Sequence[Mapping[str, Any]], environment: str) -> list[tuple[dict[str, Any], Any]]:
-    """The ``(task, trajectory)`` of each item up to the first of another environment, each task a dict.
-
-    Raises :class:`MalformedItem` at the first item that has no task or trajectory, :class:`BadItem`
-    at the first whose task cannot be read as a dict.
-    """
-    pairs = []
-    for position, item in enumerate(items):
-        try:
-            task, trajectory, name = item["task"], item["trajectory"], item["environment"]
-        except (KeyError, TypeError):
-            raise MalformedItem(position) from None
-        if name != environment:
-            break
-        if type(task) is not dict:
-            if not isinstance(task, Mapping):
-                raise MalformedItem(position)
-            task = _as_dict(position, task)
-        pairs.append((task, trajectory))
-    return pairs
 
 
 class PluginVerifier:
@@ -285,7 +132,7 @@ class PluginVerifier:
         # Chunks of one plugin run one at a time: they are cheap Python calls by construction, and
         # under the GIL a second thread only slows the first down (measured: 1.7M vs 2.1M items/s).
         self._chunk_lock = meters.slots(1)
-        self._abandoned = _Abandoned()
+        self._abandoned = Abandoned()
         self.digest: str | None = None  # the digest the module was imported (or vetted) at
         self.retries = 0  # plugins are never retried: a failure is the plugin's answer
 
@@ -374,7 +221,7 @@ class PluginVerifier:
                 self._import_future = None
             raise
         if fn is not None:
-            self._is_async, self._fn = _is_async(fn), fn
+            self._is_async, self._fn = is_async(fn), fn
         elif self._pool is None:
             env = self.environment
             spec = PluginSpec(os.path.abspath(env.path), env.name, self.ref, snapshot.digest)
@@ -458,7 +305,7 @@ class PluginVerifier:
         """The reward of one call; :class:`BadReward` if its value is not one."""
         if self._is_async:  # its value's code (__float__) runs on the loop, as the plugin's own code does
             return as_rewards([await fn(task, trajectory)])[0]
-        reward, cost = await self._in_pool_thread(_timed, fn, task, trajectory)
+        reward, cost = await self._in_pool_thread(timed, fn, task, trajectory)
         self._measured(cost, 1)
         return reward
 
@@ -484,7 +331,7 @@ class PluginVerifier:
     async def verify(self, task: Mapping[str, Any], trajectory: Any) -> float:
         if self._process:
             try:
-                task = _as_dict(0, task)
+                task = as_dict(0, task)
             except BadItem as exc:
                 raise self._fail(exc.reason) from exc.__cause__
             return (await self._in_process([(task, trajectory)]))[0]
@@ -516,7 +363,7 @@ class PluginVerifier:
     ) -> tuple[list[float], Cost]:
         call = self._abandoned.call()
         runner = functools.partial(
-            call.run, _run_chunk, fn, items, out, self.environment.name, self._step, call.wanted, converting
+            call.run, run_chunk, fn, items, out, self.environment.name, self._step, call.wanted, converting
         )
         try:
             if self._serial:
@@ -532,7 +379,7 @@ class PluginVerifier:
     async def verify_chunk(self, items: Sequence[Mapping[str, Any]]) -> list[float]:
         if self._process:
             try:
-                pairs = _pairs(items, self.environment.name)
+                pairs = pairs_of(items, self.environment.name)
             except BadItem as exc:
                 raise self._fail(exc.reason, exc.position) from exc.__cause__
             return await self._in_process(pairs) if pairs else []

@@ -1,0 +1,159 @@
+"""A plugin's worker process: import the plugin once, from the sources the engine vetted, then call it on chunks.
+
+This is the worker's main (:func:`main`), run in a fresh interpreter that the engine's pool starts
+(``engine._verifiers.plugin.pool``; what they say to each other: ``engine._verifiers.plugin.wire``).
+Everything this module imports is imported again by every worker the engine starts or replaces,
+so it imports only what a worker uses: the standard library, the plugin contract, the importer and
+the wire protocol; no event loop (an ``async def`` plugin gets one when it is loaded), no HTTP
+stack, none of the engine's third-party dependencies (``tests/test_import.py`` holds it to that).
+
+A worker calls the plugin in its main thread, so libraries that time themselves out with
+``signal.alarm`` (math-verify) work. Before each call it writes the item's position and start time
+to the few bytes it shares with the engine, so the engine's per-item deadline, and a death, name
+the item. It ignores SIGINT (Ctrl-C is the trainer's to handle), and a thread of its own watches
+for the engine's process to die, then kills the worker's process group (which it leads: what the
+plugin started goes too) and exits, even in the middle of a call.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+from time import monotonic, perf_counter, thread_time
+from typing import Any
+
+from engine._core.contract import BadItem, as_rewards, is_async, private_pair
+from engine._environments.digest import Snapshot
+from engine._verifiers.plugin.importer import PluginLoadError, load_plugin, said
+from engine._verifiers.plugin.wire import PROGRESS_BYTES, Pair, PluginSpec, read_argv
+
+__all__ = ["main"]
+
+_Call = Callable[[Mapping[str, Any], Any], Any]
+
+
+def _described(exc: BaseException) -> tuple[str, str, str]:
+    """(type name, what ``describe`` says, the traceback) of a plugin's exception, as plain strings."""
+    return type(exc).__name__, said(exc), "".join(traceback.format_exception(exc))
+
+
+def _watch_parent(alive: int) -> None:
+    """Exit once the engine's process dies (``alive`` reads end-of-file), even in the middle of a call."""
+
+    def watch() -> None:
+        while os.read(alive, 1):  # nothing is ever written: it returns b"" when the writer is gone
+            pass
+        if os.getpgrp() == os.getpid():  # it leads its group (see pool._Child): what the plugin started goes too
+            os.killpg(0, signal.SIGKILL)
+        os._exit(70)
+
+    threading.Thread(target=watch, name="engine-worker-watchdog", daemon=True).start()
+
+
+def _caller(fn: Callable[..., Any]) -> _Call:
+    """``fn`` as a plain call: an ``async def`` plugin runs on an event loop of the worker's own."""
+    if not is_async(fn):
+        return fn
+    import asyncio  # only for an async plugin: every worker pays for what this module imports
+
+    loop = asyncio.new_event_loop()
+    return lambda task, trajectory: loop.run_until_complete(fn(task, trajectory))
+
+
+def _serve_chunk(call: _Call, pairs: Sequence[Pair], progress: memoryview[float]) -> tuple[Any, ...]:
+    """Call the plugin on each pair; the reply to send back.
+
+    Each call is handed its own copy of its task and trajectory (``private_pair``), as in the
+    engine's threads: unpickled together, the items of a chunk that shared a task share it here too.
+    A value that is not a plain float, int or bool is turned into a reward with its item's position
+    and start time in ``progress`` (its ``__float__`` is the plugin's code: it may hang, or end the
+    process), so the engine's deadline and a death there name that item.
+    """
+    out: list[Any] = []
+    append = out.append
+
+    def at(position: int) -> None:  # the item now in the plugin's hands, and since when
+        progress[0] = position
+        progress[1] = monotonic()
+
+    started, cpu = perf_counter(), thread_time()
+    position = 0
+    try:
+        for position, (task, trajectory) in enumerate(pairs):
+            at(position)
+            append(call(*private_pair(position, task, trajectory)))
+    except BadItem as exc:  # the item cannot be copied
+        return ("bad", exc.position, exc.reason)
+    except BaseException as exc:  # SystemExit and the like fail the item, not the worker
+        return ("raised", position, *_described(exc))
+    cost = (perf_counter() - started, thread_time() - cpu)
+    try:
+        return ("done", as_rewards(out, at), cost)
+    except BadItem as exc:
+        return ("bad", exc.position, exc.reason)
+    except BaseException as exc:  # KeyboardInterrupt from a value's code (SIGINT is ignored here: it is the plugin's)
+        return ("raised", int(progress[0]), *_described(exc))
+
+
+def _first_unpicklable(pickles: Sequence[bytes], progress: memoryview[float]) -> tuple[Any, ...]:
+    """The reply to a probe: the position of the first item, pickled alone, that does not unpickle here."""
+    for position, data in enumerate(pickles):
+        progress[0] = position
+        try:
+            ForkingPickler.loads(data)
+        except BaseException as exc:  # whatever unpickling the trainer's objects raises, even SystemExit
+            return ("bad", position, f"the worker process cannot unpickle the item: {said(exc)}")
+    return ("bad", -1, "every item unpickles alone")
+
+
+def main() -> None:
+    """A worker process's entry point: argv holds its descriptors and its plugin's spec (``wire.worker_argv``)."""
+    (conn_fd, progress_fd, alive_fd), spec = read_argv(sys.argv[1:])
+    _watch_parent(alive_fd)
+    with mmap.mmap(progress_fd, PROGRESS_BYTES) as memory:
+        os.close(progress_fd)
+        progress = memoryview(memory).cast("d")
+        try:
+            _serve(Connection(conn_fd), progress, spec)
+        finally:
+            progress.release()
+
+
+def _serve(conn: Connection, progress: memoryview[float], spec: PluginSpec) -> None:
+    """A worker process's whole life: import, then serve chunks until the pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; the engine stops us
+    conn.send(("started",))
+    try:
+        sources = conn.recv()  # the sources the engine hashed and vetted at spec.digest: never re-read from disk
+    except EOFError:  # the engine gave up on this worker
+        return
+    try:
+        fn = load_plugin(Snapshot(Path(spec.root), spec.digest, sources), spec.environment, spec.ref)
+    except PluginLoadError as exc:
+        cause = exc.__cause__
+        conn.send(("failed", exc.reason, _described(cause) if cause is not None else None))
+        return
+    call = _caller(fn)
+    conn.send(("ready",))
+    while True:
+        try:
+            data = conn.recv_bytes()
+        except EOFError:  # the engine closed the pool
+            return
+        try:
+            message = ForkingPickler.loads(data)
+        except BaseException as exc:  # pickled by the engine, but not unpicklable here (a class of its __main__)
+            conn.send(("unpicklable", said(exc)))  # the engine then asks which item it was (a probe)
+            continue
+        if type(message) is tuple:  # a probe: ("probe", each item of the chunk that failed, pickled alone)
+            conn.send(_first_unpicklable(message[1], progress))
+        else:
+            conn.send(_serve_chunk(call, message, progress))
