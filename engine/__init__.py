@@ -113,4 +113,5 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+    # the public names and the module's own dunders: not this module's imports (Any, TYPE_CHECKING ...)
+    return sorted({*__all__, *(name for name in globals() if name.startswith("__"))})

@@ -20,7 +20,7 @@ from typing import Any, Self
 import anyio
 import httpx
 
-from engine._config import DEFAULT_TIMEOUT, EngineConfig, load_config
+from engine._config import EngineConfig, load_config
 from engine._core import meters
 from engine._core.contract import Verifier
 from engine._core.report import BatchResult
@@ -93,7 +93,7 @@ class Engine:
         self._client = httpx.AsyncClient(  # httpx sizes only a pool it builds itself: ours is sized above
             transport=transport,
             mounts=self._routes.mounts_for(judge.url) if judge is not None else None,
-            timeout=DEFAULT_TIMEOUT,
+            timeout=None,  # every request carries its own deadline (engine._http.post): none falls back to this
             follow_redirects=False,
         )
         threads = meters.threads(self.config.threads)

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import functools
 import re
-import ssl
 import sys
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    import ssl
 
 __all__ = ["REDACTED", "Scrubber", "describe", "excerpt", "tls_verification_failure"]
 
@@ -37,14 +39,19 @@ def tls_verification_failure(exc: BaseException) -> ssl.SSLCertVerificationError
     """The certificate verification error behind ``exc``, if that is why it failed.
 
     The engine's transport chains it to the ``ConnectError`` it raises, httpx's own transport one
-    link further (through httpcore's error), so the chain of causes is searched.
+    link further (through httpcore's error), so the chain of causes is searched. (Without ssl
+    imported, no TLS error can have happened: a worker process describing its plugin's failure
+    need not import it.)
     """
+    ssl_module: Any = sys.modules.get("ssl")
+    if ssl_module is None:
+        return None
     cause: BaseException | None = exc
     for _ in range(_CHAIN_DEPTH):
         if cause is None:
             return None
-        if isinstance(cause, ssl.SSLCertVerificationError):
-            return cause
+        if isinstance(cause, ssl_module.SSLCertVerificationError):
+            return cast("ssl.SSLCertVerificationError", cause)
         cause = cause.__cause__ or cause.__context__
     return None
 

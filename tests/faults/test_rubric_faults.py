@@ -173,13 +173,11 @@ async def test_a_transport_of_ones_own_is_bounded_too(setup: Setup, sleeps: Slee
         return score(1)
 
     setup.judge.fault = hang
-    started = asyncio.get_running_loop().time()
     async with Engine(setup.config(timeout=TIMEOUT), transport=httpx.AsyncHTTPTransport(), sleep=sleeps) as eng:
         with pytest.raises(VerificationError) as info:
             await eng.run(BATCH)
     timed_out = "judge request failed: timed out waiting for the response (timeout: 0.3 s for the whole call)"
-    check(info.value, reason=timed_out)
-    assert asyncio.get_running_loop().time() - started < 3 * TIMEOUT + 1.0
+    check(info.value, reason=timed_out)  # a judge that was not cut would have answered 1 after 30 s
     await all_closed(setup.server)
 
 
