@@ -6,6 +6,7 @@ portal), so every ``score`` call reuses the same connection pool, threads and im
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from contextlib import ExitStack
 from pathlib import Path
@@ -56,11 +57,13 @@ class BlockingEngine:
             raise RuntimeError("the engine is not open: use 'with BlockingEngine(...) as eng'")
         return self._portal
 
-    def score(self, items: Iterable[Mapping[str, Any]]) -> list[float]:
+    def score(self, items: Iterable[Mapping[str, Any]], *, first_index: int = 0) -> list[float]:
         """Like :meth:`Engine.score`, blocking until the batch is scored or has failed."""
-        return self._open_portal().call(self._engine.score, items)
+        return self._open_portal().call(functools.partial(self._engine.score, items, first_index=first_index))
 
-    def run(self, items: Iterable[Mapping[str, Any]]) -> BatchResult:
+    def run(self, items: Iterable[Mapping[str, Any]], *, first_index: int = 0) -> BatchResult:
         """Like :meth:`Engine.run`: the rewards with per-verifier reports, usage and provenance."""
-        result: BatchResult = self._open_portal().call(self._engine.run, items)
+        result: BatchResult = self._open_portal().call(
+            functools.partial(self._engine.run, items, first_index=first_index)
+        )
         return result

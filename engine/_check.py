@@ -18,7 +18,7 @@ from engine._config import EngineConfig
 from engine._engine import Engine
 from engine._environments.digest import Pin, digest_directory, pin_verdict
 from engine._environments.manifest import load_environment
-from engine._errors import DigestError, EngineError, ManifestError
+from engine._errors import DigestError, EngineError, Failure, ManifestError
 from engine._http.network import Proxies
 
 __all__ = ["CONNECT_TIMEOUT", "EnvironmentCheck", "check_environments"]
@@ -116,7 +116,7 @@ async def check_environments(*, config: EngineConfig) -> list[EnvironmentCheck]:
                     verdict = await _reachable(env.verifier.ref, proxies)
                 else:
                     verdict = _rubric_verdict(engine, env.verifier.ref)
-            except EngineError as exc:
+            except (EngineError, Failure) as exc:  # a Failure: the plugin's load, which no item asked for
                 verdict = getattr(exc, "reason", str(exc))
             stale = digest_status not in ("ok", "-")
             spec = env.verifier

@@ -128,11 +128,11 @@ class Engine:
         """
         return self._registry.verifier_for(env, rubrics)
 
-    async def score(self, items: Iterable[Mapping[str, Any]]) -> list[float]:
+    async def score(self, items: Iterable[Mapping[str, Any]], *, first_index: int = 0) -> list[float]:
         """One reward per item, in input order; see :meth:`run` for the rules."""
-        return (await self.run(items)).rewards
+        return (await self.run(items, first_index=first_index)).rewards
 
-    async def run(self, items: Iterable[Mapping[str, Any]]) -> BatchResult:
+    async def run(self, items: Iterable[Mapping[str, Any]], *, first_index: int = 0) -> BatchResult:
         """Score a batch: its rewards in input order, with per-verifier reports and provenance.
 
         Each item is a mapping with ``environment`` (a directory name under the configured
@@ -140,6 +140,12 @@ class Engine:
         Raises ``VerificationError`` for the first item whose verifier fails, after cancelling
         everything else in flight; ``TypeError``/``ValueError`` for malformed items. A list is
         scored as it is: it must not change while it is being scored.
+
+        Errors name an item by its position in ``items`` plus ``first_index``: a caller scoring a
+        stream a chunk at a time (a backfill, a trainer's micro-batches) passes the chunk's first
+        item's place in the stream, and an error names the item where the caller knows it.
         """
+        if type(first_index) is not int or first_index < 0:
+            raise ValueError(f"first_index must be a whole number >= 0, got {first_index!r}")
         with self._batch_scope():
-            return await score_batch(items, self._registry.resolver(), self._in_flight)
+            return await score_batch(items, self._registry.resolver(), self._in_flight, first_index=first_index)

@@ -93,6 +93,16 @@ class VerificationError(EngineError):
         self.item_id = item_id
         super().__init__(kind, ref, reason)
 
+    def at_item(self, environment: str, index: int, item_id: Any) -> VerificationError:
+        """This error, naming the item it failed on, as a new error: set once, by the scheduler.
+
+        Only an error raised before any item was read needs this (a rubric that cannot be resolved):
+        a verifier's own failures are :class:`Failure`, which the scheduler names the item of.
+        """
+        return VerificationError(
+            self.kind, self.ref, self.reason, environment=environment, index=index, item_id=item_id
+        )
+
     def __str__(self) -> str:
         where = ""
         if self.index is not None:
@@ -106,8 +116,13 @@ class VerificationError(EngineError):
 class RubricError(VerificationError):
     """A rubric cannot be used: missing, missing the version asked for, malformed, or a bad scale."""
 
-    def __init__(self, ref: str, reason: str) -> None:
-        super().__init__("rubric", ref, reason)
+    def __init__(
+        self, ref: str, reason: str, *, environment: str | None = None, index: int | None = None, item_id: Any = None
+    ) -> None:
+        super().__init__("rubric", ref, reason, environment=environment, index=index, item_id=item_id)
+
+    def at_item(self, environment: str, index: int, item_id: Any) -> RubricError:
+        return RubricError(self.ref, self.reason, environment=environment, index=index, item_id=item_id)
 
 
 class InputError(EngineError, ValueError):
@@ -153,10 +168,13 @@ class WriteError(EngineError):
 class Failure(Exception):
     """Internal: something failed inside a verifier, and ``reason`` says what, in words.
 
-    Never seen by users: the engine turns it into the ``VerificationError`` naming the verifier and
-    the item (``engine._reasons.describe`` reads its reason). Raised where the reason is known.
+    What a verifier raises (the contract, ``engine._core.contract``): it knows why, not which item of
+    the batch it was. ``position``, if known, is the item's place in the chunk the verifier was
+    handed. Never seen by users: the scheduler, which knows the item, turns it into the one
+    ``VerificationError`` naming the verifier and the item, chaining this failure's cause.
     """
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, *, position: int | None = None) -> None:
         self.reason = reason
+        self.position = position
         super().__init__(reason)

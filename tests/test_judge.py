@@ -14,13 +14,14 @@ from conftest import SleepRecorder
 from polling import eventually
 from servers import Response, Server, assert_rate_held, completion, held, judges, score, status
 
-from engine import ConfigError, JudgeConfig, VerificationError, flatten
+from engine import ConfigError, JudgeConfig, flatten
 from engine._config import (
     DEFAULT_JUDGE_MAX_CONCURRENCY,
     DEFAULT_JUDGE_MAX_TOKENS,
     DEFAULT_JUDGE_TEMPERATURE,
     DEFAULT_JUDGE_TIMEOUT,
 )
+from engine._errors import Failure
 from engine._http.retry import TransientStatus
 from engine._verifiers.rubric.judge import Judge, Usage
 from engine._verifiers.rubric.registry import Rubric, RubricRegistry
@@ -64,11 +65,12 @@ def make_judge(
     return Judge(settings, client, sleep=sleeps if sleeps is not None else SleepRecorder())
 
 
-async def failure(judge: Judge, rubric: Rubric, task: Any = TASK, trajectory: Any = TRAJECTORY) -> VerificationError:
-    with pytest.raises(VerificationError) as info:
+async def failure(judge: Judge, rubric: Rubric, task: Any = TASK, trajectory: Any = TRAJECTORY) -> Failure:
+    """The judge's failure to grade: a ``Failure`` in words (the scheduler names the verifier and the item)."""
+    with pytest.raises(Failure) as info:
         await judge.grade(rubric, task, trajectory)
     err = info.value
-    assert (err.kind, err.ref) == ("rubric", rubric.ref)
+    assert type(err) is Failure and str(err) == err.reason
     return err
 
 
@@ -277,7 +279,6 @@ async def test_a_reply_without_a_usable_score_is_an_error(
     server = serve(reply, default=score(5))
     err = await failure(make_judge(server, client), registry.resolve(ARITH))
     assert reason in err.reason, err.reason
-    assert str(err).startswith(f"rubric verifier '{ARITH}@2' failed: ")
     assert len(server.requests) == 1  # none of these is retried
 
 
@@ -339,7 +340,7 @@ async def test_usage_is_summed_per_verifier_and_in_total(
     verifier = RubricVerifier(registry.resolve(f"{ARITH}@1"), judge)
     for _ in range(3):
         assert await verifier.verify(TASK, "42") == 1.0
-    with pytest.raises(VerificationError, match="outside the rubric's scale"):
+    with pytest.raises(Failure, match="outside the rubric's scale"):
         await verifier.verify(TASK, "42")
     other = RubricVerifier(registry.resolve("bob/helpfulness"), judge)  # shares the judge, not the account
     assert await other.verify(TASK, "42") == 0.0

@@ -264,3 +264,24 @@ async def test_an_items_route_visits_each_engine_module_once(envs: Path, environ
     stretches = [name for position, name in enumerate(route) if position == 0 or route[position - 1] != name]
     assert stretches[0].endswith("_engine.py") and any(name.endswith("scheduler.py") for name in stretches)
     assert len(stretches) == len(set(stretches)), stretches
+
+
+@pytest.mark.parametrize("size", [3, 3_000])  # one item per call, and chunks of a cheap plugin
+async def test_errors_name_an_item_by_its_place_in_the_stream(envs: Path, size: int) -> None:
+    """``first_index``: a caller scoring a stream a chunk at a time hears of the item by its place in the stream."""
+    config = EngineConfig(environments=envs, allow_unpinned=True)
+    items = [item("faulty", mode="ok") for _ in range(size)]
+    items[size - 2] = item("faulty", item_id="bad", mode="raise")
+    async with engine.Engine(config) as eng:
+        with pytest.raises(VerificationError) as info:
+            await eng.run(items, first_index=1_000)
+        assert (info.value.index, info.value.item_id) == (1_000 + size - 2, "bad")
+        assert f"on item {1_000 + size - 2} (id 'bad')" in str(info.value)
+        with pytest.raises(ValueError, match=r"^item 1001 has no 'task'"):
+            await eng.score([item("faulty", mode="ok"), {"environment": "faulty", "trajectory": ""}], first_index=1_000)
+        for wrong in (-1, 1.5, True):
+            with pytest.raises(ValueError, match="first_index must be a whole number >= 0"):
+                await eng.score(items[:1], first_index=wrong)
+    with engine.BlockingEngine(config) as blocking, pytest.raises(VerificationError) as info:
+        blocking.score(items, first_index=7)
+    assert info.value.index == 7 + size - 2

@@ -86,3 +86,34 @@ def test_the_engine_builds_no_verifier_itself() -> None:
     imported = _imports(PACKAGE / "_engine.py") | _imports(PACKAGE / "_check.py")
     verifiers = {name for name in imported if name.startswith("engine._verifiers.")}
     assert verifiers <= {"engine._verifiers.rubric.judge"}  # the judge: one per engine, opened with its client
+
+
+def test_no_verifier_names_an_item() -> None:
+    """A verifier raises ``Failure`` (why, in words): only the scheduler, which knows the item, makes the
+    ``VerificationError`` that names it, so that an error's index is set once, where it is known."""
+    named = [
+        f"{_shown(path)}:{node.lineno}"
+        for path in sorted((PACKAGE / "_verifiers").rglob("*.py"))
+        if path.name != "registry.py"  # resolving a rubric, before any item: a RubricError for any caller
+        for node in ast.walk(_tree(path))
+        if isinstance(node, ast.Name) and node.id in {"VerificationError", "RubricError"}
+    ]
+    assert named == []
+
+
+def test_an_errors_item_is_set_only_when_it_is_made() -> None:
+    """No module assigns a ``VerificationError``'s index, item id or environment after it was made
+    (an object's own attributes, ``self.environment``, are not an error's)."""
+    assigned = [
+        f"{_shown(path)}:{node.lineno}"
+        for path in MODULES
+        if path != PACKAGE / "_errors.py"
+        for node in ast.walk(_tree(path))
+        if isinstance(node, ast.Assign | ast.AugAssign)
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        for part in (target.elts if isinstance(target, ast.Tuple) else [target])
+        if isinstance(part, ast.Attribute)
+        and part.attr in {"index", "item_id", "environment"}
+        and _name(part.value) != "self"
+    ]
+    assert assigned == []

@@ -111,12 +111,12 @@ async def score_file(
                 progress(resumed_at)
             while chunk := list(islice(rows, chunk_size)):
                 refuse_unknown_environments(engine, rows, chunk)
+                first = rows.rows_read - len(chunk)  # the chunk's first row's place in the input (0-based)
                 try:
-                    result = await engine.run([row.as_item() for row in chunk])
+                    result = await engine.run([row.as_item() for row in chunk], first_index=first)
                 except VerificationError as exc:
-                    if exc.index is not None:  # from the chunk's position to the input's (0-based) row
-                        exc.add_note(f"input: {rows.path}, {rows.unit} {chunk[exc.index].number}")
-                        exc.index += rows.rows_read - len(chunk)
+                    if exc.index is not None:  # it names the input's row: say where that row is
+                        exc.add_note(f"input: {rows.path}, {rows.unit} {chunk[exc.index - first].number}")
                     raise
                 for position, (row, reward) in enumerate(zip(chunk, result.rewards, strict=True)):
                     writer.write(row.id, reward, {**result.provenance(position), "environment": row.environment})

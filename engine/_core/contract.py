@@ -96,7 +96,12 @@ class Verifier(Protocol):
         ...
 
     async def verify(self, task: Mapping[str, Any], trajectory: Any) -> float:
-        """The reward for one item; raises on any failure (the scheduler names the item)."""
+        """The reward for one item, checked (:func:`check_reward`) before it leaves the verifier.
+
+        Raises :class:`~engine._errors.Failure` saying why in words, or any exception (described by
+        ``engine._reasons``): never a ``VerificationError``, which only the scheduler makes, naming
+        the item it knows and the verifier does not.
+        """
         ...
 
 
@@ -111,8 +116,8 @@ class ChunkedVerifier(Verifier, Protocol):
         the rewards of the items before it (the engine had guessed the batch was all one
         environment's, and groups the rest).
 
-        A failure raises ``VerificationError`` whose ``index`` is the failing item's position in
-        ``items``, or :class:`MalformedItem` for an item without a task or trajectory.
+        A failure raises :class:`~engine._errors.Failure` whose ``position`` is the failing item's
+        place in ``items``, or :class:`MalformedItem` for an item without a task or trajectory.
         """
         ...
 

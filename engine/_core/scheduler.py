@@ -35,7 +35,7 @@ import anyio
 from engine._core.contract import ChunkedVerifier, Items, MalformedItem, Verifier, check_item, task_of, which
 from engine._core.meters import Meter
 from engine._core.report import BatchResult, VerifierReport
-from engine._errors import ConfigError, VerificationError
+from engine._errors import ConfigError, Failure, VerificationError
 from engine._reasons import describe
 
 __all__ = ["Resolve", "score_batch", "total"]
@@ -74,34 +74,41 @@ def total(rewards: Sequence[float]) -> float:
         return sum(rewards)
 
 
-def _at_item(exc: VerificationError, index: int, item: Mapping[str, Any]) -> VerificationError:
-    """``exc``, naming the item it failed on: its position, its ``id`` and its environment."""
-    exc.index, exc.item_id, exc.environment = index, item.get("id"), item["environment"]
-    return exc
+def _failed(verifier: Verifier, exc: Exception, index: int, item: Mapping[str, Any]) -> VerificationError:
+    """The one ``VerificationError`` for ``exc``, raised by ``verifier`` on item ``index``: named here, once.
+
+    A verifier raises :class:`Failure` (its reason in words) or anything else (described by
+    ``engine._reasons``); it never knows where its item sits in the batch, and the scheduler does.
+    """
+    reason = exc.reason if isinstance(exc, Failure) else describe(exc)
+    return VerificationError(
+        verifier.kind, verifier.ref, reason, environment=item["environment"], index=index, item_id=item.get("id")
+    )
 
 
-def _group(items: list[Any], positions: Iterable[int]) -> dict[str, list[int]]:
-    """The items at ``positions`` by environment, in one pass; ``TypeError``/``ValueError`` naming a malformed one."""
+def _group(items: list[Any], positions: Iterable[int], first: int) -> dict[str, list[int]]:
+    """The items at ``positions`` by environment, in one pass; ``TypeError``/``ValueError`` naming a malformed one
+    (by its position plus ``first``, the batch's first item's)."""
     groups: defaultdict[str, list[int]] = defaultdict(list)
     try:
         for index in positions:
             groups[items[index]["environment"]].append(index)
     except (KeyError, TypeError, IndexError):
         for index in positions:  # something is malformed: find it, and say what
-            check_item(index, items[index])
+            check_item(first + index, items[index])
         raise AssertionError("unreachable: an item failed the fast path but passes the check") from None
     for indices in groups.values():
-        check_item(indices[0], items[indices[0]])
+        check_item(first + indices[0], items[indices[0]])
     return dict(groups)
 
 
-def _guess(items: list[Any]) -> str | None:
+def _guess(items: list[Any], first: int) -> str | None:
     """The environment of a batch that looks like one environment's: its first and last items agree."""
     if not items:
         return None
-    first = check_item(0, items[0])
+    name = check_item(first, items[0])
     last = items[-1]
-    return first if isinstance(last, Mapping) and last.get("environment") == first else None
+    return name if isinstance(last, Mapping) and last.get("environment") == name else None
 
 
 class _Todo:
@@ -133,8 +140,9 @@ def _one(share: int) -> int:
 class _Batch:
     """One batch being scored: its items, its lanes, and each verifier's retries before it began."""
 
-    def __init__(self, items: list[Any], resolve: Resolve, in_flight: anyio.Semaphore) -> None:
+    def __init__(self, items: list[Any], resolve: Resolve, in_flight: anyio.Semaphore, first: int) -> None:
         self.items = items
+        self.first = first  # the position errors name the first item by
         self.resolve = resolve
         self.in_flight = in_flight
         self.lanes: list[Lane] = []
@@ -146,12 +154,12 @@ class _Batch:
         item = self.items[index]
         try:
             return self.resolve(item["environment"])
-        except VerificationError as exc:
-            raise _at_item(exc, index, item)  # noqa: B904 (it is the same error)
+        except VerificationError as exc:  # before any call: a rubric that cannot be resolved
+            raise exc.at_item(item["environment"], self.first + index, item.get("id")) from exc.__cause__
         except ConfigError:  # its manifest is bad: the error names the file
             raise
         except ValueError as exc:
-            raise ValueError(f"{which(index, item)}: {exc}") from None
+            raise ValueError(f"{which(self.first + index, item)}: {exc}") from None
 
     def _lanes(self, groups: Mapping[str, Sequence[int]], guess: bool = False) -> list[Lane]:
         """A lane per verifier for ``groups`` (environment -> positions); ``guess``: the one group is a guess."""
@@ -174,18 +182,15 @@ class _Batch:
         a malformed batch from sending any request (or spending any judge tokens).
         """
         items = self.items
-        guess = _guess(items)
+        guess = _guess(items, self.first)
         if guess is not None and isinstance(self._resolved(0)[0], ChunkedVerifier):
             self.lanes = self._lanes({guess: range(len(items))}, guess=True)
         else:
-            self.lanes = self._lanes(_group(items, range(len(items))))
+            self.lanes = self._lanes(_group(items, range(len(items)), self.first))
 
     def regroup(self, left: list[int]) -> list[Lane]:
         """Lanes for items a guessed lane gave back (the batch was not all one environment's)."""
-        return self._lanes(_group(self.items, left))
-
-    def _failed(self, exc: VerificationError, index: int) -> VerificationError:
-        return _at_item(exc, index, self.items[index])
+        return self._lanes(_group(self.items, left, self.first))
 
     async def call(self, lane: Lane, chunk: Sequence[int]) -> list[float]:
         """The rewards of ``chunk`` from its lane's verifier; fewer if an item of another environment ends it."""
@@ -197,28 +202,29 @@ class _Batch:
                 return await v.verify_chunk(Items(items, chunk))
             except MalformedItem as exc:
                 index = chunk[exc.position]
-                check_item(index, items[index])  # raises, naming the item,
-                task_of(index, items[index])  # here or here
+                check_item(self.first + index, items[index])  # raises, naming the item,
+                task_of(self.first + index, items[index])  # here or here
                 raise AssertionError("unreachable: the chunk runner and task_of disagree") from exc
-            except VerificationError as exc:
+            except Failure as exc:
                 # a position the verifier could not know names the chunk's first item (its reason says so)
-                position = exc.index if exc.index is not None and 0 <= exc.index < len(chunk) else 0
-                raise self._failed(exc, chunk[position])  # noqa: B904 (it is the same error, its cause kept)
+                position = exc.position if exc.position is not None and 0 <= exc.position < len(chunk) else 0
+                index = chunk[position]
+                raise _failed(v, exc, self.first + index, items[index]) from exc.__cause__
             except Exception as exc:  # as for one item: which item it was is unknown, so the first
-                raise self._failed(VerificationError(v.kind, v.ref, describe(exc)), chunk[0]) from exc
+                raise _failed(v, exc, self.first + chunk[0], items[chunk[0]]) from exc
         index = chunk[0]
         item = items[index]
         if lane.environment is not None and (
             not isinstance(item, Mapping) or item.get("environment") != lane.environment
         ):
             return []  # not the guessed environment's: the rest of the batch is regrouped
-        task, trajectory = task_of(index, item)
+        task, trajectory = task_of(self.first + index, item)
         try:
             return [await v.verify(task, trajectory)]
-        except VerificationError as exc:
-            raise self._failed(exc, index)  # noqa: B904 (it is the same error, its cause kept)
+        except Failure as exc:
+            raise _failed(v, exc, self.first + index, item) from exc.__cause__
         except Exception as exc:
-            raise self._failed(VerificationError(v.kind, v.ref, describe(exc)), index) from exc
+            raise _failed(v, exc, self.first + index, item) from exc
 
     async def run(self) -> None:
         """``call(lane, chunk)`` over every index of every lane, each reward into ``rewards``; or the first error.
@@ -330,14 +336,17 @@ class _Batch:
         return BatchResult(self.rewards, reports, elapsed, verifier_of=verifier_of, usage=usage)
 
 
-async def score_batch(items: Iterable[Mapping[str, Any]], resolve: Resolve, in_flight: anyio.Semaphore) -> BatchResult:
+async def score_batch(
+    items: Iterable[Mapping[str, Any]], resolve: Resolve, in_flight: anyio.Semaphore, *, first_index: int = 0
+) -> BatchResult:
     """Score a batch: its rewards in input order, with a report per verifier; or the first error.
 
     ``resolve`` names each environment's verifier and meter; ``in_flight`` is the engine-wide cap
     on calls in flight. A list is scored as it is (copying a large batch costs a cheap plugin ~5%
-    of its speed): it must not change while it is being scored.
+    of its speed): it must not change while it is being scored. Errors name item ``i`` as item
+    ``first_index + i``: a stream scored a chunk at a time names its items' places in the stream.
     """
-    batch = _Batch(items if type(items) is list else list(items), resolve, in_flight)
+    batch = _Batch(items if type(items) is list else list(items), resolve, in_flight, first_index)
     try:
         batch.plan()
     except VerificationError as exc:

@@ -23,7 +23,7 @@ import orjson
 
 from engine._config import Limits
 from engine._core.contract import check_reward
-from engine._errors import VerificationError
+from engine._errors import Failure
 from engine._http.headers import fill_headers
 from engine._http.network import credentials_refusal, shown_url, url_problem, without_credentials
 from engine._http.post import Post, PostFailed
@@ -137,8 +137,8 @@ class EndpointVerifier:
     def provenance(self) -> Mapping[str, Any]:
         return {"kind": self.kind, "ref": self.ref}
 
-    def _fail(self, reason: str) -> VerificationError:
-        return VerificationError(self.kind, self.ref, reason)
+    def _fail(self, reason: str) -> Failure:
+        return Failure(reason)
 
     def _headers(self) -> tuple[dict[str, str], Scrub]:
         """This call's headers, their variables read now, and what scrubs the variables' values from text."""
@@ -167,5 +167,5 @@ class EndpointVerifier:
             return await self._call(body, headers, scrub)
         except Exception as exc:
             # Keep no cause: its chain holds the request, with the headers, and unscrubbed bodies.
-            reason = exc.reason if isinstance(exc, VerificationError) else describe(exc)
+            reason = exc.reason if isinstance(exc, Failure) else describe(exc)
             raise self._fail(scrub(reason)) from None

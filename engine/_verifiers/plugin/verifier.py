@@ -1,7 +1,7 @@
 """Plugin verifiers: ``module:callable`` inside a digest-pinned environment directory.
 
 This module holds :class:`PluginVerifier`, the side on the event loop: vetting the digest,
-importing once, sizing chunks, and turning failures into ``VerificationError``. What runs in the
+importing once, sizing chunks, and turning failures into ``Failure``s. What runs in the
 engine's threads is in ``engine._verifiers.plugin.threads``; worker processes are started and
 spoken to by ``engine._verifiers.plugin.pool`` and run ``engine._verifiers.plugin.worker``.
 
@@ -66,7 +66,7 @@ from engine._core.contract import BadItem, MalformedItem, as_rewards, is_async, 
 from engine._core.threads import in_thread, wait_future
 from engine._environments.digest import MANIFEST, Pin, Snapshot, pin_verdict, snapshot_directory
 from engine._environments.manifest import Environment
-from engine._errors import DigestError, VerificationError
+from engine._errors import DigestError, Failure
 from engine._verifiers.plugin.importer import PluginLoadError, forget, load_plugin, said
 from engine._verifiers.plugin.pool import WorkerFailure, WorkerPool, as_dict, default_workers, pairs_of
 from engine._verifiers.plugin.threads import Abandoned, run_chunk, timed
@@ -147,9 +147,9 @@ class PluginVerifier:
         """The process ids of its worker processes (process executor; none before the first call)."""
         return self._pool.pids if self._pool is not None else []
 
-    def _fail(self, reason: str, index: int | None = None) -> VerificationError:
-        """The failure of this verifier; ``index``, the failing item's position in its chunk, if one is known."""
-        return VerificationError(self.kind, self.ref, reason, environment=self.environment.name, index=index)
+    def _fail(self, reason: str, position: int | None = None) -> Failure:
+        """The failure of this verifier; ``position``, the failing item's place in its chunk, if one is known."""
+        return Failure(reason, position=position)
 
     def _check_digest(self) -> Snapshot:
         """The environment's snapshot, once its digest matches the pin: what is imported, and only that.
@@ -230,7 +230,7 @@ class PluginVerifier:
         self.digest = snapshot.digest
 
     async def load(self) -> None:
-        """Make the plugin ready to call, or raise ``VerificationError`` saying why it cannot be.
+        """Make the plugin ready to call, or raise ``Failure`` saying why it cannot be.
 
         Thread executor: the module is imported. Process executor: a worker process runs and has
         imported it.
@@ -309,7 +309,7 @@ class PluginVerifier:
         self._measured(cost, 1)
         return reward
 
-    def _failure(self, exc: WorkerFailure) -> VerificationError:
+    def _failure(self, exc: WorkerFailure) -> Failure:
         return self._fail(exc.reason, exc.position)
 
     async def _in_process(self, pairs: Sequence[tuple[Mapping[str, Any], Any]]) -> list[float]:

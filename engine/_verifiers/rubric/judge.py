@@ -5,7 +5,8 @@ The judge sends the rubric, the task's prompt, its reference (when there is one)
 flattened trajectory, asks for ``{"score": <number>, "reason": "..."}`` and parses the reply
 strictly (``engine._verifiers.rubric.prompt`` writes the prompt and reads the reply): anything but
 one JSON object with a number ``score`` inside the rubric's scale (a ```` ```json ```` fence around
-it is tolerated) is a ``VerificationError``, never a default score.
+it is tolerated) is a failure (``engine._errors.Failure``, which the engine reports as the item's
+``VerificationError``), never a default score.
 
 Reasoning models must not put their thinking in ``content``: serve them with the server's
 reasoning parser (vLLM and SGLang: ``--reasoning-parser``), which moves it to ``reasoning_content``.
@@ -36,7 +37,7 @@ import orjson
 
 from engine._config import JudgeConfig
 from engine._core.meters import Meter
-from engine._errors import VerificationError
+from engine._errors import Failure
 from engine._http.headers import fill_headers
 from engine._http.post import Post, PostFailed
 from engine._http.retry import RETRY_STATUSES, Sleep
@@ -48,6 +49,7 @@ __all__ = ["JUDGE_RETRY_STATUSES", "Judge", "Usage"]
 
 # 429 and every 5xx: a judge behind a gateway answers 500 for an overloaded model as often as 503.
 JUDGE_RETRY_STATUSES = RETRY_STATUSES | frozenset(range(500, 600))
+
 
 @dataclass
 class Usage:
@@ -123,18 +125,14 @@ class Judge:
         name = config.api_key_env
         if name is None and not config.headers:
             return _HEADERS, None
-        headers, secrets = fill_headers(
-            config.headers.items(), lambda reason: VerificationError("rubric", ref, f"the judge's {reason}")
-        )
+        headers, secrets = fill_headers(config.headers.items(), lambda reason: Failure(f"the judge's {reason}"))
         headers = {**_HEADERS, **headers}
         if name is not None:
             key = os.environ.get(name, "")
             if not key:
-                raise VerificationError("rubric", ref, f"the judge's API key variable {name} is not set (or empty)")
+                raise Failure(f"the judge's API key variable {name} is not set (or empty)")
             if not (key.isascii() and key.isprintable()):  # httpx would fail on it, in words that say nothing
-                raise VerificationError(
-                    "rubric", ref, f"the judge's API key variable {name} holds characters a header cannot carry"
-                )
+                raise Failure(f"the judge's API key variable {name} holds characters a header cannot carry")
             headers["authorization"] = f"Bearer {key}"
             secrets.append(key)
         return headers, Scrubber(secrets)
@@ -144,7 +142,7 @@ class Judge:
         try:
             messages = build_messages(rubric, task, trajectory)
         except ValueError as exc:
-            raise VerificationError("rubric", rubric.ref, str(exc)) from None
+            raise Failure(str(exc)) from None
         request: dict[str, Any] = {
             "model": config.model,
             "messages": messages,
@@ -168,7 +166,7 @@ class Judge:
     async def grade(
         self, rubric: Rubric, task: Mapping[str, Any], trajectory: Any, *, usage: Usage | None = None
     ) -> float:
-        """The item's score on ``rubric``, normalised to 0..1; raises ``VerificationError``.
+        """The item's score on ``rubric``, normalised to 0..1; raises ``Failure``.
 
         ``usage``, if given, is charged with this call's cost as well as the judge's own total.
         """
@@ -182,19 +180,19 @@ class Judge:
             except PostFailed as exc:
                 reason = f"judge request failed: {exc.reason}"
                 # the cause is what really failed (the last try's error), not tenacity's wrapper of it
-                raise VerificationError("rubric", ref, reason if scrub is None else scrub(reason)) from exc.__cause__
+                raise Failure(reason if scrub is None else scrub(reason)) from exc.__cause__
         # every message below quotes the reply: without the key in it, if it echoed the key
         content = response.content if scrub is None else scrub.body(response.content)
         if not response.is_success:
-            raise VerificationError("rubric", ref, f"judge answered HTTP {response.status_code}: {excerpt(content)!r}")
+            raise Failure(f"judge answered HTTP {response.status_code}: {excerpt(content)!r}")
         try:
             data = orjson.loads(content)
         except orjson.JSONDecodeError:
-            raise VerificationError("rubric", ref, f"judge response is not JSON: {excerpt(content)!r}") from None
+            raise Failure(f"judge response is not JSON: {excerpt(content)!r}") from None
         if isinstance(data, dict):
             for account in accounts:
                 account.add(data.get("usage"))
         try:
             return parse_score(reply_content(data), rubric.scale)
         except ValueError as exc:
-            raise VerificationError("rubric", ref, str(exc)) from None
+            raise Failure(str(exc)) from None
