@@ -38,8 +38,9 @@ from rich.table import Table
 from rich.text import Text
 
 from engine._backfill.bench import DEFAULT_BATCH_SIZE, bench_file, summarise
-from engine._backfill.output import Checkpoint, state_path
-from engine._backfill.run import DEFAULT_CHUNK_SIZE, RunSummary, count_rows, score_file
+from engine._backfill.checkpoint import Checkpoint, state_path
+from engine._backfill.input import count_rows
+from engine._backfill.run import DEFAULT_CHUNK_SIZE, RunSummary, score_file
 from engine._check import check_environments
 from engine._config import EngineConfig, load_config
 from engine._environments.digest import digest_directory

@@ -26,7 +26,8 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engine._backfill.output import RewardRecord, partial_path, read_rewards, state_path
+from engine._backfill.checkpoint import state_path
+from engine._backfill.writer import RewardRecord, partial_path, read_rewards
 
 ROOT = Path(__file__).resolve().parent.parent
 ENVS = Path(__file__).resolve().parent / "envs"
@@ -195,7 +196,7 @@ import sys
 import tempfile
 import time
 
-import engine._backfill.output
+import engine._backfill.writer
 
 _STOP = int(os.environ.get("FINISH_STOP", "0"))
 _SCRATCH = tempfile.gettempdir()
@@ -229,7 +230,7 @@ def _traced(name, call):
 for _call in ("replace", "rename", "unlink", "rmdir", "fsync", "ftruncate"):
     setattr(os, _call, _traced(_call, getattr(os, _call)))
 
-_finish = engine._backfill.output.RewardWriter.finish
+_finish = engine._backfill.writer.RewardWriter.finish
 
 
 def _finish_traced(self):
@@ -238,7 +239,7 @@ def _finish_traced(self):
     return _finish(self)
 
 
-engine._backfill.output.RewardWriter.finish = _finish_traced
+engine._backfill.writer.RewardWriter.finish = _finish_traced
 atexit.register(lambda: print("steps: " + " | ".join(_steps), file=sys.stderr, flush=True))
 """
 

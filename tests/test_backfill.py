@@ -48,7 +48,8 @@ from conftest import add_endpoint_env
 from httpserver import Request, Response, TestServer
 from polling import wait_until
 
-from engine._backfill.output import lock_path, partial_path, state_path
+from engine._backfill.checkpoint import lock_path, state_path
+from engine._backfill.writer import partial_path
 from engine.cli import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_IO, EXIT_TERMINATED
 
 ROWS = 1000

@@ -47,7 +47,9 @@ from judgeserver import JudgeServer, score
 from polling import wait_until
 
 from engine import digest_directory
-from engine._backfill.output import open_run, partial_path, state_path
+from engine._backfill.checkpoint import state_path
+from engine._backfill.run import open_run
+from engine._backfill.writer import partial_path
 from engine.cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_VERIFICATION, cli
 
 JUDGE_SCORE = 4  # what the test judge answers for every item

@@ -1,4 +1,5 @@
-"""engine._backfill.output: atomic reward files, checkpoints, and resume after a crash, a failure or kill -9."""
+"""engine._backfill.{writer,checkpoint,parquet,ids} and run.open_run: atomic reward files, checkpoints, and resume
+after a crash, a failure or kill -9."""
 
 from __future__ import annotations
 
@@ -18,20 +19,12 @@ import pyarrow.parquet as pq
 import pytest
 from cli_support import finish_steps, kill_at_step, start_under_trace
 
-from engine._backfill.output import (
-    STATE_FORMAT,
-    OutputError,
-    ResumeError,
-    RewardRecord,
-    lock_path,
-    open_output,
-    open_run,
-    partial_path,
-    read_rewards,
-    state_path,
-)
-from engine._backfill.rows import EMPTY_CHECKSUM, Row, open_rows
-from engine._errors import VerificationError
+from engine._backfill.checkpoint import STATE_FORMAT, lock_path, state_path
+from engine._backfill.files import EMPTY_CHECKSUM
+from engine._backfill.input import Row, open_rows
+from engine._backfill.run import open_run
+from engine._backfill.writer import RewardRecord, open_output, partial_path, read_rewards
+from engine._errors import OutputError, ResumeError, VerificationError
 
 VERIFIER = {"kind": "plugin", "ref": "verify:score", "environment": "arith", "digest": "sha256:" + "ab" * 32}
 RUBRIC = {"kind": "rubric", "ref": "alice/arith", "environment": "judge", "rubric_version": 3, "rubric_digest": "x"}
@@ -461,7 +454,7 @@ record of the next chunk (more than a write buffer, so most of it reaches the fi
 import sys
 from itertools import islice
 
-from engine._backfill.output import open_run
+from engine._backfill.run import open_run
 
 input_path, output, chunk, hold = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 DIGEST = "sha256:" + "c" * 64
@@ -556,7 +549,7 @@ FINISH_SCRIPT = """
 sys.argv[0] = "score"
 from itertools import islice
 
-from engine._backfill.output import open_run
+from engine._backfill.run import open_run
 
 input_path, output = sys.argv[1], sys.argv[2]
 VERIFIER = {"kind": "endpoint", "ref": "http://127.0.0.1:1/score", "environment": "arith"}
