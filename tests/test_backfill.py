@@ -281,6 +281,11 @@ BAD_ROWS: dict[str, tuple[bytes, str]] = {
         b'{"id": "row-0129", "environment": "backfill", "task": [129], "trajectory": "x"}',
         "'task' must be an object, got list",
     ),
+    "id nested too deep": (  # read as JSON, but deeper than the output can write it
+        b'{"id": ' + b"[" * 300 + b'"row-0129"' + b"]" * 300 + b', "environment": "backfill", "task": {"n": 129}, '
+        b'"trajectory": "x"}',
+        "'id' cannot be written to the output as JSON",
+    ),
     "invalid UTF-8": (
         b'{"id": "row-0129", "environment": "backfill", "task": {"n": 129}, "trajectory": "\xe9t\xe9"}',
         "invalid UTF-8 at byte 82 of line 130 (counted from 1 within the line",

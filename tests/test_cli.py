@@ -47,10 +47,21 @@ from judgeserver import JudgeServer, score
 from polling import wait_until
 
 from engine import digest_directory
+from engine._errors import (
+    ConfigError,
+    DigestError,
+    InputError,
+    ManifestError,
+    OutputError,
+    ResumeError,
+    RubricError,
+    VerificationError,
+    WriteError,
+)
 from engine._backfill.checkpoint import state_path
 from engine._backfill.run import open_run
 from engine._backfill.writer import partial_path
-from engine.cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_VERIFICATION, cli
+from engine.cli import EXIT_BAD_INPUT, EXIT_IO, EXIT_OK, EXIT_VERIFICATION, _outcome, cli
 
 JUDGE_SCORE = 4  # what the test judge answers for every item
 HELPFUL = "bob/helpfulness"  # the rubric of the rubric environment, from tests/rubrics
@@ -241,7 +252,39 @@ def test_help_documents_the_exit_codes() -> None:
     assert result.exit_code == EXIT_OK
     text = " ".join(result.stdout.split())
     assert "Exit codes: 0 done, 1 a verification error aborted the run, 2 bad usage, config or input" in text
-    assert "3 the output or its state could not be written (disk full), 130 interrupted, 143 terminated" in text
+    assert "3 the output or its state could not be written (disk full), 70 an internal error (a bug" in text
+    assert "130 interrupted, 143 terminated (SIGTERM)" in text
+
+
+ENGINE_ERRORS = {  # one of each of the engine's own errors, and the exit code it ends a command with
+    "input": (InputError(Path("in.jsonl"), "bad", unit="line", number=3), EXIT_BAD_INPUT),
+    "config": (ConfigError("engine.toml: x: unknown key"), EXIT_BAD_INPUT),
+    "manifest": (ManifestError("manifest.json: bad"), EXIT_BAD_INPUT),
+    "digest": (DigestError("a FIFO", path=Path("q")), EXIT_BAD_INPUT),
+    "output": (OutputError("out.csv: unsupported"), EXIT_BAD_INPUT),
+    "resume": (ResumeError("no interrupted run"), EXIT_BAD_INPUT),
+    "verification": (VerificationError("plugin", "verify:score", "boom"), EXIT_VERIFICATION),
+    "rubric": (RubricError("a/b", "no rubric a/b"), EXIT_VERIFICATION),
+    "write": (WriteError(Path("out.partial"), OSError(28, "No space left on device"), 5), EXIT_IO),
+}
+NOT_ENGINE_ERRORS = [ValueError("x"), TypeError("x"), KeyError("x"), OSError(5, "x"), RuntimeError("x"), Exception()]
+
+
+@pytest.mark.parametrize("case", ENGINE_ERRORS, ids=list(ENGINE_ERRORS))
+def test_each_of_the_engines_own_errors_has_its_exit_code(case: str) -> None:
+    exc, code = ENGINE_ERRORS[case]
+    assert _outcome(exc, lambda: "; kept") == (code, f"{exc}; kept" if code == EXIT_IO else str(exc))
+
+
+@pytest.mark.parametrize("exc", NOT_ENGINE_ERRORS, ids=lambda exc: type(exc).__name__)
+def test_any_other_exception_is_no_bad_input_but_a_bug(exc: Exception) -> None:
+    """A ValueError or TypeError the engine did not mean (a bug) must not read as the user's mistake (exit 2):
+    :func:`_outcome` has no code for it, so the command group reports it as an internal error (exit 70).
+
+    No real input makes the engine raise one (that would be a bug to fix, and a row the engine
+    refuses becomes an ``InputError`` naming its line): the mapping is tested as the function it is.
+    """
+    assert _outcome(exc) is None
 
 
 @pytest.mark.parametrize(

@@ -187,10 +187,15 @@ class RowReader(Closing):
             if missing:
                 raise self._fail(number, f"missing field(s) {', '.join(map(repr, missing))} (a row needs {FIELDS})")
             row_id, environment, task, trajectory = (data[name] for name in FIELDS)
-            if not isinstance(row_id, str | int | None) and _has_float(row_id) and (exact := _rounded(raw, row_id)):
-                what = "an integer id" if isinstance(row_id, float) else "an integer in an id"
-                reason = f"'id' {_id_text(exact[0])}: {what} must fit in 64 bits; write it as a string"
-                raise self._fail(number, reason)
+            if not isinstance(row_id, str | int | None):  # a float, a list or an object: rare, and checked
+                try:
+                    orjson.dumps({"id": row_id})  # as the output's record will hold it
+                except orjson.JSONEncodeError as exc:  # nested deeper than orjson writes (and _has_float recurses)
+                    raise self._fail(number, f"'id' cannot be written to the output as JSON: {exc}") from None
+                if _has_float(row_id) and (exact := _rounded(raw, row_id)):
+                    what = "an integer id" if isinstance(row_id, float) else "an integer in an id"
+                    reason = f"'id' {_id_text(exact[0])}: {what} must fit in 64 bits; write it as a string"
+                    raise self._fail(number, reason)
         else:
             row_id, environment, task, trajectory = raw
             if isinstance(task, str):
