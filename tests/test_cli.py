@@ -1,9 +1,9 @@
 """The command line: ``engine score`` round trips, progress and summary, exit codes, ``check``, ``digest``, ``rubrics``.
 
-``engine score`` and ``engine check`` run as a user runs them, ``python -m engine`` in a
-subprocess, against real environments (copies of ``tests/envs/``), a real endpoint and a real
-judge on 127.0.0.1. Commands that never reach the engine (usage and config errors, ``digest``,
-``rubrics``) also run in-process with click's ``CliRunner``, which is quicker and just as real.
+Commands run in-process with click's ``CliRunner`` (``cli_support.invoke``), against real
+environments (copies of ``tests/envs/``), a real endpoint and a real judge on 127.0.0.1: the CLI
+is a thin layer over the engine, and the process adds nothing these tests look at. The exit
+status of the ``engine`` command itself is tested in a subprocess (``test_digest_as_a_command``).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from cli_support import (
     PLUGIN_ENV,
     ROOT,
     RUBRICS,
+    Ran,
     Workspace,
     child_env,
     copy_env,
@@ -47,6 +48,9 @@ from judgeserver import JudgeServer, score
 from polling import wait_until
 
 from engine import digest_directory
+from engine._backfill.checkpoint import state_path
+from engine._backfill.run import open_run
+from engine._backfill.writer import partial_path
 from engine._errors import (
     ConfigError,
     DigestError,
@@ -58,9 +62,6 @@ from engine._errors import (
     VerificationError,
     WriteError,
 )
-from engine._backfill.checkpoint import state_path
-from engine._backfill.run import open_run
-from engine._backfill.writer import partial_path
 from engine.cli import EXIT_BAD_INPUT, EXIT_IO, EXIT_OK, EXIT_VERIFICATION, _outcome, cli
 
 JUDGE_SCORE = 4  # what the test judge answers for every item
@@ -105,7 +106,7 @@ def row_of(text: str, first: str) -> list[str]:
     return found[0]
 
 
-def done(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+def done(result: Ran) -> Ran:
     assert result.returncode == EXIT_OK, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     return result
 
@@ -424,6 +425,15 @@ def squeezed(text: str) -> str:
     return "".join(text.split())
 
 
+def probed(server: TestServer) -> None:
+    """Wait until ``server`` has seen ``engine check``'s probe connect and hang up.
+
+    The probe only connects; the server would otherwise be stopped while it still accepts it, and
+    the accepted socket would never be closed (its handler never starts).
+    """
+    assert server.wait_until(lambda s: s.closed >= 1), "engine check never connected to the endpoint"
+
+
 def test_check_passes_when_every_environment_can_score(tmp_path: Path) -> None:
     with TestServer(endpoint) as server:
         envs = tmp_path / "envs"
@@ -440,6 +450,7 @@ def test_check_passes_when_every_environment_can_score(tmp_path: Path) -> None:
         add_endpoint_env(envs, "remote", url)
         add_rubric_env(envs, "helpful", HELPFUL)
         result = done(space.run("check", "--config", space.config))
+        probed(server)
 
     assert check_row(result.stdout, PLUGIN_ENV) == [PLUGIN_ENV, "plugin", "verify:score", "ok", "ok", "ok", "yes"]
     assert squeezed(" ".join(check_row(result.stdout, "remote"))) == squeezed(f"remote endpoint {url} ok - ok yes")
@@ -500,6 +511,7 @@ def test_check_tries_the_proxy_the_environment_names_for_an_endpoint(tmp_path: P
         proxy = {"HTTP_PROXY": url, "http_proxy": url, "NO_PROXY": "", "no_proxy": ""}
         proxied = space.run("check", "--config", space.config, env=proxy)
         direct = space.run("check", "--config", space.config, env={**proxy, "no_proxy": "127.0.0.1"})
+        probed(server)
     assert proxied.returncode == EXIT_VERIFICATION, proxied.stderr
     cells = check_row(proxied.stdout, "remote")
     assert squeezed(f"cannot connect to the proxy 127.0.0.1:{refused_port}") in squeezed(cells[5]), cells
@@ -570,6 +582,7 @@ def test_digest_prints_the_digest_of_a_directory(tmp_path: Path) -> None:
     assert invoke("digest", tmp_path / "nowhere").exit_code == EXIT_BAD_INPUT
 
 
+@pytest.mark.timeout(60)  # a new interpreter: the exit status of the command itself is the point
 def test_digest_as_a_command(tmp_path: Path) -> None:
     env = copy_env(PLUGIN_ENV, tmp_path)
     result = subprocess.run(
