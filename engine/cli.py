@@ -185,7 +185,7 @@ def _run(fn: Callable[[], Awaitable[T]], kept: Callable[[], str] | None = None) 
     return result[0]
 
 
-def _outcome(exc: BaseException, after: Callable[[], str] = str) -> tuple[int, str] | None:
+def _outcome(exc: BaseException, after: Callable[[], str] | None = None) -> tuple[int, str] | None:
     """The exit code and ``error:`` message of one of the engine's own errors; None for any other exception.
 
     Only an error the engine raises on purpose (``engine._errors``) says something about the
@@ -201,7 +201,7 @@ def _outcome(exc: BaseException, after: Callable[[], str] = str) -> tuple[int, s
         lines += getattr(exc, "__notes__", [])
         return EXIT_VERIFICATION, "\n  ".join(lines)
     if isinstance(exc, WriteError):
-        return EXIT_IO, f"{exc}{after()}"
+        return EXIT_IO, f"{exc}{after() if after is not None else ''}"
     if isinstance(exc, EngineError):
         return EXIT_BAD_INPUT, str(exc)
     return None
@@ -215,7 +215,8 @@ def _internal(exc: Exception) -> NoReturn:
 
 
 class _Commands(click.Group):
-    """The ``engine`` command group: an exception that none of its commands expected is reported as a bug.
+    """The ``engine`` command group: an exception none of its commands handled gets its exit code (:func:`_outcome`),
+    or, if it is not one of the engine's own errors, is reported as a bug (:func:`_internal`).
 
     Here rather than in :func:`main`, so that it holds however the group is invoked (``engine``,
     ``python -m engine``, click's test runner).
@@ -227,7 +228,10 @@ class _Commands(click.Group):
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise  # click's own: usage errors and the like, reported by click
         except Exception as exc:
-            _internal(exc)
+            known = _outcome(exc)  # one of the engine's own errors, raised outside a run
+            if known is None:
+                _internal(exc)
+            _fail(*known)
 
 
 def _kept(output: Path) -> str:

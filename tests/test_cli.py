@@ -62,7 +62,7 @@ from engine._errors import (
     VerificationError,
     WriteError,
 )
-from engine.cli import EXIT_BAD_INPUT, EXIT_IO, EXIT_OK, EXIT_VERIFICATION, _outcome, cli
+from engine.cli import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_IO, EXIT_OK, EXIT_VERIFICATION, _Commands, _outcome, cli
 
 JUDGE_SCORE = 4  # what the test judge answers for every item
 HELPFUL = "bob/helpfulness"  # the rubric of the rubric environment, from tests/rubrics
@@ -286,6 +286,27 @@ def test_any_other_exception_is_no_bad_input_but_a_bug(exc: Exception) -> None:
     refuses becomes an ``InputError`` naming its line): the mapping is tested as the function it is.
     """
     assert _outcome(exc) is None
+
+
+@pytest.mark.parametrize("exc", [ValueError("a bug"), TypeError("a bug"), InputError(Path("in.jsonl"), "bad")],
+                         ids=["ValueError", "TypeError", "InputError"])
+def test_the_command_group_reports_a_bug_as_one_and_an_engine_error_as_its_code(exc: Exception) -> None:
+    """The group's handler, with a command of this test's own that raises (the engine offers no real way to)."""
+    group = _Commands()
+
+    @group.command()
+    def fail() -> None:
+        raise exc
+
+    result = CliRunner().invoke(group, ["fail"], prog_name="engine")
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    if isinstance(exc, InputError):
+        assert (result.exit_code, errors) == (EXIT_BAD_INPUT, [f"error: {exc}"])
+        assert "Traceback" not in result.stderr
+        return
+    assert result.exit_code == EXIT_INTERNAL
+    assert "Traceback (most recent call last)" in result.stderr and "raise exc" in result.stderr
+    assert errors == [f"error: internal error (a bug in engine, not in your input): {type(exc).__name__}: a bug"]
 
 
 @pytest.mark.parametrize(

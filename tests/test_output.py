@@ -17,14 +17,14 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from cli_support import finish_steps, kill_at_step, start_under_trace
+from cli_support import child_env, finish_steps, kill_at_step, start_under_trace
 
 from engine._backfill.checkpoint import STATE_FORMAT, lock_path, state_path
 from engine._backfill.files import EMPTY_CHECKSUM
-from engine._backfill.input import Row, open_rows
+from engine._backfill.input import FIELDS, Row, open_rows
 from engine._backfill.run import open_run
 from engine._backfill.writer import RewardRecord, open_output, partial_path, read_rewards
-from engine._errors import OutputError, ResumeError, VerificationError
+from engine._errors import InputError, OutputError, ResumeError, VerificationError
 
 VERIFIER = {"kind": "plugin", "ref": "verify:score", "environment": "arith", "digest": "sha256:" + "ab" * 32}
 RUBRIC = {"kind": "rubric", "ref": "alice/arith", "environment": "judge", "rubric_version": 3, "rubric_digest": "x"}
@@ -408,6 +408,49 @@ def test_resume_refused_with_a_bad_state_file(tmp_path: Path, content: bytes, ex
     state_path(out).write_bytes(content)
     with pytest.raises(ResumeError, match=expected), open_run(inp, out, resume=True):
         pass
+
+
+# --- one format, one writer ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["r.jsonl", "r.NDJSON", "r.json-lines", "r.Parquet", "r.csv", "r.json", "r"])
+def test_the_input_and_the_output_accept_the_same_extensions(tmp_path: Path, name: str) -> None:
+    """One table of formats serves both ends: a file the input reads, the output can be, and the other way round."""
+    path = tmp_path / "in" / name
+    path.parent.mkdir()
+    if path.suffix.lower() == ".parquet":
+        pq.write_table(pa.table({field: pa.array([], pa.string()) for field in FIELDS}), path)
+    else:
+        path.write_bytes(b"")
+    try:
+        open_rows(path).close()
+        reads = True
+    except InputError as exc:
+        assert "unsupported extension" in str(exc)
+        reads = False
+    try:
+        open_output(tmp_path / name, input_path=path, resume=False).close()
+        writes = True
+    except OutputError as exc:
+        assert "unsupported extension" in str(exc)
+        writes = False
+    assert reads == writes == (name not in ("r.csv", "r.json", "r"))
+
+
+@pytest.mark.timeout(60)
+def test_the_output_side_never_opens_the_input() -> None:
+    """Writing rewards, checkpoints, Parquet and the id count need nothing of the input's reader (a new process:
+    what importing them loads, and nothing else)."""
+    program = (
+        "import json, sys; import engine._backfill.writer, engine._backfill.checkpoint, engine._backfill.parquet, "
+        "engine._backfill.ids; print(json.dumps([m for m in sys.modules if m.startswith('engine._backfill.')]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, env=child_env(None), timeout=60, check=True
+    )
+    loaded = set(orjson.loads(done.stdout))
+    assert "engine._backfill.files" in loaded
+    assert not loaded & {"engine._backfill.input", "engine._backfill.run", "engine._backfill.bench"}
 
 
 # --- misuse -----------------------------------------------------------------------------------
