@@ -47,21 +47,11 @@ from httpserver import Request, Response, TestServer
 from judgeserver import JudgeServer, score
 from polling import wait_until
 
+import engine._errors as errors
 from engine import digest_directory
 from engine._backfill.checkpoint import state_path
 from engine._backfill.run import open_run
 from engine._backfill.writer import partial_path
-from engine._errors import (
-    ConfigError,
-    DigestError,
-    InputError,
-    ManifestError,
-    OutputError,
-    ResumeError,
-    RubricError,
-    VerificationError,
-    WriteError,
-)
 from engine.cli import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_IO, EXIT_OK, EXIT_VERIFICATION, _Commands, _outcome, cli
 
 JUDGE_SCORE = 4  # what the test judge answers for every item
@@ -258,15 +248,15 @@ def test_help_documents_the_exit_codes() -> None:
 
 
 ENGINE_ERRORS = {  # one of each of the engine's own errors, and the exit code it ends a command with
-    "input": (InputError(Path("in.jsonl"), "bad", unit="line", number=3), EXIT_BAD_INPUT),
-    "config": (ConfigError("engine.toml: x: unknown key"), EXIT_BAD_INPUT),
-    "manifest": (ManifestError("manifest.json: bad"), EXIT_BAD_INPUT),
-    "digest": (DigestError("a FIFO", path=Path("q")), EXIT_BAD_INPUT),
-    "output": (OutputError("out.csv: unsupported"), EXIT_BAD_INPUT),
-    "resume": (ResumeError("no interrupted run"), EXIT_BAD_INPUT),
-    "verification": (VerificationError("plugin", "verify:score", "boom"), EXIT_VERIFICATION),
-    "rubric": (RubricError("a/b", "no rubric a/b"), EXIT_VERIFICATION),
-    "write": (WriteError(Path("out.partial"), OSError(28, "No space left on device"), 5), EXIT_IO),
+    "input": (errors.InputError(Path("in.jsonl"), "bad", unit="line", number=3), EXIT_BAD_INPUT),
+    "config": (errors.ConfigError("engine.toml: x: unknown key"), EXIT_BAD_INPUT),
+    "manifest": (errors.ManifestError("manifest.json: bad"), EXIT_BAD_INPUT),
+    "digest": (errors.DigestError("a FIFO", path=Path("q")), EXIT_BAD_INPUT),
+    "output": (errors.OutputError("out.csv: unsupported"), EXIT_BAD_INPUT),
+    "resume": (errors.ResumeError("no interrupted run"), EXIT_BAD_INPUT),
+    "verification": (errors.VerificationError("plugin", "verify:score", "boom"), EXIT_VERIFICATION),
+    "rubric": (errors.RubricError("a/b", "no rubric a/b"), EXIT_VERIFICATION),
+    "write": (errors.WriteError(Path("out.partial"), OSError(28, "No space left on device"), 5), EXIT_IO),
 }
 NOT_ENGINE_ERRORS = [ValueError("x"), TypeError("x"), KeyError("x"), OSError(5, "x"), RuntimeError("x"), Exception()]
 
@@ -288,7 +278,7 @@ def test_any_other_exception_is_no_bad_input_but_a_bug(exc: Exception) -> None:
     assert _outcome(exc) is None
 
 
-@pytest.mark.parametrize("exc", [ValueError("a bug"), TypeError("a bug"), InputError(Path("in.jsonl"), "bad")],
+@pytest.mark.parametrize("exc", [ValueError("a bug"), TypeError("a bug"), errors.InputError(Path("in.jsonl"), "bad")],
                          ids=["ValueError", "TypeError", "InputError"])
 def test_the_command_group_reports_a_bug_as_one_and_an_engine_error_as_its_code(exc: Exception) -> None:
     """The group's handler, with a command of this test's own that raises (the engine offers no real way to)."""
@@ -299,14 +289,14 @@ def test_the_command_group_reports_a_bug_as_one_and_an_engine_error_as_its_code(
         raise exc
 
     result = CliRunner().invoke(group, ["fail"], prog_name="engine")
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    if isinstance(exc, InputError):
-        assert (result.exit_code, errors) == (EXIT_BAD_INPUT, [f"error: {exc}"])
+    said = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    if isinstance(exc, errors.InputError):
+        assert (result.exit_code, said) == (EXIT_BAD_INPUT, [f"error: {exc}"])
         assert "Traceback" not in result.stderr
         return
     assert result.exit_code == EXIT_INTERNAL
     assert "Traceback (most recent call last)" in result.stderr and "raise exc" in result.stderr
-    assert errors == [f"error: internal error (a bug in engine, not in your input): {type(exc).__name__}: a bug"]
+    assert said == [f"error: internal error (a bug in engine, not in your input): {type(exc).__name__}: a bug"]
 
 
 @pytest.mark.parametrize(
