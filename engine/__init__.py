@@ -16,7 +16,7 @@ from importlib import import_module as _import_module  # not `import importlib`:
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine._backfill.output import RewardRecord, read_rewards
+    from engine._backfill.writer import RewardRecord, read_rewards
     from engine._blocking import BlockingEngine
     from engine._config import EngineConfig, JudgeConfig, Limits, load_config
     from engine._core.contract import AsyncVerifyFn, Verifier, VerifyFn
@@ -98,8 +98,8 @@ _MODULES = {  # where each public name lives
     "AsyncVerifyFn": "engine._core.contract",
     "Verifier": "engine._core.contract",
     "VerifyFn": "engine._core.contract",
-    "RewardRecord": "engine._backfill.output",
-    "read_rewards": "engine._backfill.output",
+    "RewardRecord": "engine._backfill.writer",
+    "read_rewards": "engine._backfill.writer",
 }
 
 

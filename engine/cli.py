@@ -6,6 +6,8 @@ Exit codes (also in ``engine --help``):
 * 1 ``EXIT_VERIFICATION``: a verification error aborted the run (``engine check``: a check failed);
 * 2 ``EXIT_BAD_INPUT``: bad usage, config, manifest, input, or an output that cannot be resumed;
 * 3 ``EXIT_IO``: the output or its state could not be written (disk full, I/O error);
+* 70 ``EXIT_INTERNAL``: a bug in the engine: an exception none of its own errors (``engine._errors``),
+  reported with its traceback, never as bad input (:func:`_outcome` draws that line);
 * 130 ``EXIT_INTERRUPTED``: interrupted (Ctrl-C);
 * 143 ``EXIT_TERMINATED``: stopped by SIGTERM.
 
@@ -24,10 +26,11 @@ import os
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from types import FrameType
-from typing import NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import anyio
 import click
@@ -38,16 +41,19 @@ from rich.table import Table
 from rich.text import Text
 
 from engine._backfill.bench import DEFAULT_BATCH_SIZE, bench_file, summarise
-from engine._backfill.output import Checkpoint, state_path
-from engine._backfill.run import DEFAULT_CHUNK_SIZE, RunSummary, count_rows, score_file
+from engine._backfill.checkpoint import Checkpoint, state_path
+from engine._backfill.input import count_rows
+from engine._backfill.run import DEFAULT_CHUNK_SIZE, RunSummary, score_file
 from engine._check import check_environments
 from engine._config import EngineConfig, load_config
 from engine._environments.digest import digest_directory
-from engine._errors import DigestError, EngineError, ResumeError, VerificationError, WriteError
+from engine._environments.manifest import RUBRIC_REF
+from engine._errors import DigestError, EngineError, ResumeError, RubricError, VerificationError, WriteError
 from engine._verifiers.rubric.registry import RubricRegistry
 
 __all__ = [
     "EXIT_BAD_INPUT",
+    "EXIT_INTERNAL",
     "EXIT_INTERRUPTED",
     "EXIT_IO",
     "EXIT_OK",
@@ -61,6 +67,7 @@ EXIT_OK = 0
 EXIT_VERIFICATION = 1
 EXIT_BAD_INPUT = 2
 EXIT_IO = 3
+EXIT_INTERNAL = 70  # EX_SOFTWARE of sysexits.h: an internal software error
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports a process the signal ended
 PLAIN_PROGRESS_EVERY = 10.0  # seconds between progress lines when stderr is not a terminal
@@ -169,20 +176,62 @@ def _run(fn: Callable[[], Awaitable[T]], kept: Callable[[], str] | None = None) 
     except BaseException as exc:
         if _Signals.received or isinstance(exc, KeyboardInterrupt):
             _interrupted(after())
-        if isinstance(exc, VerificationError):
-            lines = [str(exc)]
-            if exc.__cause__ is not None:
-                lines.append(f"cause: {type(exc.__cause__).__name__}: {exc.__cause__}")
-            lines += getattr(exc, "__notes__", [])
-            _fail(EXIT_VERIFICATION, "\n  ".join(lines))
-        if isinstance(exc, WriteError):
-            _fail(EXIT_IO, f"{exc}{after()}")
-        if isinstance(exc, EngineError | ValueError | TypeError):
-            _fail(EXIT_BAD_INPUT, str(exc))
-        raise
+        known = _outcome(exc, after)
+        if known is None:
+            raise  # a bug: the command group reports it (_Commands)
+        _fail(*known)
     if _Signals.received or not result:
         _interrupted(after())
     return result[0]
+
+
+def _outcome(exc: BaseException, after: Callable[[], str] | None = None) -> tuple[int, str] | None:
+    """The exit code and ``error:`` message of one of the engine's own errors; None for any other exception.
+
+    Only an error the engine raises on purpose (``engine._errors``) says something about the
+    user's input, config, verifiers or disk. The misuse a user's input can cause is turned into
+    one of them where the input is read (a bad row: ``InputError``, by its line); a ``ValueError``
+    or ``TypeError`` from anywhere else is a bug in the engine and must not read as bad input.
+    ``after`` says, for a write error, what the run kept and how to go on.
+    """
+    if isinstance(exc, VerificationError):
+        lines = [str(exc)]
+        if exc.__cause__ is not None:
+            lines.append(f"cause: {type(exc.__cause__).__name__}: {exc.__cause__}")
+        lines += getattr(exc, "__notes__", [])
+        return EXIT_VERIFICATION, "\n  ".join(lines)
+    if isinstance(exc, WriteError):
+        return EXIT_IO, f"{exc}{after() if after is not None else ''}"
+    if isinstance(exc, EngineError):
+        return EXIT_BAD_INPUT, str(exc)
+    return None
+
+
+def _internal(exc: Exception) -> NoReturn:
+    """Report a bug: the traceback, then one ``error:`` line that says it is one; exit 70."""
+    sys.stderr.write("".join(traceback.format_exception(exc)))
+    sys.stderr.flush()
+    _fail(EXIT_INTERNAL, f"internal error (a bug in engine, not in your input): {type(exc).__name__}: {exc}")
+
+
+class _Commands(click.Group):
+    """The ``engine`` command group: an exception none of its commands handled gets its exit code (:func:`_outcome`),
+    or, if it is not one of the engine's own errors, is reported as a bug (:func:`_internal`).
+
+    Here rather than in :func:`main`, so that it holds however the group is invoked (``engine``,
+    ``python -m engine``, click's test runner).
+    """
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise  # click's own: usage errors and the like, reported by click
+        except Exception as exc:
+            known = _outcome(exc)  # one of the engine's own errors, raised outside a run
+            if known is None:
+                _internal(exc)
+            _fail(*known)
 
 
 def _kept(output: Path) -> str:
@@ -220,9 +269,11 @@ def _config(path: Path) -> EngineConfig:
 
 
 @click.group(
+    cls=_Commands,
     context_settings={"help_option_names": ["-h", "--help"]},
     epilog="Exit codes: 0 done, 1 a verification error aborted the run, 2 bad usage, config or input, "
-    "3 the output or its state could not be written (disk full), 130 interrupted, 143 terminated (SIGTERM).",
+    "3 the output or its state could not be written (disk full), 70 an internal error (a bug: please report it), "
+    "130 interrupted, 143 terminated (SIGTERM).",
 )
 def cli() -> None:
     """Score rollouts with rubric, plugin and endpoint verifiers: one reward per item, or one error."""
@@ -428,10 +479,12 @@ def rubrics_show(registry: RubricRegistry, ref: str) -> None:
     """Print one rubric: owner/name (the latest version) or owner/name@N."""
     try:
         rubric = registry.resolve(ref)
-    except VerificationError as exc:
+    except RubricError as exc:
         _fail(EXIT_BAD_INPUT, exc.reason)
     except ValueError as exc:
-        _fail(EXIT_BAD_INPUT, str(exc))
+        if RUBRIC_REF.fullmatch(ref):
+            raise  # a well-formed ref: not the user's mistake
+        _fail(EXIT_BAD_INPUT, str(exc))  # the user's ref is malformed (resolve says how)
     lo, hi = rubric.scale
     stdout.print(f"# {rubric.ref}  scale [{lo:g}, {hi:g}]  {rubric.digest}", markup=False)
     stdout.print(rubric.text, markup=False)

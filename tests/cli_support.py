@@ -1,9 +1,14 @@
 """Helpers of the command-line tests (test_cli.py, test_backfill.py): workspaces, inputs, and running ``engine``.
 
-The CLI is run as a user runs it: ``python -m engine ...`` in a subprocess, in a workspace under
-``tmp_path`` holding ``engine.toml``, an ``envs/`` directory with copies of real environments from
-``tests/envs/``, and the input files. The ``backfill`` environment's plugin is also loaded here,
-directly from its file, so a test can compare the rewards the CLI wrote with what the plugin computes.
+The CLI runs in a workspace under ``tmp_path`` holding ``engine.toml``, an ``envs/`` directory
+with copies of real environments from ``tests/envs/``, and the input files. It runs in-process
+through click's ``CliRunner`` (:meth:`Workspace.run`, :meth:`Workspace.score`): the command is a
+thin layer over keyword-only functions, and a test whose subject is not the process gains nothing
+from paying for a new interpreter. Where the process is the point (kill -9, signals, a file size
+limit, the exit status of the ``engine`` command itself, a tracer that kills at a step), it runs
+as a user runs it, ``python -m engine ...`` in a subprocess (:meth:`Workspace.start`,
+:func:`engine_command`). The ``backfill`` environment's plugin is also loaded here, directly from
+its file, so a test can compare the rewards the CLI wrote with what the plugin computes.
 """
 
 from __future__ import annotations
@@ -25,8 +30,11 @@ from typing import Any
 import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
+from click.testing import CliRunner
 
-from engine._backfill.output import RewardRecord, partial_path, read_rewards, state_path
+from engine._backfill.checkpoint import state_path
+from engine._backfill.writer import RewardRecord, partial_path, read_rewards
+from engine.cli import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 ENVS = Path(__file__).resolve().parent / "envs"
@@ -43,6 +51,28 @@ def copy_env(name: str, envs: Path, *, source: Path = ENVS) -> Path:
     target = envs / name
     shutil.copytree(source / name, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     return target
+
+
+@dataclass(frozen=True)
+class Ran:
+    """How an ``engine`` command run in-process ended: its exit status and what it printed (as a process would)."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def invoke(*args: str | Path, cwd: Path, env: Mapping[str, str] | None = None) -> Ran:
+    """``engine ARGS`` in this process (click's ``CliRunner``), in ``cwd``, with ``env`` set and no stray test knobs.
+
+    An exception that escapes the command fails the test (it is not turned into an exit status).
+    """
+    unset: dict[str, str | None] = {key: None for key in KNOBS}
+    with contextlib.chdir(cwd):
+        result = CliRunner().invoke(
+            cli, [str(a) for a in args], prog_name="engine", env={**unset, **(env or {})}, catch_exceptions=False
+        )
+    return Ran(result.exit_code, result.stdout, result.stderr)
 
 
 @dataclass
@@ -64,17 +94,9 @@ class Workspace:
         self.config.write_text('environments = "envs"\nallow_unpinned = true\n' + text)
         return self.config
 
-    def run(self, *args: str | Path, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-        """``engine ARGS`` with this workspace as the working directory; never raises on a failure."""
-        return subprocess.run(
-            engine_command(*args),
-            cwd=self.root,
-            env=child_env(env),
-            capture_output=True,
-            text=True,
-            timeout=RUN_TIMEOUT,
-            check=False,
-        )
+    def run(self, *args: str | Path, env: Mapping[str, str] | None = None) -> Ran:
+        """``engine ARGS`` in-process, with this workspace as the working directory (see :func:`invoke`)."""
+        return invoke(*args, cwd=self.root, env=env)
 
     def start(self, *args: str | Path, env: Mapping[str, str] | None = None) -> subprocess.Popen[str]:
         """``engine ARGS`` started in the background, its output captured."""
@@ -87,9 +109,7 @@ class Workspace:
             text=True,
         )
 
-    def score(
-        self, input_path: Path, output: Path, *extra: str, env: Mapping[str, str] | None = None
-    ) -> subprocess.CompletedProcess[str]:
+    def score(self, input_path: Path, output: Path, *extra: str, env: Mapping[str, str] | None = None) -> Ran:
         """``engine score INPUT -o OUTPUT --config engine.toml EXTRA``."""
         return self.run("score", input_path, "-o", output, "--config", self.config, *extra, env=env)
 
@@ -195,7 +215,7 @@ import sys
 import tempfile
 import time
 
-import engine._backfill.output
+import engine._backfill.writer
 
 _STOP = int(os.environ.get("FINISH_STOP", "0"))
 _SCRATCH = tempfile.gettempdir()
@@ -229,7 +249,7 @@ def _traced(name, call):
 for _call in ("replace", "rename", "unlink", "rmdir", "fsync", "ftruncate"):
     setattr(os, _call, _traced(_call, getattr(os, _call)))
 
-_finish = engine._backfill.output.RewardWriter.finish
+_finish = engine._backfill.writer.RewardWriter.finish
 
 
 def _finish_traced(self):
@@ -238,7 +258,7 @@ def _finish_traced(self):
     return _finish(self)
 
 
-engine._backfill.output.RewardWriter.finish = _finish_traced
+engine._backfill.writer.RewardWriter.finish = _finish_traced
 atexit.register(lambda: print("steps: " + " | ".join(_steps), file=sys.stderr, flush=True))
 """
 

@@ -1,10 +1,13 @@
 """``engine score`` as a backfill that never loses work: kill -9, Ctrl-C, a failing verifier, bad rows, a changed input.
 
-Every test runs the real command (``python -m engine score``) in a subprocess over files in
-``tmp_path``, scoring with the real plugin environment ``tests/envs/backfill`` or with an endpoint
-on a real HTTP server on 127.0.0.1. The plugin logs every call to ``$ENGINE_TEST_CALL_LOG``, so a
-test knows exactly which rows a run scored, and fails its poisoned rows until ``$ENGINE_TEST_FIXED``
-exists, so a test can "fix the verifier" between two runs.
+Every test runs the real command over files in ``tmp_path``, scoring with the real plugin
+environment ``tests/envs/backfill`` or with an endpoint on a real HTTP server on 127.0.0.1: in a
+subprocess (``python -m engine score``) where the process is the point (kill -9, signals, a file
+size limit, a tracer that kills at a step of finishing), in-process through click's ``CliRunner``
+otherwise (the runs those tests resume, and every run that ends by itself). The plugin logs
+every call to ``$ENGINE_TEST_CALL_LOG``, so a test knows exactly which rows a run scored, and
+fails its poisoned rows until ``$ENGINE_TEST_FIXED`` exists, so a test can "fix the verifier"
+between two runs.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from cli_support import (
     ENGINE_UNDER_TRACE,
     PLUGIN_ENV,
     RUN_TIMEOUT,
+    Ran,
     Workspace,
     child_env,
     engine_command,
@@ -48,7 +52,8 @@ from conftest import add_endpoint_env
 from polling import wait_until
 from servers import Request, Response, Server
 
-from engine._backfill.output import lock_path, partial_path, state_path
+from engine._backfill.checkpoint import lock_path, state_path
+from engine._backfill.writer import partial_path
 from engine.cli import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_IO, EXIT_TERMINATED
 
 ROWS = 1000
@@ -73,7 +78,7 @@ def knobs(log: Path, fixed: Path | None = None, sleep: float | None = None) -> d
     return env
 
 
-def ok(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+def ok(result: Ran) -> Ran:
     assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     return result
 
@@ -279,6 +284,11 @@ BAD_ROWS: dict[str, tuple[bytes, str]] = {
     "task not an object": (
         b'{"id": "row-0129", "environment": "backfill", "task": [129], "trajectory": "x"}',
         "'task' must be an object, got list",
+    ),
+    "id nested too deep": (  # read as JSON, but deeper than the output can write it
+        b'{"id": ' + b"[" * 300 + b'"row-0129"' + b"]" * 300 + b', "environment": "backfill", "task": {"n": 129}, '
+        b'"trajectory": "x"}',
+        "'id' cannot be written to the output as JSON",
     ),
     "invalid UTF-8": (
         b'{"id": "row-0129", "environment": "backfill", "task": {"n": 129}, "trajectory": "\xe9t\xe9"}',
@@ -549,6 +559,7 @@ LIMITED = (
 )
 
 
+@pytest.mark.timeout(60)  # the run under a file size limit is a subprocess
 def test_a_full_disk_stops_with_exit_3_and_one_line_and_resume_continues(space: Workspace) -> None:
     """A real write error from the kernel: EFBIG past RLIMIT_FSIZE (Python ignores SIGXFSZ), as ENOSPC would be."""
     inp = write_rows(space.root / "in.jsonl", rows(ROWS))
@@ -573,6 +584,7 @@ def test_a_full_disk_stops_with_exit_3_and_one_line_and_resume_continues(space: 
     assert sorted(p.name for p in out.parent.iterdir()) == [out.name]
 
 
+@pytest.mark.timeout(60)  # the run under a file size limit is a subprocess
 @pytest.mark.parametrize("resume", [False, True], ids=["fresh", "resume"])
 def test_a_disk_full_when_the_run_starts_stops_with_exit_3_and_one_line(space: Workspace, resume: bool) -> None:
     """Not even the lock file's pid can be written (RLIMIT_FSIZE 0: EFBIG, as ENOSPC would be)."""

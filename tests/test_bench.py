@@ -71,3 +71,4 @@ def test_a_broken_verifier_fails_the_benchmark(tmp_path: Path) -> None:
     assert result.returncode == EXIT_VERIFICATION
     assert result.stdout == ""  # no figures for a broken verifier: a fast zero is not a result
     assert "plugin verifier 'verify:score'" in result.stderr and "row-0042" in result.stderr
+    assert f"input: {inp}, line 43" in result.stderr  # located in the file as engine score locates it

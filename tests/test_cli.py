@@ -1,9 +1,9 @@
 """The command line: ``engine score`` round trips, progress and summary, exit codes, ``check``, ``digest``, ``rubrics``.
 
-``engine score`` and ``engine check`` run as a user runs them, ``python -m engine`` in a
-subprocess, against real environments (copies of ``tests/envs/``), a real endpoint and a real
-judge on 127.0.0.1. Commands that never reach the engine (usage and config errors, ``digest``,
-``rubrics``) also run in-process with click's ``CliRunner``, which is quicker and just as real.
+Commands run in-process with click's ``CliRunner`` (``cli_support.invoke``), against real
+environments (copies of ``tests/envs/``), a real endpoint and a real judge on 127.0.0.1: the CLI
+is a thin layer over the engine, and the process adds nothing these tests look at. The exit
+status of the ``engine`` command itself is tested in a subprocess (``test_digest_as_a_command``).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from cli_support import (
     PLUGIN_ENV,
     ROOT,
     RUBRICS,
+    Ran,
     Workspace,
     child_env,
     copy_env,
@@ -45,9 +46,12 @@ from conftest import add_endpoint_env, add_rubric_env
 from polling import wait_until
 from servers import Request, Response, Server, score
 
+import engine._errors as errors
 from engine import digest_directory
-from engine._backfill.output import open_run, partial_path, state_path
-from engine.cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_VERIFICATION, cli
+from engine._backfill.checkpoint import state_path
+from engine._backfill.run import open_run
+from engine._backfill.writer import partial_path
+from engine.cli import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_IO, EXIT_OK, EXIT_VERIFICATION, _Commands, _outcome, cli
 
 JUDGE_SCORE = 4  # what the test judge answers for every item
 HELPFUL = "bob/helpfulness"  # the rubric of the rubric environment, from tests/rubrics
@@ -91,7 +95,7 @@ def row_of(text: str, first: str) -> list[str]:
     return found[0]
 
 
-def done(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+def done(result: Ran) -> Ran:
     assert result.returncode == EXIT_OK, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     return result
 
@@ -238,7 +242,60 @@ def test_help_documents_the_exit_codes() -> None:
     assert result.exit_code == EXIT_OK
     text = " ".join(result.stdout.split())
     assert "Exit codes: 0 done, 1 a verification error aborted the run, 2 bad usage, config or input" in text
-    assert "3 the output or its state could not be written (disk full), 130 interrupted, 143 terminated" in text
+    assert "3 the output or its state could not be written (disk full), 70 an internal error (a bug" in text
+    assert "130 interrupted, 143 terminated (SIGTERM)" in text
+
+
+ENGINE_ERRORS = {  # one of each of the engine's own errors, and the exit code it ends a command with
+    "input": (errors.InputError(Path("in.jsonl"), "bad", unit="line", number=3), EXIT_BAD_INPUT),
+    "config": (errors.ConfigError("engine.toml: x: unknown key"), EXIT_BAD_INPUT),
+    "manifest": (errors.ManifestError("manifest.json: bad"), EXIT_BAD_INPUT),
+    "digest": (errors.DigestError("a FIFO", path=Path("q")), EXIT_BAD_INPUT),
+    "output": (errors.OutputError("out.csv: unsupported"), EXIT_BAD_INPUT),
+    "resume": (errors.ResumeError("no interrupted run"), EXIT_BAD_INPUT),
+    "verification": (errors.VerificationError("plugin", "verify:score", "boom"), EXIT_VERIFICATION),
+    "rubric": (errors.RubricError("a/b", "no rubric a/b"), EXIT_VERIFICATION),
+    "write": (errors.WriteError(Path("out.partial"), OSError(28, "No space left on device"), 5), EXIT_IO),
+}
+NOT_ENGINE_ERRORS = [ValueError("x"), TypeError("x"), KeyError("x"), OSError(5, "x"), RuntimeError("x"), Exception()]
+
+
+@pytest.mark.parametrize("case", ENGINE_ERRORS, ids=list(ENGINE_ERRORS))
+def test_each_of_the_engines_own_errors_has_its_exit_code(case: str) -> None:
+    exc, code = ENGINE_ERRORS[case]
+    assert _outcome(exc, lambda: "; kept") == (code, f"{exc}; kept" if code == EXIT_IO else str(exc))
+
+
+@pytest.mark.parametrize("exc", NOT_ENGINE_ERRORS, ids=lambda exc: type(exc).__name__)
+def test_any_other_exception_is_no_bad_input_but_a_bug(exc: Exception) -> None:
+    """A ValueError or TypeError the engine did not mean (a bug) must not read as the user's mistake (exit 2):
+    :func:`_outcome` has no code for it, so the command group reports it as an internal error (exit 70).
+
+    No real input makes the engine raise one (that would be a bug to fix, and a row the engine
+    refuses becomes an ``InputError`` naming its line): the mapping is tested as the function it is.
+    """
+    assert _outcome(exc) is None
+
+
+@pytest.mark.parametrize("exc", [ValueError("a bug"), TypeError("a bug"), errors.InputError(Path("in.jsonl"), "bad")],
+                         ids=["ValueError", "TypeError", "InputError"])
+def test_the_command_group_reports_a_bug_as_one_and_an_engine_error_as_its_code(exc: Exception) -> None:
+    """The group's handler, with a command of this test's own that raises (the engine offers no real way to)."""
+    group = _Commands()
+
+    @group.command()
+    def fail() -> None:
+        raise exc
+
+    result = CliRunner().invoke(group, ["fail"], prog_name="engine")
+    said = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    if isinstance(exc, errors.InputError):
+        assert (result.exit_code, said) == (EXIT_BAD_INPUT, [f"error: {exc}"])
+        assert "Traceback" not in result.stderr
+        return
+    assert result.exit_code == EXIT_INTERNAL
+    assert "Traceback (most recent call last)" in result.stderr and "raise exc" in result.stderr
+    assert said == [f"error: internal error (a bug in engine, not in your input): {type(exc).__name__}: a bug"]
 
 
 @pytest.mark.parametrize(
@@ -378,6 +435,15 @@ def squeezed(text: str) -> str:
     return "".join(text.split())
 
 
+def probed(server: Server) -> None:
+    """Wait until ``server`` has seen ``engine check``'s probe connect and hang up.
+
+    The probe only connects; the server would otherwise be stopped while it still accepts it, and
+    the accepted socket would never be closed (its handler never starts).
+    """
+    wait_until(lambda: server.closed >= 1, message="engine check never connected to the endpoint")
+
+
 def test_check_passes_when_every_environment_can_score(tmp_path: Path) -> None:
     with Server(endpoint) as server:
         envs = tmp_path / "envs"
@@ -394,6 +460,7 @@ def test_check_passes_when_every_environment_can_score(tmp_path: Path) -> None:
         add_endpoint_env(envs, "remote", url)
         add_rubric_env(envs, "helpful", HELPFUL)
         result = done(space.run("check", "--config", space.config))
+        probed(server)
 
     assert check_row(result.stdout, PLUGIN_ENV) == [PLUGIN_ENV, "plugin", "verify:score", "ok", "ok", "ok", "yes"]
     assert squeezed(" ".join(check_row(result.stdout, "remote"))) == squeezed(f"remote endpoint {url} ok - ok yes")
@@ -454,6 +521,7 @@ def test_check_tries_the_proxy_the_environment_names_for_an_endpoint(tmp_path: P
         proxy = {"HTTP_PROXY": url, "http_proxy": url, "NO_PROXY": "", "no_proxy": ""}
         proxied = space.run("check", "--config", space.config, env=proxy)
         direct = space.run("check", "--config", space.config, env={**proxy, "no_proxy": "127.0.0.1"})
+        probed(server)
     assert proxied.returncode == EXIT_VERIFICATION, proxied.stderr
     cells = check_row(proxied.stdout, "remote")
     assert squeezed(f"cannot connect to the proxy 127.0.0.1:{refused_port}") in squeezed(cells[5]), cells
@@ -524,6 +592,7 @@ def test_digest_prints_the_digest_of_a_directory(tmp_path: Path) -> None:
     assert invoke("digest", tmp_path / "nowhere").exit_code == EXIT_BAD_INPUT
 
 
+@pytest.mark.timeout(60)  # a new interpreter: the exit status of the command itself is the point
 def test_digest_as_a_command(tmp_path: Path) -> None:
     env = copy_env(PLUGIN_ENV, tmp_path)
     result = subprocess.run(

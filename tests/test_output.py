@@ -1,4 +1,5 @@
-"""engine._backfill.output: atomic reward files, checkpoints, and resume after a crash, a failure or kill -9."""
+"""engine._backfill.{writer,checkpoint,parquet,ids} and run.open_run: atomic reward files, checkpoints, and resume
+after a crash, a failure or kill -9."""
 
 from __future__ import annotations
 
@@ -16,22 +17,14 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from cli_support import finish_steps, kill_at_step, start_under_trace
+from cli_support import child_env, finish_steps, kill_at_step, start_under_trace
 
-from engine._backfill.output import (
-    STATE_FORMAT,
-    OutputError,
-    ResumeError,
-    RewardRecord,
-    lock_path,
-    open_output,
-    open_run,
-    partial_path,
-    read_rewards,
-    state_path,
-)
-from engine._backfill.rows import EMPTY_CHECKSUM, Row, open_rows
-from engine._errors import VerificationError
+from engine._backfill.checkpoint import STATE_FORMAT, lock_path, state_path
+from engine._backfill.files import EMPTY_CHECKSUM
+from engine._backfill.input import FIELDS, Row, open_rows
+from engine._backfill.run import open_run
+from engine._backfill.writer import RewardRecord, open_output, partial_path, read_rewards
+from engine._errors import InputError, OutputError, ResumeError, VerificationError
 
 VERIFIER = {"kind": "plugin", "ref": "verify:score", "environment": "arith", "digest": "sha256:" + "ab" * 32}
 RUBRIC = {"kind": "rubric", "ref": "alice/arith", "environment": "judge", "rubric_version": 3, "rubric_digest": "x"}
@@ -417,6 +410,49 @@ def test_resume_refused_with_a_bad_state_file(tmp_path: Path, content: bytes, ex
         pass
 
 
+# --- one format, one writer ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["r.jsonl", "r.NDJSON", "r.json-lines", "r.Parquet", "r.csv", "r.json", "r"])
+def test_the_input_and_the_output_accept_the_same_extensions(tmp_path: Path, name: str) -> None:
+    """One table of formats serves both ends: a file the input reads, the output can be, and the other way round."""
+    path = tmp_path / "in" / name
+    path.parent.mkdir()
+    if path.suffix.lower() == ".parquet":
+        pq.write_table(pa.table({field: pa.array([], pa.string()) for field in FIELDS}), path)
+    else:
+        path.write_bytes(b"")
+    try:
+        open_rows(path).close()
+        reads = True
+    except InputError as exc:
+        assert "unsupported extension" in str(exc)
+        reads = False
+    try:
+        open_output(tmp_path / name, input_path=path, resume=False).close()
+        writes = True
+    except OutputError as exc:
+        assert "unsupported extension" in str(exc)
+        writes = False
+    assert reads == writes == (name not in ("r.csv", "r.json", "r"))
+
+
+@pytest.mark.timeout(60)
+def test_the_output_side_never_opens_the_input() -> None:
+    """Writing rewards, checkpoints, Parquet and the id count need nothing of the input's reader (a new process:
+    what importing them loads, and nothing else)."""
+    program = (
+        "import json, sys; import engine._backfill.writer, engine._backfill.checkpoint, engine._backfill.parquet, "
+        "engine._backfill.ids; print(json.dumps([m for m in sys.modules if m.startswith('engine._backfill.')]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, env=child_env(None), timeout=60, check=True
+    )
+    loaded = set(orjson.loads(done.stdout))
+    assert "engine._backfill.files" in loaded
+    assert not loaded & {"engine._backfill.input", "engine._backfill.run", "engine._backfill.bench"}
+
+
 # --- misuse -----------------------------------------------------------------------------------
 
 
@@ -461,7 +497,7 @@ record of the next chunk (more than a write buffer, so most of it reaches the fi
 import sys
 from itertools import islice
 
-from engine._backfill.output import open_run
+from engine._backfill.run import open_run
 
 input_path, output, chunk, hold = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 DIGEST = "sha256:" + "c" * 64
@@ -556,7 +592,7 @@ FINISH_SCRIPT = """
 sys.argv[0] = "score"
 from itertools import islice
 
-from engine._backfill.output import open_run
+from engine._backfill.run import open_run
 
 input_path, output = sys.argv[1], sys.argv[2]
 VERIFIER = {"kind": "endpoint", "ref": "http://127.0.0.1:1/score", "environment": "arith"}

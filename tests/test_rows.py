@@ -1,4 +1,4 @@
-"""engine._backfill.rows: streaming stored trajectories from JSON Lines and Parquet, validation, skip and checksum."""
+"""engine._backfill.input: streaming stored trajectories from JSON Lines and Parquet, validation, skip and checksum."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from engine import InputError
-from engine._backfill.rows import BATCH_ROWS, EMPTY_CHECKSUM, Row, open_rows
+from engine._backfill.files import EMPTY_CHECKSUM
+from engine._backfill.input import BATCH_ROWS, Row, open_rows
 from engine._errors import EngineError
 
 TASKS: list[dict[str, Any]] = [{"a": 1, "b": 2}, {"question": "2+2?", "answer": "4"}, {"nested": {"x": [1, 2, 3]}}]

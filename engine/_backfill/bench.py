@@ -3,24 +3,24 @@
 The file is read and scored batch by batch, as a trainer would (``--batch-size`` rows at a time),
 ``--repeat`` times over. For each verifier: items/s, latency percentiles, the most calls in
 flight at once, retries, and how its time split between waiting for a limit and the verifier
-itself. A verification error aborts the benchmark like any run: a fast zero is not a result.
+itself. The file is read and scored as ``engine score`` reads it (:func:`engine._backfill.run.score_chunks`):
+a bad row or a verification error aborts the benchmark, naming the row: a fast zero is not a result.
 """
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from itertools import islice
 from pathlib import Path
 from time import perf_counter
 from typing import Any
 
 import httpx
 
-from engine._backfill.rows import open_rows
-from engine._backfill.run import refuse_unknown_environments
+from engine._backfill.input import Row, open_rows
+from engine._backfill.run import score_chunks
 from engine._config import EngineConfig
-from engine._core.report import VerifierTotals, add_reports
+from engine._core.report import BatchResult, VerifierTotals
 from engine._engine import Engine
 
 __all__ = ["DEFAULT_BATCH_SIZE", "BenchRun", "bench_file", "summarise"]
@@ -37,6 +37,11 @@ class BenchRun:
     scoring: float  # time inside Engine.run, summed over the batches
     verifiers: dict[str, VerifierTotals]
 
+    def add(self, chunk: list[Row], result: BatchResult) -> None:
+        """Count a scored chunk (:func:`score_chunks` has added its figures to ``verifiers``)."""
+        self.items += len(chunk)
+        self.scoring += result.elapsed
+
 
 async def bench_file(
     *,
@@ -52,15 +57,11 @@ async def bench_file(
     runs = []
     async with Engine(config, transport=transport) as engine:
         for _ in range(repeat):
-            totals: dict[str, VerifierTotals] = {}
-            items, scoring, started = 0, 0.0, perf_counter()
+            run, started = BenchRun(0, 0.0, 0.0, {}), perf_counter()
             with open_rows(input_path) as rows:
-                while chunk := list(islice(rows, batch_size)):
-                    refuse_unknown_environments(engine, rows, chunk)
-                    result = await engine.run([row.as_item() for row in chunk])
-                    add_reports(totals, result)
-                    items, scoring = items + len(chunk), scoring + result.elapsed
-            runs.append(BenchRun(items, perf_counter() - started, scoring, totals))
+                await score_chunks(engine, rows, batch_size, run.verifiers, run.add)
+            run.seconds = perf_counter() - started
+            runs.append(run)
     return runs
 
 

@@ -1,40 +1,42 @@
 """``engine score``: rewards for a file of stored trajectories, streamed, checkpointed, resumable.
 
 The input is read a chunk at a time (memory stays flat however large the file), each chunk is
-scored as one batch, its records are written, and a checkpoint is taken (``engine._backfill.output``). A
+scored as one batch (:func:`score_chunks`, which ``engine bench`` reads files with too), its
+records are written, and a checkpoint is taken (:mod:`engine._backfill.writer`). A
 crash, Ctrl-C or kill -9 loses at most the chunk in flight; ``--resume`` continues from the last
 checkpoint and produces the file an uninterrupted run would have. A verification error stops the
 run with the chunk before it checkpointed: fix the verifier, then ``--resume``.
 
 The run's summary (per verifier: items, mean reward, latency percentiles, retries) is carried in
 the checkpoints, so a resumed run reports on the whole file; so is the count of repeated ids, taken
-over the whole output when the run finishes (``engine._backfill.output``). A resume of a run that was
+over the whole output when the run finishes (:mod:`engine._backfill.ids`). A resume of a run that was
 stopped after its output was complete, while cleaning up, only completes the cleanup.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 
 import httpx
-import pyarrow.parquet as pq
 
-from engine._backfill.output import RewardWriter, open_run
-from engine._backfill.rows import JSONL_SUFFIXES, Row, RowReader
+from engine._backfill.checkpoint import hold_lock
+from engine._backfill.input import Row, RowReader, open_rows
+from engine._backfill.writer import RewardWriter, open_output
 from engine._config import EngineConfig
-from engine._core.report import VerifierTotals, add_reports
+from engine._core.report import BatchResult, VerifierTotals, add_reports
 from engine._engine import Engine
 from engine._errors import InputError, ManifestError, ResumeError, VerificationError
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "RunSummary", "count_rows", "refuse_unknown_environments", "score_file"]
+__all__ = ["DEFAULT_CHUNK_SIZE", "RunSummary", "open_run", "score_chunks", "score_file"]
 
 DEFAULT_CHUNK_SIZE = 1024  # rows per batch and per checkpoint: at most this many are scored again on resume
-COUNT_BLOCK = 1 << 20
 
 Progress = Callable[[int], None]  # told how many rows are done, after each chunk
+Scored = Callable[[list[Row], BatchResult], None]  # told each chunk and its result, in input order
 
 
 @dataclass
@@ -56,22 +58,52 @@ class RunSummary:
     already_finished: bool = False
 
 
-def count_rows(path: Path) -> int | None:
-    """The number of rows in an input file, cheaply (for a progress bar's total); None if unknown."""
-    try:
-        if path.suffix.lower() in JSONL_SUFFIXES:
-            lines, last = 0, b"\n"
-            with path.open("rb") as f:
-                while block := f.read(COUNT_BLOCK):
-                    lines += block.count(b"\n")
-                    last = block[-1:]
-            return lines + (last != b"\n")
-        return int(pq.ParquetFile(path).metadata.num_rows)
-    except (OSError, ValueError):
-        return None
+@contextlib.contextmanager
+def open_run(
+    input_path: str | Path, output: str | Path, *, resume: bool = False
+) -> Iterator[tuple[RowReader, RewardWriter]]:
+    """The rows still to score and the writer of their rewards, checked against each other.
+
+    Fresh: the reader starts at the first row. Resumed: the writer is restored from its state,
+    the reader skips the rows already done, and the run is refused (:class:`ResumeError`) if
+    those rows differ from the ones the interrupted run read; if the run had already finished
+    (``writer.already_finished``), the reader has nothing left to read and the input is not
+    opened. Both are closed on exit; the run is complete only once the caller has called
+    ``writer.finish()``. The run holds ``OUT.lock`` all along: a second run for the same output
+    is refused (:class:`OutputError`) while it does.
+    """
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(hold_lock(Path(output)))
+        if resume:
+            writer = stack.enter_context(open_output(output, input_path=input_path, resume=True))
+            if writer.already_finished:  # only the cleanup is left: the input is neither needed nor read
+                rows = RowReader.done(input_path, writer.rows_written)
+            else:
+                rows = stack.enter_context(open_rows(input_path, start=writer.rows_written))
+                _check_input(writer, rows)
+        else:
+            rows = stack.enter_context(open_rows(input_path))
+            writer = stack.enter_context(open_output(output, input_path=input_path, resume=False))
+        yield rows, writer
 
 
-def refuse_unknown_environments(engine: Engine, rows: RowReader, chunk: list[Row]) -> None:
+def _check_input(writer: RewardWriter, rows: RowReader) -> None:
+    """Refuse to resume unless ``rows``, opened at ``start=rows_done``, read what the run already read."""
+    checkpoint = writer.last_checkpoint
+    done = checkpoint.rows_done
+    if rows.rows_read < done:
+        raise ResumeError(
+            f"the input changed since the run started: {rows.path} now has {rows.rows_read} rows, "
+            f"but {done} were already scored; delete {writer.state} to start over"
+        )
+    if rows.checksum() != checkpoint.input_checksum:
+        raise ResumeError(
+            f"the input changed since the run started: the first {done} rows of {rows.path} had checksum "
+            f"{checkpoint.input_checksum}, now {rows.checksum()}; delete {writer.state} to start over"
+        )
+
+
+def _refuse_unknown_environments(engine: Engine, rows: RowReader, chunk: list[Row]) -> None:
     """Refuse a chunk naming an unknown environment, by its line, before any of it is scored."""
     for row in chunk:
         try:
@@ -80,6 +112,28 @@ def refuse_unknown_environments(engine: Engine, rows: RowReader, chunk: list[Row
             raise  # a broken manifest is a config error, reported as such
         except ValueError as exc:
             raise InputError(rows.path, str(exc), unit=rows.unit, number=row.number) from None
+
+
+async def score_chunks(
+    engine: Engine, rows: RowReader, size: int, totals: dict[str, VerifierTotals], scored: Scored
+) -> None:
+    """Score ``rows`` ``size`` at a time, adding each result to ``totals``, then telling ``scored``.
+
+    A chunk naming an unknown environment is refused (:class:`InputError`, by its line) before any
+    of it is scored. A :class:`VerificationError` is located in the input: its ``index`` counts from
+    the input's first row, not the chunk's (``first_index``), and a note names the line (or row).
+    """
+    while chunk := list(islice(rows, size)):
+        _refuse_unknown_environments(engine, rows, chunk)
+        first = rows.rows_read - len(chunk)  # the chunk's first row's place in the input (0-based)
+        try:
+            result = await engine.run([row.as_item() for row in chunk], first_index=first)
+        except VerificationError as exc:
+            if exc.index is not None:  # it names the input's row: say where that row is
+                exc.add_note(f"input: {rows.path}, {rows.unit} {chunk[exc.index - first].number}")
+            raise
+        add_reports(totals, result)
+        scored(chunk, result)
 
 
 async def score_file(
@@ -109,22 +163,16 @@ async def score_file(
                 return _summary(output, resumed_at, resumed_at, totals, writer, already_finished=True)
             if progress is not None:
                 progress(resumed_at)
-            while chunk := list(islice(rows, chunk_size)):
-                refuse_unknown_environments(engine, rows, chunk)
-                first = rows.rows_read - len(chunk)  # the chunk's first row's place in the input (0-based)
-                try:
-                    result = await engine.run([row.as_item() for row in chunk], first_index=first)
-                except VerificationError as exc:
-                    if exc.index is not None:  # it names the input's row: say where that row is
-                        exc.add_note(f"input: {rows.path}, {rows.unit} {chunk[exc.index - first].number}")
-                    raise
+
+            def scored(chunk: list[Row], result: BatchResult) -> None:
                 for position, (row, reward) in enumerate(zip(chunk, result.rewards, strict=True)):
                     writer.write(row.id, reward, {**result.provenance(position), "environment": row.environment})
-                add_reports(totals, result)
                 meta = {"verifiers": {key: total.to_json() for key, total in totals.items()}}
                 writer.checkpoint(rows.rows_read, rows.checksum(), meta=meta)
                 if progress is not None:
                     progress(rows.rows_read)
+
+            await score_chunks(engine, rows, chunk_size, totals, scored)
             writer.finish()
             return _summary(output, rows.rows_read, resumed_at, totals, writer)
 

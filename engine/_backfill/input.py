@@ -1,4 +1,4 @@
-"""Reading stored trajectories, as a stream, for ``engine score``.
+"""A backfill's input: stored trajectories, read as a stream, validated and checksummed (``engine score``, ``bench``).
 
 An input file holds one row per rollout with the fields ``id``, ``environment``, ``task`` and
 ``trajectory``. Two formats are read, chosen by the file's extension:
@@ -39,35 +39,23 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from types import TracebackType
 from typing import Any, BinaryIO, Literal, Self
 
 import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from engine._backfill.files import Closing, checksum, file_format, unsupported
 from engine._errors import InputError
 
-__all__ = [
-    "BATCH_ROWS",
-    "EMPTY_CHECKSUM",
-    "FIELDS",
-    "JSONL_SUFFIXES",
-    "PARQUET_SUFFIXES",
-    "InputError",
-    "Row",
-    "RowReader",
-    "open_rows",
-]
+__all__ = ["BATCH_ROWS", "COUNT_BLOCK", "FIELDS", "Row", "RowReader", "count_rows", "open_rows"]
 
 FIELDS: tuple[str, ...] = ("id", "environment", "task", "trajectory")
-JSONL_SUFFIXES: tuple[str, ...] = (".jsonl", ".ndjson", ".json-lines")
-PARQUET_SUFFIXES: tuple[str, ...] = (".parquet",)
 BATCH_ROWS = 1024  # Parquet rows decoded at once: small enough to keep memory flat, big enough to be fast
-EMPTY_CHECKSUM = f"sha256:{hashlib.sha256().hexdigest()}"  # the checksum of no rows at all
+COUNT_BLOCK = 1 << 20  # bytes read at a time to count a JSON Lines file's lines
 
 Unit = Literal["line", "row"]
-
+UNITS: dict[str, Unit] = {"jsonl": "line", "parquet": "row"}  # what a row's number counts, per format
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +73,7 @@ class Row:
         return {"id": self.id, "environment": self.environment, "task": self.task, "trajectory": self.trajectory}
 
 
-class RowReader:
+class RowReader(Closing):
     """An iterator of :class:`Row` over one input file; use :func:`open_rows` to get one.
 
     It is also a context manager that closes the file. ``rows_read`` counts the rows consumed so
@@ -110,14 +98,10 @@ class RowReader:
 
     def _empty(self, path: Path) -> None:
         """Set up a reader of ``path`` that has read nothing and opened nothing."""
-        suffix = path.suffix.lower()
-        if suffix in JSONL_SUFFIXES:
-            self.unit: Unit = "line"
-        elif suffix in PARQUET_SUFFIXES:
-            self.unit = "row"
-        else:
-            supported = ", ".join(JSONL_SUFFIXES + PARQUET_SUFFIXES)
-            raise InputError(path, f"unsupported extension {path.suffix!r} (supported: {supported})")
+        fmt = file_format(path)
+        if fmt is None:
+            raise InputError(path, unsupported(path))
+        self.unit: Unit = UNITS[fmt]
         self.path = path
         self.rows_read = 0
         self._hash = hashlib.sha256()
@@ -203,10 +187,15 @@ class RowReader:
             if missing:
                 raise self._fail(number, f"missing field(s) {', '.join(map(repr, missing))} (a row needs {FIELDS})")
             row_id, environment, task, trajectory = (data[name] for name in FIELDS)
-            if not isinstance(row_id, str | int | None) and _has_float(row_id) and (exact := _rounded(raw, row_id)):
-                what = "an integer id" if isinstance(row_id, float) else "an integer in an id"
-                reason = f"'id' {_id_text(exact[0])}: {what} must fit in 64 bits; write it as a string"
-                raise self._fail(number, reason)
+            if not isinstance(row_id, str | int | None):  # a float, a list or an object: rare, and checked
+                try:
+                    orjson.dumps({"id": row_id})  # as the output's record will hold it
+                except orjson.JSONEncodeError as exc:  # nested deeper than orjson writes (and _has_float recurses)
+                    raise self._fail(number, f"'id' cannot be written to the output as JSON: {exc}") from None
+                if _has_float(row_id) and (exact := _rounded(raw, row_id)):
+                    what = "an integer id" if isinstance(row_id, float) else "an integer in an id"
+                    reason = f"'id' {_id_text(exact[0])}: {what} must fit in 64 bits; write it as a string"
+                    raise self._fail(number, reason)
         else:
             row_id, environment, task, trajectory = raw
             if isinstance(task, str):
@@ -226,7 +215,7 @@ class RowReader:
     def checksum(self) -> str:
         """``sha256:<hex>`` of the rows consumed so far (see the module docstring)."""
         done = self._hash if self._through_last_row is None else self._through_last_row
-        return f"sha256:{done.hexdigest()}"  # hexdigest() leaves the running hash as it was
+        return checksum(done)
 
     def __iter__(self) -> Self:
         return self
@@ -242,14 +231,6 @@ class RowReader:
             self._file.close()
         if self._parquet is not None:
             self._parquet.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
 
 def _has_float(value: Any) -> bool:
@@ -315,3 +296,21 @@ def open_rows(path: str | Path, *, start: int = 0) -> RowReader:
     extension or an unreadable file, and on iteration for a bad row.
     """
     return RowReader(Path(path), start=start)
+
+
+def count_rows(path: Path) -> int | None:
+    """The number of rows in an input file, cheaply (for a progress bar's total); None if unknown."""
+    fmt = file_format(path)
+    try:
+        if fmt == "jsonl":
+            lines, last = 0, b"\n"
+            with path.open("rb") as f:
+                while block := f.read(COUNT_BLOCK):
+                    lines += block.count(b"\n")
+                    last = block[-1:]
+            return lines + (last != b"\n")
+        if fmt == "parquet":
+            return int(pq.ParquetFile(path).metadata.num_rows)
+    except (OSError, ValueError):
+        pass
+    return None
