@@ -29,6 +29,7 @@ import asyncio
 import functools
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Protocol
 
 import httpx
 import tenacity
@@ -38,7 +39,7 @@ from engine._http.retry import RETRY_STATUSES, Scrub, Sleep, TransientStatus, is
 from engine._http.transport import MAX_BODY, TOTAL_TIMEOUT, PoolTransport, ResponseTooLarge
 from engine._reasons import describe
 
-__all__ = ["BACKSTOP", "CallTimeout", "Post", "PostFailed", "check_size", "read_capped"]
+__all__ = ["BACKSTOP", "Bounds", "CallTimeout", "Post", "PostFailed", "check_size", "read_capped"]
 
 # seconds after a call's deadline when this module's own timer cuts it, for a transport that may not
 # keep deadlines itself (one that does fails the phase that overran first, a moment earlier)
@@ -47,6 +48,22 @@ BACKSTOP = 0.05
 _NO_PHASE_TIMEOUTS: dict[str, float | None] = {"connect": None, "read": None, "write": None, "pool": None}
 
 Before = Callable[[int], Awaitable[None]]  # called before each try with its number (1, 2, ...)
+
+
+class Bounds(Protocol):
+    """What bounds a call, as an endpoint's ``Limits`` and the ``JudgeConfig`` both say it."""
+
+    @property
+    def timeout(self) -> float: ...  # seconds for the whole call
+
+    @property
+    def max_body(self) -> int: ...  # bytes of a response read at most
+
+    @property
+    def max_attempts(self) -> int: ...  # tries, the first included
+
+    @property
+    def retry_deadline(self) -> float: ...  # seconds from the first try after which none starts
 
 
 class CallTimeout(httpx.TimeoutException):
@@ -128,18 +145,16 @@ class Post:
         self,
         url: str | httpx.URL,
         via: httpx.AsyncBaseTransport | httpx.AsyncClient,
+        bounds: Bounds,
         *,
-        timeout: float,
-        max_body: int,
-        max_attempts: int,
-        retry_deadline: float,
         sleep: Sleep,
         retry_statuses: frozenset[int] = RETRY_STATUSES,
     ) -> None:
+        timeout, max_body = bounds.timeout, bounds.max_body
         self._timeout = timeout
         self._max_body = max_body
-        self._max_attempts = max_attempts
-        self._retry_deadline = retry_deadline
+        self._max_attempts = bounds.max_attempts
+        self._retry_deadline = bounds.retry_deadline
         self._sleep = sleep
         self._retry_statuses = retry_statuses
         self._extensions = {"timeout": _NO_PHASE_TIMEOUTS, TOTAL_TIMEOUT: timeout, MAX_BODY: max_body}

@@ -105,15 +105,7 @@ class EndpointVerifier:
             raise ValueError(f"an endpoint's URL is unusable: {problem}")
         if httpx.URL(url).scheme not in ("http", "https"):
             raise ValueError(f"an endpoint's URL must be http:// or https://, got {shown_url(url)!r}")
-        self._post = Post(
-            url,
-            transport,
-            timeout=limits.timeout,
-            max_body=limits.max_body,
-            max_attempts=limits.max_attempts,
-            retry_deadline=limits.retry_deadline,
-            sleep=sleep,
-        )
+        self._post = Post(url, transport, limits, sleep=sleep)
         self._plain_headers = httpx.Headers(HEADERS)  # built once: httpx copies a Headers without parsing it again
         self._templates = tuple(limits.headers.items())
 

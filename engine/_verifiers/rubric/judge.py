@@ -101,16 +101,7 @@ class Judge:
 
     def __init__(self, config: JudgeConfig, client: httpx.AsyncClient, *, sleep: Sleep = anyio.sleep) -> None:
         self.config = config
-        self._post = Post(
-            config.url,
-            client,
-            timeout=config.timeout,
-            max_body=config.max_body,
-            max_attempts=config.max_attempts,
-            retry_deadline=config.retry_deadline,
-            sleep=sleep,
-            retry_statuses=JUDGE_RETRY_STATUSES,
-        )
+        self._post = Post(config.url, client, config, sleep=sleep, retry_statuses=JUDGE_RETRY_STATUSES)
         self._meter = Meter.of(config.max_concurrency, config.max_rate)
         self._usage = Usage()
 
