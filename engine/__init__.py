@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from engine._backfill.writer import RewardRecord, read_rewards
     from engine._blocking import BlockingEngine
     from engine._config import EngineConfig, JudgeConfig, Limits, load_config
-    from engine._core.contract import AsyncVerifyFn, Verifier, VerifyFn
+    from engine._core.contract import AsyncVerifyFn, VerifyFn
     from engine._core.report import BatchResult, VerifierReport
     from engine._engine import Engine
     from engine._environments.digest import digest_directory
@@ -58,7 +58,6 @@ __all__ = [
     "RewardRecord",
     "RubricError",
     "VerificationError",
-    "Verifier",
     "VerifierReport",
     "VerifierSpec",
     "VerifyFn",
@@ -96,7 +95,6 @@ _MODULES = {  # where each public name lives
     "VerifierReport": "engine._core.report",
     "flatten": "engine._verifiers.rubric.prompt",
     "AsyncVerifyFn": "engine._core.contract",
-    "Verifier": "engine._core.contract",
     "VerifyFn": "engine._core.contract",
     "RewardRecord": "engine._backfill.writer",
     "read_rewards": "engine._backfill.writer",

@@ -23,7 +23,7 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        from . import cli
+        from engine import cli
 
         signal.signal(signal.SIGTERM, cli._on_signal)  # the CLI's own from here on (its main installs it too)
     except KeyboardInterrupt:

@@ -61,6 +61,10 @@ class BlockingEngine:
         """Like :meth:`Engine.score`, blocking until the batch is scored or has failed."""
         return self._open_portal().call(functools.partial(self._engine.score, items, first_index=first_index))
 
+    def load(self, name: str) -> None:
+        """Like :meth:`Engine.load`: make environment ``name``'s verifier ready before the first batch."""
+        self._open_portal().call(self._engine.load, name)
+
     def run(self, items: Iterable[Mapping[str, Any]], *, first_index: int = 0) -> BatchResult:
         """Like :meth:`Engine.run`: the rewards with per-verifier reports, usage and provenance."""
         result: BatchResult = self._open_portal().call(

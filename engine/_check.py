@@ -18,7 +18,7 @@ from engine._config import EngineConfig
 from engine._engine import Engine
 from engine._environments.digest import Pin, digest_directory, pin_verdict
 from engine._environments.manifest import load_environment
-from engine._errors import DigestError, EngineError, Failure, ManifestError
+from engine._errors import DigestError, EngineError, ManifestError
 from engine._http.network import Proxies
 
 __all__ = ["CONNECT_TIMEOUT", "EnvironmentCheck", "check_environments"]
@@ -38,14 +38,13 @@ class EnvironmentCheck:
     verifier: str
     digest_now: str | None = None  # the directory's digest, when its pin is missing or stale
 
-
     @property
     def ok(self) -> bool:
         return all(value in ("ok", "-") for value in (self.manifest, self.digest, self.verifier))
 
 
 async def _reachable(url: str, proxies: Proxies) -> str:
-    """"ok" if the endpoint's host accepts a connection (or its proxy's, for a URL the environment proxies)."""
+    """ "ok" if the endpoint's host accepts a connection (or its proxy's, for a URL the environment proxies)."""
     proxy = proxies.proxy_for(httpx.URL(url))
     parts = urlsplit(proxy or url)
     port = parts.port or (443 if parts.scheme == "https" else 80)
@@ -111,12 +110,12 @@ async def check_environments(*, config: EngineConfig) -> list[EnvironmentCheck]:
                     if digest_status not in ("ok", "-"):
                         verdict = "not imported (digest)"
                     else:
-                        await engine.verifier_for(env).load()
+                        await engine.load(env.name)
                 elif env.verifier.kind == "endpoint":
                     verdict = await _reachable(env.verifier.ref, proxies)
                 else:
                     verdict = _rubric_verdict(engine, env.verifier.ref)
-            except (EngineError, Failure) as exc:  # a Failure: the plugin's load, which no item asked for
+            except EngineError as exc:
                 verdict = getattr(exc, "reason", str(exc))
             stale = digest_status not in ("ok", "-")
             spec = env.verifier

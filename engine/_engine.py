@@ -26,6 +26,7 @@ from engine._core.contract import Verifier
 from engine._core.report import BatchResult
 from engine._core.scheduler import score_batch
 from engine._environments.manifest import Environment
+from engine._errors import Failure, VerificationError
 from engine._http.network import Proxies, Routes, ssl_context
 from engine._http.retry import Sleep
 from engine._http.transport import PoolTransport
@@ -118,15 +119,23 @@ class Engine:
         """The environment called ``name``, loaded once; ``ValueError`` if there is none."""
         return self._registry.environment(name)
 
-    def verifier_for(self, env: Environment, rubrics: dict[str, Verifier] | None = None) -> Verifier:
-        """The verifier of ``env`` (``engine._registry.Registry.verifier_for``).
+    async def load(self, name: str) -> None:
+        """Make environment ``name``'s verifier ready now, so that the first batch does not wait for it.
 
-        Plugins and endpoints live as long as the engine (imports and connections are reused);
-        a rubric is resolved anew for each batch (``rubrics`` holds the batch's resolutions), so
-        every item of a batch is judged against the same version even if a new one appears while
-        it runs. Raises ``VerificationError`` when a rubric cannot be resolved or graded.
+        A plugin's digest is checked against its pin and its module imported (its worker processes
+        start on their first call); an endpoint or a rubric has nothing to load (a rubric that
+        cannot be resolved fails here). Raises ``VerificationError`` naming the verifier if it
+        cannot be made ready, ``ValueError`` if there is no such environment.
         """
-        return self._registry.verifier_for(env, rubrics)
+        verifier = self._verifier(name)
+        try:
+            await verifier.load()
+        except Failure as exc:  # no item asked: the error names the verifier and the environment
+            raise VerificationError(verifier.kind, verifier.ref, exc.reason, environment=name) from exc.__cause__
+
+    def _verifier(self, name: str) -> Verifier:
+        """The verifier of environment ``name``, as a batch would resolve it (internal: what tests look into)."""
+        return self._registry.verifier_for(self.environment(name))
 
     async def score(self, items: Iterable[Mapping[str, Any]], *, first_index: int = 0) -> list[float]:
         """One reward per item, in input order; see :meth:`run` for the rules."""

@@ -32,8 +32,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from click.testing import CliRunner
 
+from engine import RewardRecord, read_rewards
 from engine._backfill.checkpoint import state_path
-from engine._backfill.writer import RewardRecord, partial_path, read_rewards
+from engine._backfill.writer import partial_path
 from engine.cli import cli
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -159,7 +159,7 @@ async def test_an_abandoned_chunk_stops_within_a_step(config: EngineConfig, envs
     items = [item("cheap", "x", n=n) for n in range(400_000)] + [item("faulty", mode="raise")]
     async with engine.Engine(config) as eng:
         await warm(eng)
-        verifier = eng.verifier_for(eng.environment("cheap"))
+        verifier = eng._verifier("cheap")
         assert isinstance(verifier, PluginVerifier)
         step, chunk = verifier._step, verifier._chunk  # what the batch's first chunk runs with
         assert chunk >= 10 * step  # so "within two steps" is far from "to the chunk's end"

@@ -46,7 +46,7 @@ from conftest import add_endpoint_env, add_rubric_env
 from polling import wait_until
 from servers import Request, Response, Server, score
 
-import engine._errors as errors
+import engine
 from engine import digest_directory
 from engine._backfill.checkpoint import state_path
 from engine._backfill.run import open_run
@@ -247,15 +247,15 @@ def test_help_documents_the_exit_codes() -> None:
 
 
 ENGINE_ERRORS = {  # one of each of the engine's own errors, and the exit code it ends a command with
-    "input": (errors.InputError(Path("in.jsonl"), "bad", unit="line", number=3), EXIT_BAD_INPUT),
-    "config": (errors.ConfigError("engine.toml: x: unknown key"), EXIT_BAD_INPUT),
-    "manifest": (errors.ManifestError("manifest.json: bad"), EXIT_BAD_INPUT),
-    "digest": (errors.DigestError("a FIFO", path=Path("q")), EXIT_BAD_INPUT),
-    "output": (errors.OutputError("out.csv: unsupported"), EXIT_BAD_INPUT),
-    "resume": (errors.ResumeError("no interrupted run"), EXIT_BAD_INPUT),
-    "verification": (errors.VerificationError("plugin", "verify:score", "boom"), EXIT_VERIFICATION),
-    "rubric": (errors.RubricError("a/b", "no rubric a/b"), EXIT_VERIFICATION),
-    "write": (errors.WriteError(Path("out.partial"), OSError(28, "No space left on device"), 5), EXIT_IO),
+    "input": (engine.InputError(Path("in.jsonl"), "bad", unit="line", number=3), EXIT_BAD_INPUT),
+    "config": (engine.ConfigError("engine.toml: x: unknown key"), EXIT_BAD_INPUT),
+    "manifest": (engine.ManifestError("manifest.json: bad"), EXIT_BAD_INPUT),
+    "digest": (engine.DigestError("a FIFO", path=Path("q")), EXIT_BAD_INPUT),
+    "output": (engine.OutputError("out.csv: unsupported"), EXIT_BAD_INPUT),
+    "resume": (engine.ResumeError("no interrupted run"), EXIT_BAD_INPUT),
+    "verification": (engine.VerificationError("plugin", "verify:score", "boom"), EXIT_VERIFICATION),
+    "rubric": (engine.RubricError("a/b", "no rubric a/b"), EXIT_VERIFICATION),
+    "write": (engine.WriteError(Path("out.partial"), OSError(28, "No space left on device"), 5), EXIT_IO),
 }
 NOT_ENGINE_ERRORS = [ValueError("x"), TypeError("x"), KeyError("x"), OSError(5, "x"), RuntimeError("x"), Exception()]
 
@@ -277,7 +277,7 @@ def test_any_other_exception_is_no_bad_input_but_a_bug(exc: Exception) -> None:
     assert _outcome(exc) is None
 
 
-@pytest.mark.parametrize("exc", [ValueError("a bug"), TypeError("a bug"), errors.InputError(Path("in.jsonl"), "bad")],
+@pytest.mark.parametrize("exc", [ValueError("a bug"), TypeError("a bug"), engine.InputError(Path("in.jsonl"), "bad")],
                          ids=["ValueError", "TypeError", "InputError"])
 def test_the_command_group_reports_a_bug_as_one_and_an_engine_error_as_its_code(exc: Exception) -> None:
     """The group's handler, with a command of this test's own that raises (the engine offers no real way to)."""
@@ -289,7 +289,7 @@ def test_the_command_group_reports_a_bug_as_one_and_an_engine_error_as_its_code(
 
     result = CliRunner().invoke(group, ["fail"], prog_name="engine")
     said = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    if isinstance(exc, errors.InputError):
+    if isinstance(exc, engine.InputError):
         assert (result.exit_code, said) == (EXIT_BAD_INPUT, [f"error: {exc}"])
         assert "Traceback" not in result.stderr
         return

@@ -19,12 +19,12 @@ import pyarrow.parquet as pq
 import pytest
 from cli_support import child_env, finish_steps, kill_at_step, start_under_trace
 
+from engine import InputError, OutputError, ResumeError, RewardRecord, VerificationError, read_rewards
 from engine._backfill.checkpoint import STATE_FORMAT, lock_path, state_path
 from engine._backfill.files import EMPTY_CHECKSUM
 from engine._backfill.input import FIELDS, Row, open_rows
 from engine._backfill.run import open_run
-from engine._backfill.writer import RewardRecord, open_output, partial_path, read_rewards
-from engine._errors import InputError, OutputError, ResumeError, VerificationError
+from engine._backfill.writer import open_output, partial_path
 
 VERIFIER = {"kind": "plugin", "ref": "verify:score", "environment": "arith", "digest": "sha256:" + "ab" * 32}
 RUBRIC = {"kind": "rubric", "ref": "alice/arith", "environment": "judge", "rubric_version": 3, "rubric_digest": "x"}

@@ -75,6 +75,33 @@ async def test_import_error(config: EngineConfig) -> None:
     assert "a_module_that_does_not_exist_anywhere" in err.reason
 
 
+
+async def test_load_makes_a_plugin_ready_before_the_first_batch(config: EngineConfig, import_log: Path) -> None:
+    """``load``: the import happens there, once; a plugin that cannot load is a ``VerificationError``, not
+    an internal failure, naming the verifier and the environment (no item asked for it)."""
+    async with engine.Engine(config) as eng:
+        await eng.load("import_log")
+        assert import_count(import_log) == 1
+        assert await eng.score([item("import_log")]) == [1.0]
+        assert import_count(import_log) == 1  # the batch found it imported
+        with pytest.raises(VerificationError) as info:
+            await eng.load("broken_import")
+        assert type(info.value) is VerificationError
+        assert (info.value.kind, info.value.ref, info.value.environment, info.value.index) == (
+            "plugin",
+            "verify:score",
+            "broken_import",
+            None,
+        )
+        assert str(info.value).startswith(
+            "plugin verifier 'verify:score' (environment 'broken_import') failed: cannot import module 'verify'"
+        )
+        assert isinstance(info.value.__cause__, ModuleNotFoundError)
+        with pytest.raises(ValueError, match="unknown environment 'nowhere'"):
+            await eng.load("nowhere")
+    with engine.BlockingEngine(config) as blocking, pytest.raises(VerificationError, match="cannot import module"):
+        blocking.load("broken_import")
+
 async def test_missing_attribute(config: EngineConfig) -> None:
     err = await fails(config, [item("no_attr", item_id=7)])
     check(
@@ -244,7 +271,7 @@ async def test_a_reward_that_is_not_a_real_number_inside_a_chunk_names_its_item(
     items[3_777] = item(name, item_id="bad", mode=mode)
     async with engine.Engine(EngineConfig(environments=envs, allow_unpinned=True)) as eng:
         assert await eng.score(items[:2_000]) == [0.5] * 2_000  # chunks form after this
-        assert eng.verifier_for(eng.environment(name)).chunk_size(5_000) > 1
+        assert eng._verifier(name).chunk_size(5_000) > 1
         with pytest.raises(VerificationError) as info:
             await eng.score(items)
         assert type(info.value) is VerificationError
@@ -520,7 +547,7 @@ async def test_an_environment_holding_a_special_file_fails_its_items_naming_it(
     async with engine.Engine(config) as eng:
         with pytest.raises(VerificationError) as info:
             await eng.score([item("twin_a"), item(name, item_id="s")])
-        verifier = eng.verifier_for(eng.environment(name))
+        verifier = eng._verifier(name)
         assert isinstance(verifier, PluginVerifier) and verifier.worker_pids == []  # no worker was started
     reason = f"environment {name!r} cannot be vetted: {special}"
     check(info.value, environment=name, ref="verify:score", index=1, item_id="s", reason=reason)
@@ -598,7 +625,7 @@ async def test_a_rewards_slow_float_times_out_and_leaves_the_event_loop_free(
     wait = path == "single"
     async with engine.Engine(config) as eng:
         assert await eng.score([item(name, wait=wait)]) == [0.25]  # imported: the timeout below is the call's
-        assert (eng.verifier_for(eng.environment(name)).chunk_size(1) > 1) == (path == "chunk")
+        assert (eng._verifier(name).chunk_size(1) > 1) == (path == "chunk")
         async with anyio.create_task_group() as tg:
             tg.start_soon(ping)
             with pytest.raises(VerificationError) as info:

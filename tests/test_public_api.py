@@ -42,7 +42,6 @@ PUBLIC = [
     "RewardRecord",
     "RubricError",
     "VerificationError",
-    "Verifier",
     "VerifierReport",
     "VerifierSpec",
     "VerifyFn",

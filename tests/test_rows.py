@@ -12,10 +12,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine import InputError
+from engine import EngineError, InputError
 from engine._backfill.files import EMPTY_CHECKSUM
 from engine._backfill.input import BATCH_ROWS, Row, open_rows
-from engine._errors import EngineError
 
 TASKS: list[dict[str, Any]] = [{"a": 1, "b": 2}, {"question": "2+2?", "answer": "4"}, {"nested": {"x": [1, 2, 3]}}]
 TRAJECTORIES: list[Any] = [

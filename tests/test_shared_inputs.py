@@ -100,7 +100,7 @@ async def test_groups_sharing_tasks_inside_chunks(envs: Path, executor: str, tas
     name = mutating_env(envs, executor)
     async with engine.Engine(EngineConfig(environments=envs, allow_unpinned=True)) as eng:
         assert await eng.score(groups(name, 500, task, trajectory)) == [1.0] * 2_000  # chunks form after this
-        assert eng.verifier_for(eng.environment(name)).chunk_size(4_000) > 1
+        assert eng._verifier(name).chunk_size(4_000) > 1
         items = groups(name, 1_000, task, trajectory)
         before = copy.deepcopy(items)
         assert await eng.score(items) == [1.0] * 4_000

@@ -80,7 +80,7 @@ class Verifier(Protocol):
         ...
 
     async def load(self) -> None:
-        """Make it ready to call (a plugin imports), or raise ``VerificationError`` saying why it cannot be."""
+        """Make it ready to call (a plugin imports), or raise :class:`~engine._errors.Failure` saying why not."""
         ...
 
     async def aclose(self) -> None:

@@ -6,8 +6,8 @@ pool's workers and a plugin's serial chunks are slots; the threads of sync plugi
 :func:`threads`. Slots are anyio semaphores with ``fast_acquire``: an uncontended acquire does not
 yield to the event loop, so holding one costs a cheap plugin's item next to nothing.
 
-Only anyio is imported here (aiolimiter when a rate is asked for): a plugin's worker process
-imports this module through its pool, and must stay cheap to start.
+Only anyio is imported here, and aiolimiter only when a rate is asked for: most verifiers have none.
+(A plugin's worker process imports neither: it has no limits of its own.)
 """
 
 from __future__ import annotations

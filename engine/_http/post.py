@@ -20,7 +20,12 @@ How each kind of work the engine waits for times out: one mechanism per kind, ea
   which waits on the worker's pipe until that start plus ``timeout`` and then kills the worker
   (``engine._verifiers.plugin.pool``).
 * A thread plugin: ``anyio.move_on_after(timeout)`` around the call; its thread, which cannot be
-  killed, is abandoned and counted (``engine._verifiers.plugin.verifier``).
+  killed, is abandoned and counted (``engine._verifiers.plugin.verifier``). Vetting a plugin's
+  digest before its first call is held to the same ``timeout`` the same way.
+* Starting a worker process: ``STARTUP_TIMEOUT`` for its interpreter to say it is up, then the
+  call's ``timeout`` for the import (``engine._verifiers.plugin.pool``).
+* ``engine check``'s probe of an endpoint: ``CONNECT_TIMEOUT`` to connect, nothing sent
+  (``engine._check``).
 """
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ def wait_until_dead(pid: int, seconds: float = 5.0) -> None:
 
 def plugin(eng: BlockingEngine | Engine, environment: str) -> PluginVerifier:
     inner = eng._engine if isinstance(eng, BlockingEngine) else eng
-    verifier = inner.verifier_for(inner.environment(environment))
+    verifier = inner._verifier(environment)
     assert isinstance(verifier, PluginVerifier)
     return verifier
 

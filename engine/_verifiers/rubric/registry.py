@@ -33,12 +33,11 @@ from typing import Any
 from engine._environments.manifest import RUBRIC_REF
 from engine._errors import RubricError
 
-__all__ = ["DEFAULT_SCALE", "Rubric", "RubricError", "RubricRegistry", "parse_rubric"]
+__all__ = ["DEFAULT_SCALE", "Rubric", "RubricRegistry", "parse_rubric"]
 
 DEFAULT_SCALE: tuple[float, float] = (0.0, 1.0)
 FENCE = "+++"
 _VERSION_FILE = re.compile(r"([1-9][0-9]*)\.md")
-
 
 
 @dataclass(frozen=True, kw_only=True)
