@@ -74,6 +74,8 @@ __all__ = [
     "status",
 ]
 
+STOP_STEPS = 1000  # loop steps a stopping server waits for the connections it is accepting
+CLOSE_STEPS = 3  # event-loop steps a stopping server gives its closed connections to close their sockets
 IO_TIMEOUT = 30.0  # seconds a raw step may block on the socket before the connection is dropped
 WATCH = 0.01  # seconds between two looks at a held raw connection
 COMPLETIONS = "/v1/chat/completions"  # the judge mode's one route
@@ -373,10 +375,22 @@ class Server:
 
     async def _stop(self) -> None:
         assert self._server is not None
+        # A connection being accepted is a task of the loop's for a few steps, and Python 3.11 drops its
+        # socket unclosed (a ResourceWarning: an error in the tests) if the server closes before that task
+        # attaches it. So: let such tasks finish (a bounded number of steps), then close the server, cancel
+        # every handler (each closes its connection), and give the closed transports the loop steps in
+        # which they close their sockets (connection_lost).
+        this = asyncio.current_task()
+        for _ in range(STOP_STEPS):
+            if all(task is this or task in self._tasks for task in asyncio.all_tasks()):
+                break
+            await asyncio.sleep(0)
         self._server.close()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for _ in range(CLOSE_STEPS):
+            await asyncio.sleep(0)
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -390,7 +404,7 @@ class Server:
             pass  # the client went away, or the server is stopping: the connection is over either way
         finally:
             connection.done.set()
-            writer.close()
+            writer.close()  # the socket closes a loop step later, in connection_lost
             self._tasks.discard(task)
 
     async def _exchange(
