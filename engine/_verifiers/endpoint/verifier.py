@@ -29,7 +29,7 @@ from engine._http.network import credentials_refusal, shown_url, url_problem, wi
 from engine._http.post import Post, PostFailed
 from engine._http.retry import Scrub, Sleep
 from engine._reasons import Scrubber, describe, excerpt
-from engine._verifiers._json import is_json_number
+from engine._verifiers._json import Words, number_field
 
 __all__ = ["EndpointVerifier", "encode_item", "parse_reward"]
 
@@ -55,6 +55,13 @@ def _show(content: bytes, scrub: Scrub | None) -> str:
     return excerpt(scrub(content.decode(errors="replace"))) or "(empty body)"
 
 
+_WORDS = Words(
+    not_object="response is a JSON {kind}, not an object: {shown}",
+    missing="response has no 'reward' field: {shown}",
+    not_number="'reward' is {value}, not a number",
+)
+
+
 def parse_reward(response: httpx.Response, scrub: Scrub | None = None) -> float:
     """The reward in a response; raises ``ValueError`` saying what is wrong with it.
 
@@ -72,13 +79,9 @@ def parse_reward(response: httpx.Response, scrub: Scrub | None = None) -> float:
             shown = _show(content, scrub)
             raise ValueError(f"response is not valid UTF-8 (byte {exc.start}), so not JSON: {shown}") from None
         raise ValueError(f"response is not JSON: {_show(content, scrub)}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"response is a JSON {type(data).__name__}, not an object: {_show(content, scrub)}")
-    if "reward" not in data:
-        raise ValueError(f"response has no 'reward' field: {_show(content, scrub)}")
-    reward = data["reward"]
-    if not is_json_number(reward):
-        raise ValueError(f"'reward' is {_show(orjson.dumps(reward), scrub)}, not a number")
+    reward = number_field(
+        data, "reward", _WORDS, lambda: _show(content, scrub), lambda value: _show(orjson.dumps(value), scrub)
+    )
     return check_reward(reward)
 
 

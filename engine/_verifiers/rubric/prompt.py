@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 
 from engine._reasons import excerpt
-from engine._verifiers._json import is_json_number
+from engine._verifiers._json import Words, number_field
 from engine._verifiers.rubric.registry import Rubric
 
 __all__ = [
@@ -160,6 +160,13 @@ def build_messages(rubric: Rubric, task: Mapping[str, Any], trajectory: Any) -> 
 _FENCED = re.compile(r"```(?:json)?[ \t]*\n(?P<body>.*)\n[ \t]*```", re.DOTALL | re.IGNORECASE)
 
 
+_WORDS = Words(
+    not_object="the judge's reply is a JSON {kind}, not an object: {shown}",
+    missing="the judge's reply has no 'score': {shown}",
+    not_number="the judge's 'score' is not a number: {shown}",
+)
+
+
 def parse_score(content: str, scale: tuple[float, float]) -> float:
     """The score in a judge's reply text, on ``scale``, mapped to 0..1; ``ValueError`` if there is none.
 
@@ -175,13 +182,7 @@ def parse_score(content: str, scale: tuple[float, float]) -> float:
         data = orjson.loads(fenced["body"] if fenced else text)
     except orjson.JSONDecodeError:
         raise ValueError(f"the judge's reply is not a JSON object: {excerpt(text)!r}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"the judge's reply is a JSON {type(data).__name__}, not an object: {excerpt(text)!r}")
-    if "score" not in data:
-        raise ValueError(f"the judge's reply has no 'score': {excerpt(text)!r}")
-    score = data["score"]
-    if not is_json_number(score):
-        raise ValueError(f"the judge's 'score' is not a number: {excerpt(text)!r}")
+    score = number_field(data, "score", _WORDS, lambda: repr(excerpt(text)))
     lo, hi = scale
     if not lo <= score <= hi:
         raise ValueError(
