@@ -248,13 +248,8 @@ def test_an_import_that_raises_a_base_exception_fails_the_item(
     with BlockingEngine(config(fault_envs)) as eng:
         for _ in range(2):  # and again: a failed import is tried again
             err = fails(eng, [*ok(THREAD), item(env, item_id="s")])
-            check(
-                err,
-                environment=env,
-                index=1,
-                item_id="s",
-                match=re.escape("cannot load 'faults:by_task': Skipped: could not import sympy"),
-            )
+            reason = re.escape("cannot load 'faults:by_task': Skipped: could not import sympy")
+            check(err, environment=env, index=1, item_id="s", match=reason)
         assert eng.score(ok(THREAD, 2)) == [0.5] * 2
 
 
@@ -474,14 +469,8 @@ def test_an_async_plugin_runs_in_a_worker_too(fault_envs: Path, no_leaks: Snapsh
     with BlockingEngine(config(fault_envs)) as eng:
         assert eng.score([item(env, mode="ok"), item(env, mode="main_thread")]) == [0.5, 1.0]
         err = fails(eng, [item(env, item_id="a", mode="raise")])
-        check(
-            err,
-            environment=env,
-            index=0,
-            item_id="a",
-            match=re.escape("raised Boom: the plugin blew up"),
-            ref="faults:async_by_task",
-        )
+        reason = re.escape("raised Boom: the plugin blew up")
+        check(err, environment=env, index=0, item_id="a", match=reason, ref="faults:async_by_task")
 
 
 @pytest.mark.slow
