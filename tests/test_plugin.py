@@ -63,14 +63,8 @@ async def test_twins_with_their_own_verify_py_give_their_own_rewards(config: Eng
 
 async def test_import_error(config: EngineConfig) -> None:
     err = await fails(config, [item("twin_a"), item("broken_import", item_id="b-1")])
-    check(
-        err,
-        environment="broken_import",
-        ref="verify:score",
-        index=1,
-        item_id="b-1",
-        reason="cannot import module 'verify': ModuleNotFoundError",
-    )
+    reason = "cannot import module 'verify': ModuleNotFoundError"
+    check(err, environment="broken_import", ref="verify:score", index=1, item_id="b-1", reason=reason)
     assert isinstance(err.__cause__, ModuleNotFoundError)
     assert "a_module_that_does_not_exist_anywhere" in err.reason
 
@@ -142,14 +136,8 @@ async def test_plugin_raises_with_cause_chained(config: EngineConfig) -> None:
 
 async def test_async_plugin_raises_with_cause_chained(config: EngineConfig) -> None:
     err = await fails(config, [item("faulty_async", item_id="a", mode="raise")])
-    check(
-        err,
-        environment="faulty_async",
-        ref="faults:by_task",
-        index=0,
-        item_id="a",
-        reason="raised ValueError: async plugin failed",
-    )
+    reason = "raised ValueError: async plugin failed"
+    check(err, environment="faulty_async", ref="faults:by_task", index=0, item_id="a", reason=reason)
     assert isinstance(err.__cause__, ValueError)
 
 
