@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pyarrow.parquet as pq
 import pytest
 from cli_support import (
     PLUGIN_ENV,
@@ -162,6 +163,11 @@ def test_round_trip(mixed: Mixed, source: str, target: str) -> None:
 
     got = records(out)
     assert [(r.id, r.reward, dict(r.verifier)) for r in got] == [expected_record(mixed, item) for item in items]
+    if target == "parquet":  # each kind's real provenance in the struct's own fields, the others null
+        verifier = pq.read_table(out).column("verifier").combine_chunks()
+        expected = [expected_record(mixed, item)[2] for item in items]
+        for name in ("kind", "ref", "environment", "digest", "version"):
+            assert verifier.field(name).to_pylist() == [v.get(name) for v in expected], name
     assert f"60 rewards written to {out}" in result.stdout
     assert sorted(p.name for p in out.parent.iterdir()) == [out.name]  # no partial, state or temporary file left
 

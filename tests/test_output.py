@@ -3,6 +3,7 @@ after a crash, a failure or kill -9."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import signal
@@ -15,19 +16,21 @@ from typing import Any
 
 import orjson
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 from cli_support import child_env, finish_steps, kill_at_step, start_under_trace
 
 from engine import InputError, OutputError, ResumeError, RewardRecord, VerificationError, read_rewards
-from engine._backfill.checkpoint import STATE_FORMAT, lock_path, state_path
+from engine._backfill.checkpoint import STATE_FORMAT, Checkpoint, lock_path, state_path
 from engine._backfill.files import EMPTY_CHECKSUM
 from engine._backfill.input import FIELDS, Row, open_rows
 from engine._backfill.run import open_run
 from engine._backfill.writer import open_output, partial_path
 
 VERIFIER = {"kind": "plugin", "ref": "verify:score", "environment": "arith", "digest": "sha256:" + "ab" * 32}
-RUBRIC = {"kind": "rubric", "ref": "alice/arith", "environment": "judge", "rubric_version": 3, "rubric_digest": "x"}
+RUBRIC = {"kind": "rubric", "ref": "alice/arith@3", "version": 3, "digest": "sha256:" + "cd" * 32, "environment": "x"}
+ENDPOINT = {"kind": "endpoint", "ref": "http://127.0.0.1:1/score", "environment": "remote"}
 FORMATS = ["jsonl", "parquet"]
 
 
@@ -116,13 +119,20 @@ def test_round_trip(tmp_path: Path, fmt: str, ids: list[Any]) -> None:
     assert [type(g.id) for g in got] == [type(r.id) for r in records]  # 1 stays 1, "1" stays "1", True stays True
 
 
+# The verifier column's type, as the README documents it: one struct for every kind, every field nullable.
+VERIFIER_STRUCT = pa.struct(
+    [("kind", pa.string()), ("ref", pa.string()), ("environment", pa.string()), ("digest", pa.string()),
+     ("version", pa.int64())]
+)  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("ids", "id_type", "json_columns"),
     [
-        ([1, None, 2], pa.int64(), b"verifier"),
-        (["a", None], pa.string(), b"verifier"),
-        ([None], pa.string(), b"verifier"),
-        ([1, "a"], pa.string(), b"id,verifier"),
+        ([1, None, 2], pa.int64(), b""),
+        (["a", None], pa.string(), b""),
+        ([None], pa.string(), b""),
+        ([1, "a"], pa.string(), b"id"),
     ],
 )
 def test_parquet_columns(tmp_path: Path, ids: list[Any], id_type: pa.DataType, json_columns: bytes) -> None:
@@ -136,9 +146,127 @@ def test_parquet_columns(tmp_path: Path, ids: list[Any], id_type: pa.DataType, j
     assert schema.names == ["id", "reward", "verifier"]
     assert schema.field("id").type == id_type
     assert schema.field("reward").type == pa.float64()
-    assert schema.field("verifier").type == pa.string()
+    assert schema.field("verifier").type == VERIFIER_STRUCT
+    assert all(field.nullable for field in VERIFIER_STRUCT) and not schema.field("verifier").nullable
     assert schema.metadata[b"engine.json_columns"] == json_columns
-    assert orjson.loads(pq.read_table(out).column("verifier")[0].as_py()) == VERIFIER
+    assert pq.read_table(out).column("verifier")[0].as_py() == {**VERIFIER, "version": None}
+
+
+def test_parquet_verifier_is_a_struct_for_every_kind(tmp_path: Path) -> None:
+    """A file mixing the three kinds: one struct type, each kind's fields set and the others null, queryable
+    without parsing JSON, and read back as written."""
+    inp, out = write_input(tmp_path / "in.jsonl", 1), tmp_path / "rewards.parquet"
+    kinds = [VERIFIER, ENDPOINT, RUBRIC] * 2
+    records = [RewardRecord(f"row-{k}", k / 10, verifier) for k, verifier in enumerate(kinds)]
+    with open_output(out, input_path=inp, resume=False) as writer:
+        for r in records:
+            writer.write(r.id, r.reward, r.verifier)
+        writer.finish()
+    verifier = pq.read_table(out).column("verifier").combine_chunks()
+    assert verifier.type == VERIFIER_STRUCT
+    assert verifier.field("kind").to_pylist() == ["plugin", "endpoint", "rubric"] * 2
+    assert verifier.field("ref").to_pylist() == [VERIFIER["ref"], ENDPOINT["ref"], RUBRIC["ref"]] * 2
+    assert verifier.field("environment").to_pylist() == ["arith", "remote", "x"] * 2
+    assert verifier.field("digest").to_pylist() == [VERIFIER["digest"], None, RUBRIC["digest"]] * 2
+    assert verifier.field("version").to_pylist() == [None, None, 3] * 2
+    rubric_rows = pq.read_table(out, filters=pc.field("verifier", "kind") == "rubric")  # a query on a nested field
+    assert rubric_rows.column("reward").to_pylist() == [0.2, 0.5]
+    assert list(read_rewards(out)) == records  # null fields are left out: each kind reads back its own keys
+
+
+@pytest.mark.parametrize(
+    ("verifier", "problem"),
+    [
+        ({**RUBRIC, "rubric_version": 3}, "a key 'rubric_version'"),
+        ({**RUBRIC, "version": "3"}, "'version' must be a 64-bit integer"),
+        ({**RUBRIC, "version": True}, "'version' must be a 64-bit integer"),
+        ({**RUBRIC, "version": 2**63}, "'version' must be a 64-bit integer"),
+        ({**VERIFIER, "digest": 5}, "'digest' must be a string"),
+    ],
+)
+def test_a_verifier_the_parquet_struct_cannot_hold_is_refused_when_written(
+    tmp_path: Path, verifier: dict[str, Any], problem: str
+) -> None:
+    """Not dropped or failed at the end: refused before it is written. JSON Lines writes it as given."""
+    inp = write_input(tmp_path / "in.jsonl", 1)
+    with open_output(tmp_path / "rewards.parquet", input_path=inp, resume=False) as writer:
+        with pytest.raises(TypeError, match=f"verifier of id 'x' cannot be written to Parquet: .*{problem}"):
+            writer.write("x", 0.5, verifier)
+        assert writer.rows_written == 0 and partial_path(writer.output).read_bytes() == b""
+    with open_output(tmp_path / "rewards.jsonl", input_path=inp, resume=False) as writer:
+        writer.write("x", 0.5, verifier)
+        writer.finish()
+    assert list(read_rewards(tmp_path / "rewards.jsonl")) == [RewardRecord("x", 0.5, verifier)]
+
+
+@pytest.mark.parametrize(
+    ("ids", "id_type", "json_id"),
+    [
+        ([1, None, 2], pa.int64(), False),
+        (["a", None], pa.string(), False),
+        ([1, "a", None, {"k": [1]}], pa.string(), True),
+    ],
+    ids=["int", "str", "json"],
+)
+def test_a_parquet_output_of_the_previous_version_reads_back(
+    tmp_path: Path, ids: list[Any], id_type: pa.DataType, json_id: bool
+) -> None:
+    """Written before the struct: ``verifier`` as JSON text, listed with a JSON ``id`` in ``engine.json_columns``."""
+    records = [RewardRecord(i, k / 4, [VERIFIER, ENDPOINT, RUBRIC][k % 3]) for k, i in enumerate(ids)]
+    table = pa.table(
+        {
+            "id": pa.array([orjson.dumps(i).decode() if json_id and i is not None else i for i in ids], id_type),
+            "reward": pa.array([r.reward for r in records], pa.float64()),
+            "verifier": pa.array([orjson.dumps(r.verifier).decode() for r in records], pa.string()),
+        }
+    ).replace_schema_metadata({b"engine.json_columns": b"id,verifier" if json_id else b"verifier"})
+    out = tmp_path / "old.parquet"
+    pq.write_table(table, out)
+    assert list(read_rewards(out)) == records
+
+
+def left_by_the_previous_version(inp: Path, out: Path, verifiers: list[dict[str, Any]]) -> None:
+    """An interrupted run's partial file and state as the version that wrote ``verifier`` as JSON text left them:
+    the records of the first ``len(verifiers)`` rows, checkpointed (the spool's format is the same in both)."""
+    with open_rows(inp) as rows:
+        done = list(islice(rows, len(verifiers)))
+        input_checksum = rows.checksum()
+    lines = b"".join(
+        orjson.dumps({"id": row.id, "reward": reward_of(row), "verifier": verifier}) + b"\n"
+        for row, verifier in zip(done, verifiers, strict=True)
+    )
+    partial_path(out).write_bytes(lines)
+    Checkpoint(
+        input=str(inp.resolve()),
+        rows_done=len(done),
+        input_checksum=input_checksum,
+        output_bytes=len(lines),
+        output_checksum="sha256:" + hashlib.sha256(lines).hexdigest(),
+    ).save(state_path(out))
+
+
+@pytest.mark.parametrize("fmt", ["parquet"])  # the reference output is Parquet
+def test_a_partial_parquet_run_of_the_previous_version_resumes_to_a_struct_column(
+    tmp_path: Path, reference: Path
+) -> None:
+    """The previous version's partial file is JSON Lines, as this one's: the resumed run writes the new schema."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "rewards.parquet"
+    left_by_the_previous_version(inp, out, [VERIFIER if i % 3 else RUBRIC for i in range(6)])
+    assert score_all(inp, out, resume=True) == 14
+    assert pq.read_schema(out).field("verifier").type == VERIFIER_STRUCT
+    assert out.read_bytes() == reference.read_bytes()  # as an uninterrupted run of this version writes it
+
+
+def test_a_partial_parquet_run_whose_verifier_the_struct_cannot_hold_is_refused_on_resume(tmp_path: Path) -> None:
+    """The previous version took any keys: such a run is refused at once, not after scoring the rest."""
+    inp, out = write_input(tmp_path / "in.jsonl", 10), tmp_path / "rewards.parquet"
+    old_rubric = {"kind": "rubric", "ref": "alice/arith", "environment": "judge", "rubric_version": 3}
+    left_by_the_previous_version(inp, out, [VERIFIER, VERIFIER, old_rubric, VERIFIER])
+    before = partial_path(out).read_bytes(), state_path(out).read_bytes()
+    expected = r"rewards\.parquet\.partial, line 3: .* a key 'rubric_version'.*delete .*rewards\.parquet\.state\.json"
+    with pytest.raises(ResumeError, match=expected), open_run(inp, out, resume=True):
+        pass
+    assert (partial_path(out).read_bytes(), state_path(out).read_bytes()) == before  # refused, not damaged
 
 
 def test_jsonl_output_is_one_object_a_line_in_input_order(tmp_path: Path) -> None:

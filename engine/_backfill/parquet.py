@@ -1,11 +1,15 @@
 """The Parquet output: built at the end from the JSON Lines spool (``OUT.partial``), streaming, and read back.
 
-**Columns.** ``reward`` is float64. ``verifier`` is JSON text: provenance objects differ by
-verifier kind (a digest here, a rubric version there), and a struct column would add every other
-kind's keys, as nulls, to each record, so it would not round-trip. ``id`` is int64 when every id
-is an integer (or null), string when every id is a string (or null), and JSON text otherwise
-(mixed or other types). The schema metadata key ``engine.json_columns`` lists the columns holding
-JSON text; :func:`read_records` decodes them, so every output round-trips.
+**Columns.** ``reward`` is float64. ``verifier`` is a struct, one type for every verifier kind
+(:data:`VERIFIER_TYPE`), so query engines read ``verifier.kind`` or ``verifier.version`` without
+parsing JSON; a field a kind does not have is null (an endpoint has no ``digest``, only a rubric has
+a ``version``), and :func:`read_records` leaves null fields out, so a record reads back as it was
+written. A provenance key the struct has no field for, or a value of another type, is refused when
+the record is written (:func:`verifier_problem`), never dropped at the end. ``id`` is int64 when
+every id is an integer (or null), string when every id is a string (or null), and JSON text
+otherwise (mixed or other types). The schema metadata key ``engine.json_columns`` lists the columns
+holding JSON text (``id`` or none); :func:`read_records` decodes them, so every output round-trips.
+Files written before the struct hold ``verifier`` as JSON text, listed there too: they read back alike.
 
 The spool is converted with the same settings on every run, so a resumed run's Parquet output is
 byte-identical to an uninterrupted run's (given the same pyarrow).
@@ -13,7 +17,7 @@ byte-identical to an uninterrupted run's (given the same pyarrow).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from itertools import islice
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
@@ -22,13 +26,46 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-__all__ = ["PARQUET_BATCH_ROWS", "read_records", "spool_to_parquet"]
+__all__ = ["PARQUET_BATCH_ROWS", "VERIFIER_TYPE", "read_records", "spool_to_parquet", "verifier_problem"]
 
 PARQUET_BATCH_ROWS = 16_384  # records per row group when the spool becomes Parquet (~36 MiB less peak than 65,536)
 SPOOL_PARSE_ROWS = 8_192  # records parsed at a time then (measured: peak RSS at 1M rows 261 -> 152 MiB)
 JSON_COLUMNS_KEY = b"engine.json_columns"
 
+# The provenance every verifier kind gives (engine._core.report.BatchResult.provenance, plus the
+# environment engine score adds), as one struct: a new field may be added, none renamed or retyped.
+VERIFIER_TYPE = pa.struct(
+    [
+        pa.field("kind", pa.string()),  # plugin, endpoint or rubric
+        pa.field("ref", pa.string()),  # module:callable, the URL, owner/name@N
+        pa.field("environment", pa.string()),
+        pa.field("digest", pa.string()),  # plugin: the environment's sha256; rubric: its file's; endpoint: null
+        pa.field("version", pa.int64()),  # rubric: its version; others: null
+    ]
+)
+_FIELD_TYPES: dict[str, type] = {field.name: int if pa.types.is_integer(field.type) else str for field in VERIFIER_TYPE}
+
 IdKind = Literal["null", "int", "str", "json"]
+
+
+def verifier_problem(verifier: Mapping[str, Any]) -> str | None:
+    """Why ``verifier`` cannot be written to the struct column :data:`VERIFIER_TYPE` as it is; None if it can.
+
+    Checked when a record is written, because Arrow would drop a key the struct has no field for
+    without a word, and a value of another type would fail only when the run finishes.
+    """
+    for key, value in verifier.items():
+        kind = _FIELD_TYPES.get(key)
+        if kind is None:
+            return f"it has a key {key!r}, and the verifier column has fields {', '.join(_FIELD_TYPES)} only"
+        if value is None:
+            continue
+        if kind is int:
+            if isinstance(value, bool) or not isinstance(value, int) or not -(2**63) <= value < 2**63:
+                return f"its {key!r} must be a 64-bit integer or null, got {value!r}"
+        elif not isinstance(value, str):
+            return f"its {key!r} must be a string or null, got {value!r}"
+    return None
 
 
 def _id_kind(value: Any) -> IdKind:
@@ -59,20 +96,26 @@ def spool_to_parquet(spool: Path, target: Path) -> None:
     """Convert the JSON Lines spool to a Parquet file, streaming; two passes, the first picks the ``id`` type.
 
     Records are parsed a few thousand at a time and kept as Arrow batches until a row group's worth
-    is ready: peak memory stays that of one row group in Arrow, whatever the spool's size.
+    is ready: peak memory stays that of one row group in Arrow, whatever the spool's size. The
+    first pass also checks every verifier again (:func:`verifier_problem`): the writer and a resume
+    check them, so a record that fails here is a bug, raised rather than written with a field lost.
     """
     kind: IdKind = "null"
     with spool.open("rb") as f:
-        for batch in _batches(f):
-            for record in batch:
+        for number, batch in enumerate(_batches(f)):
+            for offset, record in enumerate(batch):
                 kind = _merge(kind, _id_kind(record["id"]))
+                problem = verifier_problem(record["verifier"])
+                if problem is not None:
+                    line = number * SPOOL_PARSE_ROWS + offset + 1
+                    raise ValueError(f"{spool}, line {line}: the verifier cannot be written to Parquet: {problem}")
     id_type = pa.int64() if kind == "int" else pa.string()
-    json_columns = "id,verifier" if kind == "json" else "verifier"
+    json_columns = "id" if kind == "json" else ""
     schema = pa.schema(
         [
             pa.field("id", id_type),
             pa.field("reward", pa.float64(), nullable=False),
-            pa.field("verifier", pa.string(), nullable=False),
+            pa.field("verifier", VERIFIER_TYPE, nullable=False),
         ],
         metadata={JSON_COLUMNS_KEY: json_columns.encode()},
     )
@@ -84,7 +127,7 @@ def spool_to_parquet(spool: Path, target: Path) -> None:
         columns = [
             pa.array(ids, type=id_type),
             pa.array([r["reward"] for r in batch], type=pa.float64()),
-            pa.array([orjson.dumps(r["verifier"]).decode() for r in batch], type=pa.string()),
+            pa.array([r["verifier"] for r in batch], type=VERIFIER_TYPE),
         ]
         return pa.record_batch(columns, schema=schema)
 
@@ -100,7 +143,11 @@ def spool_to_parquet(spool: Path, target: Path) -> None:
 
 
 def read_records(path: Path) -> Iterator[tuple[Any, float, Any]]:
-    """``(id, reward, verifier)`` of each record of a Parquet output, streamed, in order."""
+    """``(id, reward, verifier)`` of each record of a Parquet output, streamed, in order.
+
+    ``verifier`` is a dict of the struct's non-null fields, or, in a file written before the
+    struct, the JSON text's object.
+    """
     with pq.ParquetFile(path) as pf:
         metadata = pf.schema_arrow.metadata or {}
         json_columns = set(metadata.get(JSON_COLUMNS_KEY, b"").decode().split(","))
@@ -109,6 +156,8 @@ def read_records(path: Path) -> Iterator[tuple[Any, float, Any]]:
             values = batch.column(name).to_pylist()
             if name in json_columns:
                 return [None if v is None else orjson.loads(v) for v in values]
+            if pa.types.is_struct(batch.schema.field(name).type):
+                return [None if v is None else {k: x for k, x in v.items() if x is not None} for v in values]
             return values
 
         for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=["id", "reward", "verifier"]):

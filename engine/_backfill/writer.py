@@ -2,8 +2,11 @@
 
 The output holds one record per input row, in input order: ``id``, ``reward`` (a float) and
 ``verifier``, the provenance object the caller passes (``kind``, ``ref``, ``environment``, a digest
-or a rubric version, ...), written as given. Its format follows the output's extension: JSON Lines
-(``.jsonl``, ``.ndjson``, ``.json-lines``) or Parquet (``.parquet``, :mod:`engine._backfill.parquet`).
+or a rubric version, ...). Its format follows the output's extension: JSON Lines (``.jsonl``,
+``.ndjson``, ``.json-lines``), where ``verifier`` is written as given, or Parquet (``.parquet``,
+:mod:`engine._backfill.parquet`), where it is a struct column: a ``verifier`` that does not fit the
+struct is refused when it is written, and a resume refuses a partial file holding one (a version
+that wrote ``verifier`` as JSON text took any keys).
 
 Files, for an output ``OUT``:
 
@@ -67,7 +70,7 @@ from engine._backfill.files import (
     unsupported,
 )
 from engine._backfill.ids import count_repeated, id_hash, ids_path
-from engine._backfill.parquet import read_records, spool_to_parquet
+from engine._backfill.parquet import read_records, spool_to_parquet, verifier_problem
 from engine._errors import OutputError, ResumeError, WriteError
 
 __all__ = ["RewardRecord", "RewardWriter", "open_output", "output_tmp_path", "partial_path", "read_rewards"]
@@ -136,9 +139,12 @@ class RewardWriter(Closing):
         return WriteError(path, exc, self.last_checkpoint.rows_done)
 
     def write(self, row_id: Any, reward: float, verifier: Mapping[str, Any]) -> None:
-        """Append the record of the next input row. ``verifier`` is written as given."""
+        """Append the record of the next input row. ``verifier`` is written as given; for a Parquet output it
+        must fit the struct column (:func:`engine._backfill.parquet.verifier_problem`), or ``TypeError``."""
         f = self._file()
         record = {"id": row_id, "reward": _finite(reward), "verifier": dict(verifier)}
+        if self.format == "parquet" and (problem := verifier_problem(record["verifier"])) is not None:
+            raise TypeError(f"the verifier of id {row_id!r} cannot be written to Parquet: {problem}")
         try:
             line = orjson.dumps(record) + b"\n"
         except orjson.JSONEncodeError as exc:
@@ -187,7 +193,10 @@ class RewardWriter(Closing):
     def _rewind(self, checkpoint: Checkpoint) -> None:
         """Check the partial file's checkpointed prefix, drop what follows it, and position for appending.
 
-        The ids file is derived data: it is rebuilt from the records of that prefix.
+        The ids file is derived data: it is rebuilt from the records of that prefix. For a Parquet output,
+        each of those records' ``verifier`` must fit the struct column, or the resume is refused now
+        rather than when the run finishes: a partial file left by a version that wrote ``verifier`` as
+        JSON text may hold keys the struct has no field for.
         """
         data = self._file()
         size = os.fstat(data.fileno()).st_size
@@ -207,13 +216,18 @@ class RewardWriter(Closing):
                 f"delete {self.state} to start over"
             )
         try:
-            data.truncate(checkpoint.output_bytes)
             data.seek(0)
-            if self._ids is not None:
-                for line in islice(data, checkpoint.rows_done):
-                    counted = id_hash(orjson.loads(line)["id"])
-                    if counted is not None:
-                        self._ids.write(counted)
+            for number, line in enumerate(islice(data, checkpoint.rows_done), 1):
+                record = orjson.loads(line)
+                if self.format == "parquet" and (problem := verifier_problem(record["verifier"])) is not None:
+                    raise ResumeError(
+                        f"{self.partial}, line {number}: the interrupted run's record cannot be written to "
+                        f"{self.output}'s verifier column: {problem}; delete {self.state} to start over"
+                    )
+                counted = id_hash(record["id"])
+                if counted is not None and self._ids is not None:
+                    self._ids.write(counted)
+            data.truncate(checkpoint.output_bytes)
             data.seek(checkpoint.output_bytes)
         except OSError as exc:
             raise self._failed(self.partial, exc) from exc
@@ -407,7 +421,11 @@ class RewardRecord:
 
 
 def read_rewards(path: str | Path) -> Iterator[RewardRecord]:
-    """The records of a complete output file (JSON Lines or Parquet), streamed, in order."""
+    """The records of a complete output file (JSON Lines or Parquet), streamed, in order.
+
+    A Parquet ``verifier`` holds the struct's non-null fields (a kind's own); a Parquet file written
+    before the struct column, with ``verifier`` as JSON text, reads the same way.
+    """
     path = Path(path)
     if _output_format(path) == "jsonl":
         with path.open("rb") as f:
