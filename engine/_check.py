@@ -1,14 +1,17 @@
 """``engine check``: load every environment and say, for each, whether it can score.
 
 For every directory under the configured environments: the manifest is valid; the digest
-matches its pin (required for plugins unless ``allow_unpinned``); a plugin imports and names a
-callable; an endpoint's host (or the proxy the environment names for it) accepts a TCP
-connection; a rubric resolves and a judge is configured.
+matches its pin (required for plugins unless ``allow_unpinned``); a plugin imports, names a
+callable, and scores the sample item its manifest may hold (``"example"``: only a call shows a
+plugin that fails in the engine's threads alone); an endpoint's host (or the proxy the
+environment names for it) accepts a TCP connection; a rubric resolves and a judge is configured.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 import anyio
@@ -17,13 +20,16 @@ import httpx
 from engine._config import EngineConfig
 from engine._engine import Engine
 from engine._environments.digest import Pin, digest_directory, pin_verdict
-from engine._environments.manifest import load_environment
-from engine._errors import DigestError, EngineError, ManifestError
+from engine._environments.manifest import Environment, load_environment
+from engine._errors import DigestError, EngineError, ManifestError, VerificationError
 from engine._http.network import Proxies
 
 __all__ = ["CONNECT_TIMEOUT", "EnvironmentCheck", "check_environments"]
 
 CONNECT_TIMEOUT = 5.0  # seconds to wait for an endpoint's host to accept a connection
+EXAMPLE_FIELD = "example"  # a manifest's optional sample item, {"task": ..., "trajectory": ...}
+# CPython's words when signal.signal() is called outside the main thread (signal.alarm-based timeouts do)
+MAIN_THREAD_ONLY = "signal only works in main thread"
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,44 @@ def _rubric_verdict(engine: Engine, ref: str) -> str:
     return "; ".join(problems) or "ok"
 
 
+def _needs_main_thread(exc: BaseException) -> bool:
+    """Whether ``exc``, or an exception it came from, is CPython refusing a signal handler outside the main thread."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, ValueError) and MAIN_THREAD_ONLY in str(current):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
+async def _example_verdict(engine: Engine, env: Environment) -> str:
+    """ "ok" if the plugin scores its manifest's sample item, or has none; else why not, and what to do.
+
+    A plugin that sets a signal handler (``signal.alarm`` timeouts: math-verify's) imports fine and
+    fails every call in the engine's threads: only a call shows it, so check makes one, as the
+    engine would, in the executor the manifest names.
+    """
+    example: Any = env.manifest.get(EXAMPLE_FIELD)
+    if example is None:
+        return "ok"
+    if not isinstance(example, Mapping) or not {"task", "trajectory"} <= set(example):
+        return f"manifest field '{EXAMPLE_FIELD}' must be an object with 'task' and 'trajectory'"
+    item = {"environment": env.name, "task": example["task"], "trajectory": example["trajectory"]}
+    try:
+        await engine.score([item])
+    except VerificationError as exc:
+        if env.verifier.executor == "thread" and _needs_main_thread(exc):
+            return (
+                f"its {EXAMPLE_FIELD} fails in the engine's threads only: it sets a signal handler (signal.alarm "
+                "timeouts, as math-verify's), which works only in a process's main thread; set \"executor\": "
+                "\"process\" in its manifest's verifier"
+            )
+        return f"its {EXAMPLE_FIELD} fails: {exc.reason}"
+    return "ok"
+
+
 async def check_environments(*, config: EngineConfig) -> list[EnvironmentCheck]:
     """Check every environment directory under ``config.environments``, in name order."""
     root = config.environments
@@ -111,6 +155,7 @@ async def check_environments(*, config: EngineConfig) -> list[EnvironmentCheck]:
                         verdict = "not imported (digest)"
                     else:
                         await engine.load(env.name)
+                        verdict = await _example_verdict(engine, env)
                 elif env.verifier.kind == "endpoint":
                     verdict = await _reachable(env.verifier.ref, proxies)
                 else:

@@ -299,7 +299,7 @@ def _progress(total: int | None) -> Iterator[Callable[[int], None]]:
                 nonlocal first
                 first = done if first is None else first
                 rate = (done - first) / max(time.monotonic() - started, 1e-9)
-                bar.update(task, completed=done, rate=f"{rate:,.0f} rows/s")
+                bar.update(task, completed=done, rate=f"{rate:,.0f} rows/s" if done > first else "")
 
             yield update
         return
@@ -315,6 +315,9 @@ def _progress(total: int | None) -> Iterator[Callable[[int], None]]:
         last = now
         rate = (done - start) / max(now - began, 1e-9)
         of = f"/{total}" if total is not None else ""
+        if done == start:  # nothing scored yet in this run: there is no rate to show
+            stderr.print(f"scored {done}{of} rows", soft_wrap=True)
+            return
         eta = f", ETA {(total - done) / rate:,.0f} s" if total is not None and rate > 0 and done < total else ""
         stderr.print(f"scored {done}{of} rows, {rate:,.0f} rows/s{eta}", soft_wrap=True)
 
@@ -463,20 +466,24 @@ def digest(directory: Path) -> None:
 @click.pass_context
 def rubrics(ctx: click.Context, config_path: Path) -> None:
     """List the rubrics and their versions."""
-    ctx.obj = RubricRegistry(_config(config_path).rubrics)
+    ctx.obj = config_path  # a subcommand may be given its own --config, where users type it
     if ctx.invoked_subcommand is None:
-        listing = ctx.obj.list()
+        registry = RubricRegistry(_config(config_path).rubrics)
+        listing = registry.list()
         if not listing:
-            stdout.print(f"no rubrics under {ctx.obj.root}")
+            stdout.print(f"no rubrics under {registry.root}")
         for ref, versions in sorted(listing.items()):
             stdout.print(f"{ref}  versions {', '.join(map(str, versions))} (latest {versions[-1]})")
 
 
 @rubrics.command("show")
 @click.argument("ref")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help=f"The engine's TOML config (default: the one given to `rubrics`, else {DEFAULT_CONFIG}).")
 @click.pass_obj
-def rubrics_show(registry: RubricRegistry, ref: str) -> None:
+def rubrics_show(group_config: Path, ref: str, config_path: Path | None) -> None:
     """Print one rubric: owner/name (the latest version) or owner/name@N."""
+    registry = RubricRegistry(_config(config_path or group_config).rubrics)
     try:
         rubric = registry.resolve(ref)
     except RubricError as exc:

@@ -1,13 +1,15 @@
 """Writes the example rollouts (deterministic): ``python examples/make_rollouts.py``.
 
-rollouts.jsonl: 240 arithmetic rows (plugin) and 120 keyword rows (endpoint), in varied trajectory
-shapes, about a third of the answers wrong. rubric_rollouts.jsonl: 24 helpfulness rows, for a judge.
+rollouts.jsonl: 240 arithmetic rows (plugin), 120 keyword rows (endpoint) and 60 math rows (a plugin on
+math-verify, in worker processes), in varied trajectory shapes, about a third of the answers wrong.
+rubric_rollouts.jsonl: 24 helpfulness rows, for a judge.
 """
 
 from __future__ import annotations
 
 import json
 import random
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,28 @@ def keywords(rng: random.Random, n: int) -> dict[str, Any]:
             "task": {"prompt": f"Summarise {topic} in two sentences.", "keywords": words}, "trajectory": trajectory}
 
 
+FRACTIONS = [(1, 2), (1, 3), (2, 3), (3, 4), (1, 4), (2, 5), (3, 5), (5, 6), (1, 8), (7, 8)]
+
+
+def math(rng: random.Random, n: int) -> dict[str, Any]:
+    """A sum of two fractions; the answer boxed, inline or as a decimal, and wrong about a third of the time."""
+    (a, b), (c, d) = rng.sample(FRACTIONS, 2)
+    truth = Fraction(a, b) + Fraction(c, d)
+    said = truth if rng.random() < 0.65 else truth + Fraction(rng.choice([-1, 1]), rng.choice([2, 4, 12]))
+    written = [
+        f"$\\boxed{{\\frac{{{said.numerator}}}{{{said.denominator}}}}}$",
+        f"\\boxed{{{said.numerator}/{said.denominator}}}",
+        f"${said.numerator}/{said.denominator}$" if said.denominator != 1 else f"${said.numerator}$",
+    ][n % 3]
+    if said.denominator in (2, 4, 5, 8) and n % 4 == 0:  # a terminating decimal, said as one
+        written = f"${float(said):g}$"
+    text = f"Adding {a}/{b} and {c}/{d} over a common denominator, the sum is {written}."
+    trajectory: Any = text if n % 2 else [{"role": "assistant", "content": text}]
+    gold = f"$\\frac{{{truth.numerator}}}{{{truth.denominator}}}$" if truth.denominator != 1 else f"${truth.numerator}$"
+    return {"id": f"math-{n:04d}", "environment": "math",
+            "task": {"prompt": f"What is {a}/{b} + {c}/{d}?", "answer": gold}, "trajectory": trajectory}
+
+
 def helpfulness(rng: random.Random, n: int) -> dict[str, Any]:
     topic, words = TOPICS[n % len(TOPICS)]
     good = rng.random() < 0.5
@@ -71,6 +95,10 @@ def main() -> None:
     rng = random.Random(20261130)
     rows = [arithmetic(rng, i) for i in range(240)] + [keywords(rng, i) for i in range(120)]
     rng.shuffle(rows)
+    # the math rows have a generator of their own, so the other rows (and rubric_rollouts.jsonl) stay as they were
+    math_rng = random.Random(20261201)
+    for i in range(60):
+        rows.insert(i * 7 + 3, math(math_rng, i))
     write(HERE / "rollouts.jsonl", rows)
     write(HERE / "rubric_rollouts.jsonl", [helpfulness(rng, i) for i in range(24)])
 

@@ -35,6 +35,7 @@ from cli_support import (
     Workspace,
     child_env,
     copy_env,
+    fraction_sum_reward,
     load_plugin,
     make_workspace,
     plugin_score,
@@ -208,6 +209,9 @@ def test_progress_lines_and_summary_when_not_on_a_terminal(tmp_path: Path) -> No
     counts = [(int(m[1]), int(m[2])) for m in progress if m]
     assert counts[0] == (0, 300) and counts[-1] == (300, 300)
     assert [c for c, _ in counts] == sorted(c for c, _ in counts)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("scored ")]
+    assert lines[0] == "scored 0/300 rows"  # nothing scored yet: no rate to show (never "0 rows/s")
+    assert re.fullmatch(r"scored 300/300 rows, [\d,]+ rows/s", lines[-1]), lines
     assert "\x1b[" not in result.stderr  # plain lines: no bar, no cursor movement, no colour
 
     score_fn = plugin_score()
@@ -548,6 +552,38 @@ def test_check_without_pins_or_judge_says_what_to_add(tmp_path: Path) -> None:
     assert squeezed("no [judge] is configured") in squeezed(rubric[5]) and rubric[-1] == "NO"
 
 
+MATH_ENV = ROOT / "tests" / "faults" / "envs"  # math_verify: math-verify with its default (signal.alarm) timeouts
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_check_scores_a_manifests_example_and_says_when_it_fails_only_in_a_thread(tmp_path: Path) -> None:
+    """math-verify imports fine in a thread and fails every call there: check calls it on the manifest's example."""
+    space = make_workspace(tmp_path)
+    space.config.write_text('environments = "envs"\nallow_unpinned = true\n')
+    example = {"task": {"answer": "0.5"}, "trajectory": "\\boxed{1/2}"}
+    for name, extra in {"in_thread": {}, "in_process": {"executor": "process", "workers": 1}}.items():
+        manifest = copy_env("math_verify", space.envs, source=MATH_ENV).rename(space.envs / name) / "manifest.json"
+        data = orjson.loads(manifest.read_bytes())
+        data["verifier"].update(extra)
+        manifest.write_bytes(orjson.dumps({**data, "example": example}))
+    wrong = copy_env("math_verify", space.envs, source=MATH_ENV).rename(space.envs / "bad_example") / "manifest.json"
+    manifest_data = orjson.loads(wrong.read_bytes())
+    wrong.write_bytes(orjson.dumps({**manifest_data, "example": {"task": {"answer": "0.5"}}}))
+    result = space.run("check", "--config", space.config)
+
+    assert result.returncode == EXIT_VERIFICATION, result.stdout + result.stderr
+    assert check_row(result.stdout, "in_process")[-1] == "yes"
+    thread = check_row(result.stdout, "in_thread")
+    assert thread[-1] == "NO"
+    expected = 'its example fails in the engine\'s threads only: it sets a signal handler'
+    assert squeezed(expected) in squeezed(thread[5]), thread
+    assert squeezed('set "executor": "process"') in squeezed(thread[5]), thread
+    bad = check_row(result.stdout, "bad_example")
+    assert squeezed("manifest field 'example' must be an object with 'task' and 'trajectory'") in squeezed(bad[5])
+    assert "error: 2 of 3 environments cannot score: bad_example, in_thread" in result.stderr
+
+
 def test_check_reports_a_missing_rubric_even_without_a_judge(tmp_path: Path) -> None:
     space = make_workspace(tmp_path)
     add_rubric_env(space.envs, "unwritten", "carol/nothing")
@@ -659,6 +695,30 @@ def test_rubrics_show_prints_the_text(registry: Path, pinned: bool) -> None:
 
 
 @pytest.mark.parametrize(
+    "where", ["after show", "before show"], ids=["show REF --config", "show --config REF"]
+)
+def test_rubrics_show_takes_config_where_users_type_it(registry: Path, tmp_path: Path, where: str) -> None:
+    """``engine rubrics show owner/name --config engine.toml``, from a directory with no engine.toml."""
+    ref = "alice/arithmetic-correctness"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    args = ["show", ref, "--config", registry] if where == "after show" else ["show", "--config", registry, ref]
+    with contextlib.chdir(elsewhere):
+        result = invoke("rubrics", *args)
+    assert result.exit_code == EXIT_OK, result.output
+    assert result.stdout.split()[:2] == ["#", f"{ref}@{rubric_versions(registry.parent / 'rubrics', ref)[-1]}"]
+
+
+def test_rubrics_show_config_wins_over_the_groups(registry: Path, tmp_path: Path) -> None:
+    empty = tmp_path / "empty.toml"
+    empty.write_text('rubrics = "none-yet"\n')
+    result = invoke("rubrics", "--config", empty, "show", "alice/arithmetic-correctness", "--config", registry)
+    assert result.exit_code == EXIT_OK, result.output
+    wrong = invoke("rubrics", "--config", registry, "show", "alice/arithmetic-correctness", "--config", empty)
+    assert wrong.exit_code == EXIT_BAD_INPUT and "no rubric alice/arithmetic-correctness" in wrong.stderr
+
+
+@pytest.mark.parametrize(
     ("ref", "message"),
     [
         ("carol/nothing", "no rubric carol/nothing"),
@@ -711,7 +771,7 @@ def start_service(examples: Path) -> tuple[subprocess.Popen[bytes], int]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
 def test_the_example_job_on_a_copy_of_examples(tmp_path: Path) -> None:
     """What ``make run`` does, on a copy of examples/ with the service on a free port instead of 8765."""
     examples = tmp_path / "examples"
@@ -741,13 +801,20 @@ def test_the_example_job_on_a_copy_of_examples(tmp_path: Path) -> None:
             assert record.reward == arithmetic(item["task"], item["trajectory"])
             plugin = {"kind": "plugin", "ref": "verify:score", "environment": "arithmetic", "digest": pin}
             assert record.verifier == plugin
+        elif item["environment"] == "math":  # math-verify, in worker processes: against fractions computed here
+            assert record.reward == fraction_sum_reward(item), item
+            assert record.verifier == {"kind": "plugin", "ref": "verify:score", "environment": "math",
+                                       "digest": digest_directory(examples / "envs" / "math")}
         else:
             assert record.reward == coverage(item["task"], item["trajectory"])
             assert record.verifier == {"kind": "endpoint", "ref": f"http://127.0.0.1:{port}/score",
                                        "environment": "keywords"}
+    math_rewards = [r.reward for i, r in zip(items, got, strict=True) if i["environment"] == "math"]
+    assert len(math_rewards) == 60 and 0 < sum(math_rewards) < 60  # right and wrong answers both
 
     # check: the plugin and the endpoint can score; the rubric environment waits for a [judge] (see the README)
     assert check.returncode == EXIT_VERIFICATION
     assert check_row(check.stdout, "arithmetic")[-1] == "yes" and check_row(check.stdout, "keywords")[-1] == "yes"
+    assert check_row(check.stdout, "math") == ["math", "plugin", "verify:score", "ok", "ok", "ok", "yes"]  # its example
     helpfulness = check_row(check.stdout, "helpfulness")
     assert helpfulness[-1] == "NO" and squeezed("no [judge]") in squeezed(helpfulness[5])

@@ -1,0 +1,101 @@
+"""The shipped examples as a new user meets them: the math-verify environment and what ``make run`` prints.
+
+The math environment runs through the engine as ``make run`` runs it: examples/engine.toml, its
+pin, worker processes and the real math-verify. Its rewards are checked against fractions computed
+here, without math-verify.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import orjson
+import pytest
+from asserts import check_error
+from cli_support import fraction_sum_reward
+
+from engine import BlockingEngine, VerificationError
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+SLOW_TIMEOUT = 2.0  # seconds per math call in the test of a slow item (the example's own is 10)
+
+
+def math_rows() -> list[dict[str, Any]]:
+    rows = [orjson.loads(line) for line in (EXAMPLES / "rollouts.jsonl").read_bytes().splitlines() if line.strip()]
+    return [row for row in rows if row["environment"] == "math"]
+
+
+@pytest.fixture
+def examples(tmp_path: Path) -> Path:
+    target = tmp_path / "examples"
+    shutil.copytree(EXAMPLES, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return target
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_the_math_example_scores_with_math_verify_in_worker_processes(examples: Path) -> None:
+    manifest = orjson.loads((examples / "envs" / "math" / "manifest.json").read_bytes())
+    assert manifest["verifier"]["executor"] == "process"  # what the README's plugin section says it shows
+    rows = math_rows()
+    assert len(rows) == 60
+    with BlockingEngine.from_config(examples / "engine.toml") as eng:
+        rewards = eng.score(rows)
+    assert rewards == [fraction_sum_reward(row) for row in rows]
+    assert 0 < sum(rewards) < len(rows)  # right and wrong answers both
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_slow_math_item_is_an_error_never_a_zero(examples: Path) -> None:
+    """math-verify's own timeouts are off: the engine's ``timeout`` bounds the call, and a call past it fails.
+
+    9^(9^9) has ~370 million digits: sympy works on it far longer than any timeout. With math-verify's
+    own alarm on, a timed-out comparison would come back as "no match", a 0.0.
+    """
+    config = examples / "engine.toml"
+    text = config.read_text()
+    assert "timeout = 10.0" in text
+    config.write_text(text.replace("timeout = 10.0", f"timeout = {SLOW_TIMEOUT}"))
+    slow = {"id": "huge", "environment": "math", "task": {"prompt": "What is 2?", "answer": "$2$"},
+            "trajectory": "The answer is $\\boxed{9^{9^{9}}}$."}
+    with BlockingEngine.from_config(config) as eng:
+        with pytest.raises(VerificationError) as info:
+            eng.score([math_rows()[0], slow])
+        check_error(info.value, kind="plugin", ref="verify:score", environment="math", index=1, item_id="huge",
+                    match=r".*timed out.*")
+        assert eng.score(math_rows()[:3]) == [fraction_sum_reward(row) for row in math_rows()[:3]]  # a new worker
+
+
+def load_run_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("example_run", EXAMPLES / "run.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_make_run_prints_the_command_it_really_runs() -> None:
+    """Not ``$ engine score ...`` (``engine`` is not on the PATH until the venv is activated): a line that runs."""
+    run = load_run_script()
+    command = run.score_command()
+    line = run.shown(command)
+    assert not line.startswith("engine ")
+    program = Path(line.split()[0])
+    program = program if program.is_absolute() else ROOT / program
+    assert program.is_file() and os.access(program, os.X_OK), line
+    assert line.split()[1:] == ["score", "examples/rollouts.jsonl", "-o", "out/rewards.jsonl",
+                                "--config", "examples/engine.toml"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    helped = subprocess.run([str(program), "score", "--help"], cwd=ROOT, capture_output=True, text=True, env=env,
+                            timeout=60, check=False)
+    assert helped.returncode == 0 and "Backfill rewards" in helped.stdout, helped.stderr
+    assert str(Path(sys.executable).parent) in str(program)  # the venv's own, beside this interpreter
