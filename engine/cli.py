@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import sys
@@ -410,22 +411,74 @@ def bench(input_path: Path, config_path: Path, repeat: int, batch_size: int, as_
     if as_json:
         click.echo(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
         return
-    table = Table(title=f"{summary['items']:,} items, median of {len(runs)} run(s)", title_justify="left")
-    columns = ("kind", "verifier", "items", "items/s", "p50 ms", "p95 ms", "p99 ms", "peak in flight", "retries",
-               "waiting", "in verifier")
+    _bench_table(summary)
+
+
+def _number(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None or math.isnan(value) else format(value, spec)
+
+
+def _bench_table(summary: dict[str, Any]) -> None:
+    """``engine bench``'s figures: a table of the verifiers, each one's latency histogram, judge usage, the runs."""
+    runs = summary["runs"]
+    table = Table(
+        title=f"{summary['items']:,} items a run, {runs} run(s): items/s over each verifier's active time "
+        "(median, min-max over runs); latency per item after start-up; waiting and in verifier summed over calls",
+        title_justify="left",
+    )
+    columns = ("kind", "verifier", "items", "items/s", "min-max", "active s", "start-up ms", "p50 ms", "p95 ms",
+               "p99 ms", "peak in flight", "retries", "waiting (summed)", "in verifier (summed)")
     for name in columns:
         table.add_column(name, justify="left" if name in ("kind", "verifier") else "right", overflow="fold")
     for v in summary["verifiers"]:
-        latency = v["latency_ms"]
+        latency, rate, startup = v["latency_ms"], v["items_per_s"], v["startup"]
         table.add_row(
-            Text(v["kind"]), Text(v["verifier"]), f"{v['items']:,}", f"{v['items_per_s']:,.0f}",
-            f"{latency['p50']:.2f}", f"{latency['p95']:.2f}", f"{latency['p99']:.2f}", str(v["peak_in_flight"]),
+            Text(v["kind"]), Text(v["verifier"]), f"{v['items']:,}", f"{rate['median']:,.0f}",
+            f"{rate['min']:,.0f}-{rate['max']:,.0f}", f"{v['active_s']['median']:.2f}",
+            f"{_number(startup['max_ms'])} ({startup['calls']} calls)",
+            _number(latency["p50"]), _number(latency["p95"]), _number(latency["p99"]), str(v["peak_in_flight"]),
             str(v["retries"]), f"{v['waiting_s']:.2f} s ({v['waiting_share']:.0%})", f"{v['in_verifier_s']:.2f} s",
         )
     stdout.print(table)
+    for v in summary["verifiers"]:
+        stdout.print(f"latency per item after start-up, {v['kind']} {v['verifier']}:", soft_wrap=True, markup=False)
+        stdout.print(_histogram(v["histogram"]))
+        usage = v["judge_usage"]
+        if usage:
+            stdout.print(
+                f"judge usage of {v['verifier']} (all runs): {usage['requests']:,} requests ({usage['retries']:,} "
+                f"retries), {usage['prompt_tokens']:,} prompt + {usage['completion_tokens']:,} completion = "
+                f"{usage['total_tokens']:,} tokens",
+                soft_wrap=True, markup=False,
+            )
     rate = summary["items_per_s"]
     each = ", ".join(f"{r:,.0f}" for r in rate["each"])
-    stdout.print(f"overall {rate['median']:,.0f} items/s (reading the file included); runs: {each}", soft_wrap=True)
+    stdout.print(
+        f"overall {rate['median']:,.0f} items/s, median of {runs} run(s) (min {rate['min']:,.0f}, max "
+        f"{rate['max']:,.0f}; reading the file included); runs: {each}",
+        soft_wrap=True,
+    )
+
+
+HISTOGRAM_BAR = 40  # characters of the longest bar
+
+
+def _histogram(buckets: list[dict[str, Any]]) -> Table:
+    """A latency histogram: one row per log-scaled bucket, a bar for its share (its shape: a tail, two modes)."""
+    table = Table(box=None, show_header=False, pad_edge=False)
+    table.add_column(justify="right")
+    table.add_column()
+    table.add_column(justify="right")
+    most = max((bucket["items"] for bucket in buckets), default=0)
+    total = sum(bucket["items"] for bucket in buckets)
+    for bucket in buckets:
+        count = bucket["items"]
+        bar = "█" * max(1 if count else 0, round(HISTOGRAM_BAR * count / most)) if most else ""
+        table.add_row(
+            f"{bucket['low_ms']:.3g}-{bucket['high_ms']:.3g} ms", Text(bar, style="cyan"),
+            f"{count:,} ({count / total:.0%})",
+        )
+    return table
 
 
 @cli.command()

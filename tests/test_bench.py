@@ -1,15 +1,24 @@
-"""``engine bench``: per-verifier figures from scoring a file, nothing written, errors still errors."""
+"""``engine bench``: per-verifier figures from scoring a file, nothing written, errors still errors.
+
+The figures are checked against workloads whose true rates are known: plugins that sleep a known
+time under a known concurrency, and a judge slower than the rubric's concurrency lets through.
+Bounds are wide (a loaded 2-core machine): physical limits (a 20 ms sleep is never shorter) and ratios.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import math
+import shutil
+import statistics
 from pathlib import Path
+from typing import Any
 
 import orjson
-from cli_support import PLUGIN_ENV, make_workspace, rows, write_rows
-from conftest import add_endpoint_env
-from servers import Request, Response, Server
+from cli_support import PLUGIN_ENV, RUBRICS, Workspace, make_workspace, row, rows, write_rows
+from conftest import add_endpoint_env, add_env, add_rubric_env
+from servers import Request, Response, Server, score
 
 from engine.cli import EXIT_OK, EXIT_VERIFICATION
 
@@ -56,9 +65,11 @@ def test_bench_table_on_stdout(tmp_path: Path) -> None:
     inp = write_rows(space.root / "in.jsonl", rows(100))
     result = space.run("bench", inp, "--config", space.config, "--repeat", "2")
     assert result.returncode == EXIT_OK, result.stderr
-    assert "median of 2 run(s)" in result.stdout
+    assert "median of 2 run(s) (min " in result.stdout
     for column in ("items/s", "p50 ms", "p95 ms", "p99 ms", "peak in flight", "retries", "waiting", "in verifier"):
         assert column in result.stdout
+    assert "waiting (summed)" in result.stdout and "in verifier (summed)" in result.stdout  # not wall time
+    assert "start-up ms" in result.stdout and "active s" in result.stdout
     assert f"{PLUGIN_ENV}/verify:score" in result.stdout
     runs = result.stdout.split("runs: ")[1].split(", ")
     assert len(runs) == 2 and all(float(r.replace(",", "")) > 0 for r in runs)
@@ -72,3 +83,144 @@ def test_a_broken_verifier_fails_the_benchmark(tmp_path: Path) -> None:
     assert result.stdout == ""  # no figures for a broken verifier: a fast zero is not a result
     assert "plugin verifier 'verify:score'" in result.stderr and "row-0042" in result.stderr
     assert f"input: {inp}, line 43" in result.stderr  # located in the file as engine score locates it
+
+
+def add_sleeper(space: Workspace, name: str, seconds: float, *, import_seconds: float = 0.0) -> str:
+    """A plugin environment whose every call sleeps ``seconds`` (its import ``import_seconds``) and returns 1."""
+    add_env(space.envs, name, "plugin", "verify:score")
+    (space.envs / name / "verify.py").write_text(
+        f"import time\ntime.sleep({import_seconds})\n\n\ndef score(task, trajectory):\n"
+        f"    time.sleep({seconds})\n    return 1.0\n"
+    )
+    return name
+
+
+def by_verifier(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {v["verifier"]: v for v in summary["verifiers"]}
+
+
+def test_each_verifiers_rate_is_over_its_own_active_time(tmp_path: Path) -> None:
+    """Two plugins side by side: 20 ms calls, 2 at a time (100 items/s), and 5 ms calls, 4 at a time (800
+    items/s). Over the whole run's time both would read alike (their item counts' ratio, 2); over each
+    one's active time the fast one is many times the slow one, and the slow one is ~100/s."""
+    space = make_workspace(tmp_path)
+    slow, fast = add_sleeper(space, "slow", 0.02), add_sleeper(space, "fast", 0.005)
+    space.write_config(
+        '[refs."slow/verify:score"]\nmax_concurrency = 2\n[refs."fast/verify:score"]\nmax_concurrency = 4\n'
+    )
+    inp = write_rows(space.root / "in.jsonl", [row(n, slow) for n in range(60)] + [row(n, fast) for n in range(120)])
+
+    result = space.run("bench", inp, "--config", space.config, "--json")
+
+    assert result.returncode == EXIT_OK, result.stderr
+    figures = by_verifier(orjson.loads(result.stdout))
+    s, f = figures["slow/verify:score"], figures["fast/verify:score"]
+    assert (s["items"], f["items"]) == (60, 120)
+    # 60 calls of >= 20 ms, 2 at a time: at least 0.6 s of work, so at most ~100 items/s
+    assert s["active_s"]["median"] >= 0.6 * 0.95
+    assert 40 <= s["items_per_s"]["median"] <= 105
+    assert f["items_per_s"]["median"] >= 3 * s["items_per_s"]["median"]  # the true ratio is 8; the run's, 2
+    assert f["active_s"]["median"] < s["active_s"]["median"]
+    for v in (s, f):
+        assert v["items_per_s"]["min"] == v["items_per_s"]["median"] == v["items_per_s"]["max"]  # one run
+
+
+def test_start_up_is_reported_apart_from_steady_state_latency(tmp_path: Path) -> None:
+    """A plugin whose import takes 0.5 s: the calls that waited for it are start-up, not the p99."""
+    space = make_workspace(tmp_path)
+    slow = add_sleeper(space, "slow", 0.02, import_seconds=0.5)
+    space.write_config('[refs."slow/verify:score"]\nmax_concurrency = 2\n')
+    inp = write_rows(space.root / "in.jsonl", [row(n, slow) for n in range(60)])
+
+    result = space.run("bench", inp, "--config", space.config, "--json", "--repeat", "2", "--batch-size", "20")
+
+    assert result.returncode == EXIT_OK, result.stderr
+    v = by_verifier(orjson.loads(result.stdout))["slow/verify:score"]
+    startup, latency = v["startup"], v["latency_ms"]
+    assert 1 <= startup["calls"] <= 2  # the first wave only: 2 calls at once, once in the whole benchmark
+    assert startup["max_ms"] >= 500  # it waited for the import
+    assert 19 <= latency["p50"] <= latency["p95"] <= latency["p99"] < startup["max_ms"]
+    # the histogram holds every steady-state item of both runs: all but the start-up calls' (one item each)
+    assert sum(bucket["items"] for bucket in v["histogram"]) == 2 * 60 - startup["calls"]
+
+
+JUDGE_USAGE = {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18}
+
+
+def test_time_queued_behind_the_judges_limit_is_waiting(tmp_path: Path) -> None:
+    """The rubric may have 8 calls in flight, the judge only 2: six wait, and the bench says so, as waiting;
+    the peak in flight is what the judge really had; its token usage is counted."""
+
+    async def slow_judge(request: Request) -> Response:
+        await asyncio.sleep(0.03)
+        return score(4, usage=JUDGE_USAGE)
+
+    with Server.judge(default=slow_judge) as judge:
+        config = (
+            f'rubrics = "rubrics"\n[judge]\nbase_url = "{judge.base_url}"\nmodel = "judge-test"\n'
+            'max_concurrency = 2\n[refs."bob/helpfulness"]\nmax_concurrency = 8\n'
+        )
+        space = make_workspace(tmp_path, config=config)
+        shutil.copytree(RUBRICS, space.root / "rubrics")
+        add_rubric_env(space.envs, "helpful", "bob/helpfulness")
+        inp = write_rows(space.root / "in.jsonl", [row(n, "helpful", prompt=f"question {n}") for n in range(40)])
+
+        result = space.run("bench", inp, "--config", space.config, "--json")
+
+    assert result.returncode == EXIT_OK, result.stderr
+    assert judge.max_in_flight <= 2
+    summary = orjson.loads(result.stdout)
+    (v,) = summary["verifiers"]
+    assert v["kind"] == "rubric" and v["items"] == 40
+    assert 1 <= v["peak_in_flight"] <= 2  # not the 8 the rubric's limit let into the judge's queue
+    # 8 calls held, 2 judged: ~3/4 of the summed time is queueing (wide: start-up and jitter)
+    assert v["waiting_share"] >= 0.5
+    assert v["waiting_s"] > v["in_verifier_s"]
+    assert v["latency_ms"]["p50"] >= 30 * 0.95  # time judging: the judge's 30 ms, not the queue too...
+    assert v["latency_ms"]["p50"] < 4 * 30 * 2  # ...which would be ~4 times that (8 in line for 2)
+    usage = {"requests": 40, "retries": 0, **{name: 40 * count for name, count in JUDGE_USAGE.items()}}
+    assert v["judge_usage"] == usage and summary["judge_usage"] == usage
+
+
+def test_runs_are_summarised_by_min_median_and_max(tmp_path: Path) -> None:
+    space = make_workspace(tmp_path, PLUGIN_ENV)
+    inp = write_rows(space.root / "in.jsonl", rows(100))
+    result = space.run("bench", inp, "--config", space.config, "--repeat", "2", "--json")
+    assert result.returncode == EXIT_OK, result.stderr
+    rate = orjson.loads(result.stdout)["items_per_s"]
+    assert len(rate["each"]) == 2
+    assert rate["median"] == statistics.median(rate["each"])  # of two runs: their mean, not the higher one
+    assert (rate["min"], rate["max"]) == (min(rate["each"]), max(rate["each"]))
+
+
+def test_latency_histogram_shows_two_modes(tmp_path: Path) -> None:
+    """An endpoint answering half its items in ~5 ms and half in >= 60 ms: the histogram's log-scaled
+    buckets hold the two modes apart, in the JSON and drawn in the terminal."""
+
+    async def endpoint(request: Request) -> Response:
+        await asyncio.sleep(0.06 if request.json()["task"]["n"] % 2 else 0.005)
+        return Response.json({"reward": 1.0})
+
+    with Server(endpoint) as server:
+        space = make_workspace(tmp_path)
+        add_endpoint_env(space.envs, "remote", f"{server.url}/score")
+        space.write_config(f'[refs."{server.url}/score"]\nmax_concurrency = 4\n')
+        inp = write_rows(space.root / "in.jsonl", [row(n, "remote") for n in range(80)])
+        as_json = space.run("bench", inp, "--config", space.config, "--json")
+        table = space.run("bench", inp, "--config", space.config)
+
+    assert as_json.returncode == EXIT_OK, as_json.stderr
+    (v,) = orjson.loads(as_json.stdout)["verifiers"]
+    buckets = v["histogram"]
+    assert sum(b["items"] for b in buckets) == 80 - v["startup"]["calls"]
+    for low, high in itertools.pairwise(buckets):  # contiguous, each sqrt(2) wide
+        assert low["high_ms"] == high["low_ms"]
+        assert math.isclose(low["high_ms"] / low["low_ms"], math.sqrt(2))
+    # the two modes in buckets apart (one starting under 30 ms ends under 43 ms): every slow item (none is under
+    # 60 ms) above 60 ms, and most fast ones under 30 ms (the first wave, start-up, may hold some of either)
+    startup = v["startup"]["calls"]
+    assert sum(b["items"] for b in buckets if b["high_ms"] > 60) >= 40 - startup
+    assert sum(b["items"] for b in buckets if b["low_ms"] < 30) >= 40 // 2 - startup
+    assert table.returncode == EXIT_OK, table.stderr
+    assert f"latency per item after start-up, endpoint {server.url}/score:" in table.stdout
+    assert "█" in table.stdout and " ms" in table.stdout

@@ -1,16 +1,21 @@
 """``engine bench``: how fast each verifier scores a file of stored trajectories; nothing is written.
 
 The file is read and scored batch by batch, as a trainer would (``--batch-size`` rows at a time),
-``--repeat`` times over. For each verifier: items/s, latency percentiles, the most calls in
-flight at once, retries, and how its time split between waiting for a limit and the verifier
-itself. The file is read and scored as ``engine score`` reads it (:func:`engine._backfill.run.score_chunks`):
+``--repeat`` times over, on one engine. For each verifier: its items/s over the time it had work
+(its *active span*: first call's start to last call's end, in each batch), latency percentiles and
+histogram in steady state, its start-up apart (the calls that waited for its first import, worker
+spawn or connections), the most calls in flight at once, retries, judge usage, and how its time
+split between waiting for a limit (the judge's own too) and the verifier itself. Rates are per
+run (min, median, max over the runs); time sums, latencies, retries and usage are pooled over all
+runs. The file is read and scored as ``engine score`` reads it (:func:`engine._backfill.run.score_chunks`):
 a bad row or a verification error aborts the benchmark, naming the row: a fast zero is not a result.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from time import perf_counter
 from typing import Any
@@ -20,27 +25,59 @@ import httpx
 from engine._backfill.input import Row, open_rows
 from engine._backfill.run import score_chunks
 from engine._config import EngineConfig
-from engine._core.report import BatchResult, VerifierTotals
+from engine._core.report import BatchResult, LatencyHistogram, VerifierTotals
 from engine._engine import Engine
 
-__all__ = ["DEFAULT_BATCH_SIZE", "BenchRun", "bench_file", "summarise"]
+__all__ = ["DEFAULT_BATCH_SIZE", "BenchRun", "Measured", "bench_file", "summarise"]
 
 DEFAULT_BATCH_SIZE = 8192  # rows per batch: a large training step's worth
+HISTOGRAM_PER_DOUBLING = 2  # buckets of the latency histogram shown per doubling of latency (x1.41 each)
+
+
+@dataclass
+class Measured:
+    """One verifier's figures over a run that only a benchmark keeps (its run's ``VerifierTotals`` has the rest).
+
+    ``active``: its active spans added up; ``steady``: the latencies of calls past its start-up;
+    ``startup``: those of the calls that started before any of its calls had ended, in the
+    benchmark's first batch holding its items (later batches find it warm); ``spent``: what its
+    calls cost (a judge's requests and tokens).
+    """
+
+    active: float = 0.0
+    steady: LatencyHistogram = field(default_factory=LatencyHistogram)
+    startup: list[float] = field(default_factory=list)
+    spent: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
 class BenchRun:
-    """One pass over the file: its wall time, the time spent scoring, and per-verifier totals."""
+    """One pass over the file: its wall time, the time spent scoring, and per-verifier figures.
+
+    ``warm`` names the verifiers already started, in this run or an earlier one (the runs share it).
+    """
 
     items: int
     seconds: float  # wall time, reading the file included
     scoring: float  # time inside Engine.run, summed over the batches
     verifiers: dict[str, VerifierTotals]
+    measured: dict[str, Measured] = field(default_factory=dict)
+    warm: set[str] = field(default_factory=set)
 
     def add(self, chunk: list[Row], result: BatchResult) -> None:
         """Count a scored chunk (:func:`score_chunks` has added its figures to ``verifiers``)."""
         self.items += len(chunk)
         self.scoring += result.elapsed
+        for report in result.verifiers:
+            measured = self.measured.setdefault(report.key, Measured())
+            measured.active += report.active
+            measured.steady.extend(report.latencies, report.latency_items or None)
+            if report.key not in self.warm:  # its first calls ever: their wait for its start-up is no steady state
+                self.warm.add(report.key)
+                measured.steady.remove(report.startup, report.startup_items or [1] * len(report.startup))
+                measured.startup += report.startup
+            for name, count in report.spent.items():
+                measured.spent[name] = measured.spent.get(name, 0) + count
 
 
 async def bench_file(
@@ -54,10 +91,11 @@ async def bench_file(
     """Score ``input_path`` ``repeat`` times on one engine (imports and connections are kept)."""
     if repeat < 1 or batch_size < 1:
         raise ValueError(f"repeat and batch_size must be >= 1, got {repeat} and {batch_size}")
-    runs = []
+    runs: list[BenchRun] = []
+    warm: set[str] = set()
     async with Engine(config, transport=transport) as engine:
         for _ in range(repeat):
-            run, started = BenchRun(0, 0.0, 0.0, {}), perf_counter()
+            run, started = BenchRun(0, 0.0, 0.0, {}, warm=warm), perf_counter()
             with open_rows(input_path) as rows:
                 await score_chunks(engine, rows, batch_size, run.verifiers, run.add)
             run.seconds = perf_counter() - started
@@ -65,34 +103,71 @@ async def bench_file(
     return runs
 
 
+def _spread(values: list[float]) -> dict[str, float]:
+    """min, median (the mean of the middle two for an even count) and max."""
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def _ms(seconds: float) -> float | None:
+    return None if math.isnan(seconds) else seconds * 1e3
+
+
+def _verifier(key: str, runs: list[BenchRun]) -> dict[str, Any]:
+    """One verifier's figures: per run (items, rate, active span) and pooled over the runs (the rest)."""
+    totals = [run.verifiers[key] for run in runs if key in run.verifiers]
+    measured = [run.measured[key] for run in runs if key in run.measured]
+    first = totals[0]
+    steady = LatencyHistogram()
+    for m in measured:
+        for bucket, count in m.steady.counts.items():
+            steady.counts[bucket] = steady.counts.get(bucket, 0) + count
+    startup = [seconds for m in measured for seconds in m.startup]
+    waited, busy = sum(t.waited for t in totals), sum(t.busy for t in totals)
+    spent: dict[str, int] = {}
+    for m in measured:
+        for name, count in m.spent.items():
+            spent[name] = spent.get(name, 0) + count
+    items = sum(t.items for t in totals)
+    rates = [t.items / m.active if m.active else 0.0 for t, m in zip(totals, measured, strict=True)]
+    return {
+        "kind": first.kind,
+        "verifier": key if first.kind == "plugin" else first.ref,
+        "items": first.items,
+        "items_per_s": _spread(rates),
+        "active_s": _spread([m.active for m in measured]),
+        "latency_ms": {f"p{q}": _ms(steady.percentile(q)) for q in (50, 95, 99)},
+        "startup": {"calls": len(startup), "max_ms": max(startup) * 1e3 if startup else None},
+        "histogram": [
+            {"low_ms": low * 1e3, "high_ms": high * 1e3, "items": count}
+            for low, high, count in steady.coarse(HISTOGRAM_PER_DOUBLING)
+        ],
+        "peak_in_flight": max(t.peak_in_flight for t in totals),
+        "retries": sum(t.retries for t in totals),
+        "waiting_s": waited,
+        "in_verifier_s": busy,
+        "waiting_share": waited / (waited + busy) if waited + busy else 0.0,
+        "mean_reward": sum(t.reward_sum for t in totals) / items if items else math.nan,
+        "judge_usage": spent,
+    }
+
+
 def summarise(runs: list[BenchRun]) -> dict[str, Any]:
-    """The benchmark as plain data: the median run's figures per verifier, and every run's rate."""
-    median = sorted(runs, key=lambda run: run.items / run.seconds)[len(runs) // 2]
-    verifiers = []
-    for key, t in median.verifiers.items():
-        spent = t.waited + t.busy
-        verifiers.append(
-            {
-                "kind": t.kind,
-                "verifier": key if t.kind == "plugin" else t.ref,
-                "items": t.items,
-                "items_per_s": t.items / median.scoring if median.scoring else 0.0,
-                "latency_ms": {f"p{q}": t.latency.percentile(q) * 1e3 for q in (50, 95, 99)},
-                "peak_in_flight": t.peak_in_flight,
-                "retries": t.retries,
-                "waiting_s": t.waited,
-                "in_verifier_s": t.busy,
-                "waiting_share": t.waited / spent if spent else 0.0,
-                "mean_reward": t.mean_reward,
-            }
-        )
+    """The benchmark as plain data: each verifier's figures (see the module docstring) and every run's rate.
+
+    Rates are over each run, reported as min, median and max (``each`` lists them); time sums,
+    latencies, retries and judge usage are over all runs together.
+    """
+    keys = list(dict.fromkeys(key for run in runs for key in run.verifiers))
+    rates = [run.items / run.seconds for run in runs]
+    usage: dict[str, int] = {}
+    for run in runs:
+        for measured in run.measured.values():
+            for name, count in measured.spent.items():
+                usage[name] = usage.get(name, 0) + count
     return {
         "runs": len(runs),
-        "items": median.items,
-        "items_per_s": {
-            "median": median.items / median.seconds,
-            "each": [run.items / run.seconds for run in runs],
-            "stdev": statistics.pstdev(run.items / run.seconds for run in runs),
-        },
-        "verifiers": verifiers,
+        "items": runs[0].items,
+        "items_per_s": {**_spread(rates), "each": rates, "stdev": statistics.pstdev(rates)},
+        "verifiers": [_verifier(key, runs) for key in keys],
+        "judge_usage": usage,
     }

@@ -6,14 +6,22 @@ pool's workers and a plugin's serial chunks are slots; the threads of sync plugi
 :func:`threads`. Slots are anyio semaphores with ``fast_acquire``: an uncontended acquire does not
 yield to the event loop, so holding one costs a cheap plugin's item next to nothing.
 
+A limit inside a call (the judge's own, which every rubric shares) is still a limit: the verifier
+waits for it in :func:`waiting`, which tells the call's :class:`Account` (the scheduler's), so the
+time is reported as waiting, not as time in the verifier.
+
 Only anyio is imported here, and aiolimiter only when a rate is asked for: most verifiers have none.
 (A plugin's worker process imports neither: it has no limits of its own.)
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from time import perf_counter
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 
@@ -22,7 +30,7 @@ if TYPE_CHECKING:
 
     from engine._config import Limits
 
-__all__ = ["Meter", "rate", "slots", "threads"]
+__all__ = ["Account", "Meter", "accounted", "rate", "slots", "threads", "waiting"]
 
 
 def slots(size: int) -> anyio.Semaphore:
@@ -69,3 +77,45 @@ class Meter:
         width = self.slots.max_value
         assert width is not None  # slots() always sets it
         return width
+
+
+class Account(Protocol):
+    """What a call tells whoever measures it (the scheduler) about a limit inside it: the verifier's
+    own wait for a limit, which is not time in the verifier."""
+
+    def paused(self) -> None:
+        """The call has begun waiting for a limit: it is not in flight meanwhile."""
+
+    def resumed(self, seconds: float) -> None:
+        """The call waited ``seconds`` for a limit, and is in flight again."""
+
+
+_ACCOUNT: ContextVar[Account | None] = ContextVar("engine_account", default=None)
+
+
+@contextmanager
+def accounted(account: Account) -> Iterator[None]:
+    """Charge the waits of the call made inside this block (:func:`waiting`) to ``account``.
+
+    A context variable, so concurrent calls each charge their own (every task has its own context).
+    """
+    token = _ACCOUNT.set(account)
+    try:
+        yield
+    finally:
+        _ACCOUNT.reset(token)
+
+
+@contextmanager
+def waiting() -> Iterator[None]:
+    """Wait for a limit inside a call (the judge's slots or rate): the time is the call's account's waiting."""
+    account = _ACCOUNT.get()
+    if account is None:
+        yield
+        return
+    account.paused()
+    started = perf_counter()
+    try:
+        yield
+    finally:
+        account.resumed(perf_counter() - started)

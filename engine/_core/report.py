@@ -36,7 +36,13 @@ class VerifierReport:
     version); ``latencies`` are seconds per item, one entry per call, and ``latency_items`` how many
     items each entry stands for (a chunk of a cheap plugin's items shares its call's average);
     ``waited`` is the total time items spent waiting for a limit (concurrency, rate, the engine-wide
-    cap) and ``busy`` the total time in the verifier.
+    cap, and the verifier's own inside a call: the judge's) and ``busy`` the total time in the
+    verifier; both are sums over calls that ran at the same time, not wall time. ``active`` is the
+    wall time from its first call's start to its last call's end. ``startup`` (with
+    ``startup_items``) holds the latencies of the calls that started before any call of it had
+    ended, which waited for its start-up (an import, a worker's spawn, the first connections) if
+    it had one: a subset of ``latencies``. ``spent`` is what its calls cost (a judge's requests and
+    tokens; empty for other kinds).
     """
 
     kind: str
@@ -51,6 +57,10 @@ class VerifierReport:
     busy: float = 0.0
     peak_in_flight: int = 0
     retries: int = 0
+    active: float = 0.0
+    startup: list[float] = field(default_factory=list)
+    startup_items: list[int] = field(default_factory=list)
+    spent: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def mean_reward(self) -> float:
@@ -98,6 +108,29 @@ class LatencyHistogram:
         """Add each latency, standing for ``items[i]`` items (one each when omitted)."""
         for seconds, count in zip(latencies, items or [1] * len(latencies), strict=True):
             self.add(seconds, count)
+
+    def remove(self, latencies: Sequence[float], items: Sequence[int]) -> None:
+        """Take out latencies :meth:`extend` added (a subset of them: a benchmark's start-up calls)."""
+        for seconds, count in zip(latencies, items, strict=True):
+            self.add(seconds, -count)
+        self.counts = {bucket: count for bucket, count in self.counts.items() if count}
+
+    def coarse(self, per_doubling: int = 1) -> list[tuple[float, float, int]]:
+        """The histogram in ``per_doubling`` buckets per doubling (a divisor of ``STEPS``), to be shown:
+        ``(low, high, items)`` with bounds in seconds, from the lowest non-empty bucket to the highest
+        (empty ones between them included, so the shape shows its gaps)."""
+        if self.STEPS % per_doubling:
+            raise ValueError(f"per_doubling must divide {self.STEPS}, got {per_doubling}")
+        width = self.STEPS // per_doubling
+        merged: dict[int, int] = {}
+        for bucket, count in self.counts.items():
+            merged[bucket // width] = merged.get(bucket // width, 0) + count
+        if not merged:
+            return []
+        return [
+            (2 ** (k / per_doubling) / 1e6, 2 ** ((k + 1) / per_doubling) / 1e6, merged.get(k, 0))
+            for k in range(min(merged), max(merged) + 1)
+        ]
 
     def percentile(self, q: float) -> float:
         """The ``q``-th percentile (0..100) in seconds; NaN when empty."""

@@ -33,7 +33,7 @@ from typing import Any
 import anyio
 
 from engine._core.contract import ChunkedVerifier, Items, MalformedItem, Verifier, check_item, task_of, which
-from engine._core.meters import Meter
+from engine._core.meters import Meter, accounted
 from engine._core.report import BatchResult, VerifierReport
 from engine._errors import ConfigError, Failure, VerificationError
 from engine._reasons import describe
@@ -59,11 +59,50 @@ class Lane:
     given_back: list[int] = field(default_factory=list)  # its indices it left to other lanes
     latencies: list[float] = field(default_factory=list)  # seconds per item, one entry per call
     latency_items: list[int] = field(default_factory=list)  # items each entry stands for (a chunk's)
-    waited: float = 0.0  # seconds items spent waiting for a limit
-    busy: float = 0.0  # seconds spent in calls
+    waited: float = 0.0  # seconds items spent waiting for a limit, the verifier's own inside a call too
+    busy: float = 0.0  # seconds spent in calls, less their waits inside (meters.waiting)
     reward_sum: float = 0.0
     running: int = 0
     peak: int = 0
+    first_start: float = math.inf  # when its first call started (perf_counter), and its last ended
+    last_end: float = -math.inf
+    warm: bool = False  # a call of it has ended: calls started from now on are past its start-up
+    startup: list[float] = field(default_factory=list)  # the latencies of calls started before that
+    startup_items: list[int] = field(default_factory=list)
+
+
+class _Call:
+    """One call's account (``meters.Account``): a wait for a limit inside it is waiting, not in flight.
+
+    A call that waits as it begins (a judge's slot, before it has yielded) was never in flight: the
+    peak its start raised is taken back, unless another call has started since.
+    """
+
+    __slots__ = ("lane", "raised", "waited")
+
+    def __init__(self, lane: Lane) -> None:
+        self.lane = lane
+        self.waited = 0.0
+        self.raised: tuple[int, int] | None = None  # (the peak before its start, the peak its start set)
+
+    def started(self) -> None:
+        lane = self.lane
+        lane.running += 1
+        if lane.running > lane.peak:
+            self.raised, lane.peak = (lane.peak, lane.running), lane.running
+
+    def paused(self) -> None:
+        lane = self.lane
+        if self.raised is not None and lane.peak == lane.running == self.raised[1]:
+            lane.peak = self.raised[0]
+        self.raised = None
+        lane.running -= 1
+
+    def resumed(self, seconds: float) -> None:
+        lane = self.lane
+        lane.running += 1
+        lane.peak = max(lane.peak, lane.running)
+        self.waited += seconds
 
 
 def total(rewards: Sequence[float]) -> float:
@@ -251,17 +290,24 @@ class _Batch:
                     async with in_flight:
                         started = perf_counter()
                         lane.waited += started - queued
-                        lane.running += 1
-                        lane.peak = max(lane.peak, lane.running)
+                        lane.first_start, cold, inside = min(lane.first_start, started), not lane.warm, _Call(lane)
+                        inside.started()
                         try:
-                            rewards = await call(lane, chunk)
+                            with accounted(inside):  # the verifier's own limits (a judge's) are waiting too
+                                rewards = await call(lane, chunk)
                         finally:
                             lane.running -= 1
-                        seconds = perf_counter() - started
+                        lane.last_end = ended = perf_counter()
+                        lane.warm = True
+                        seconds = ended - started - inside.waited
+                        lane.waited += inside.waited
                         lane.busy += seconds
                         if rewards:
                             lane.latencies.append(seconds / len(rewards))
                             lane.latency_items.append(len(rewards))
+                            if cold:
+                                lane.startup.append(seconds / len(rewards))
+                                lane.startup_items.append(len(rewards))
                 if len(rewards) < len(chunk):  # an item of another environment: give back the rest
                     left = [*chunk[len(rewards) :], *todo.rest()]
                     lane.given_back += left
@@ -329,6 +375,10 @@ class _Batch:
                     busy=sum(lane.busy for lane in its),
                     peak_in_flight=max(lane.peak for lane in its),
                     retries=v.retries - self.retries_before[v],
+                    active=max(0.0, max(lane.last_end for lane in its) - min(lane.first_start for lane in its)),
+                    startup=[seconds for lane in its for seconds in lane.startup],
+                    startup_items=[count for lane in its for count in lane.startup_items],
+                    spent=dict(v.spent()),
                 )
             )
             for name, count in v.spent().items():  # a rubric's verifier is this batch's: so is what it spent

@@ -12,11 +12,12 @@ Reasoning models must not put their thinking in ``content``: serve them with the
 reasoning parser (vLLM and SGLang: ``--reasoning-parser``), which moves it to ``reasoning_content``.
 
 The judge has its own concurrency and rate limits, shared by every rubric it grades, because
-judge APIs have request quotas of their own. Throttling (429) and server errors (5xx) are retried
-with backoff, honouring ``Retry-After``, within a bounded budget. The API key is read from the
-environment variable the config names, on every request, as are the variables of ``headers``
-(``engine._http.headers``); they are never stored or logged, and a reply that echoes one has it
-scrubbed before any of the reply goes into a message.
+judge APIs have request quotas of their own; the time a grade waits for them is reported as
+waiting, not as time in the verifier (``engine._core.meters.waiting``). Throttling (429) and
+server errors (5xx) are retried with backoff, honouring ``Retry-After``, within a bounded budget.
+The API key is read from the environment variable the config names, on every request, as are
+the variables of ``headers`` (``engine._http.headers``); they are never stored or logged, and a
+reply that echoes one has it scrubbed before any of the reply goes into a message.
 
 Every request is the one bounded POST an endpoint's call is (``engine._http.post``): ``timeout``
 seconds for the whole request (not per phase), and ``max_body`` bytes of reply (1 MiB by default),
@@ -36,7 +37,7 @@ import httpx
 import orjson
 
 from engine._config import JudgeConfig
-from engine._core.meters import Meter
+from engine._core.meters import Meter, waiting
 from engine._errors import Failure
 from engine._http.headers import fill_headers
 from engine._http.post import Post, PostFailed
@@ -150,7 +151,8 @@ class Judge:
             for account in accounts:
                 account.retries += 1
         if self._meter.rate is not None:
-            await self._meter.rate.acquire()  # every request counts against the quota, retries too
+            with waiting():  # the judge's quota is a limit: time queued for it is waiting, not judging
+                await self._meter.rate.acquire()  # every request counts against the quota, retries too
         for usage in accounts:
             usage.requests += 1
 
@@ -165,13 +167,17 @@ class Judge:
         body = self._body(rubric, task, trajectory)
         headers, scrub = self._headers(ref)
         accounts = (self._usage,) if usage is None else (self._usage, usage)
-        async with self._meter.slots:
-            try:
-                response = await self._post(body, headers, scrub, functools.partial(self._count, accounts))
-            except PostFailed as exc:
-                reason = f"judge request failed: {exc.reason}"
-                # the cause is what really failed (the last try's error), not tenacity's wrapper of it
-                raise Failure(reason if scrub is None else scrub(reason)) from exc.__cause__
+        slots = self._meter.slots
+        with waiting():  # queued behind the judge's max_concurrency: waiting, as the caller's limits are
+            await slots.acquire()
+        try:
+            response = await self._post(body, headers, scrub, functools.partial(self._count, accounts))
+        except PostFailed as exc:
+            reason = f"judge request failed: {exc.reason}"
+            # the cause is what really failed (the last try's error), not tenacity's wrapper of it
+            raise Failure(reason if scrub is None else scrub(reason)) from exc.__cause__
+        finally:
+            slots.release()
         # every message below quotes the reply: without the key in it, if it echoed the key
         content = response.content if scrub is None else scrub.body(response.content)
         if not response.is_success:
