@@ -10,6 +10,9 @@ Per-verifier overrides live under ``[refs."<key>"]``, where the key names one ve
 * plugin: the environment and the callable, ``[refs."arith/verify:score"]``, because two
   environments may both ship ``verify:score`` and they are different verifiers.
 
+A key that names no verifier of any environment is refused when the engine opens, not here: the
+environments are read then (``engine._registry.Registry.check_refs``).
+
 An endpoint's refs table may also send headers, whose values name environment variables::
 
     [refs."https://verifier.example/score"]

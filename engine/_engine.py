@@ -25,6 +25,7 @@ from engine._core import meters
 from engine._core.contract import Verifier
 from engine._core.report import BatchResult
 from engine._core.scheduler import score_batch
+from engine._core.threads import in_thread, wait_future
 from engine._environments.manifest import Environment
 from engine._errors import Failure, VerificationError
 from engine._http.network import Proxies, Routes, ssl_context
@@ -80,6 +81,9 @@ class Engine:
     async def __aenter__(self) -> Self:
         if self._client is not None:
             raise RuntimeError("this engine is already open")
+        # a refs key that names no verifier would leave its verifier at the defaults in silence
+        # it reads every manifest: in a thread of its own (one of anyio's pool would outlive the engine)
+        await wait_future(in_thread(self._registry.check_refs, "engine-refs"))
         size = self.config.max_in_flight
         # a private CA is added to the default trust; without one the transport makes httpx's default context
         tls = ssl_context(self.config.ca_bundle) if self.config.ca_bundle is not None else None

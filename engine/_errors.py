@@ -174,6 +174,10 @@ class Failure(Exception):
     ``VerificationError`` naming the verifier and the item, chaining this failure's cause.
     """
 
+    # the environment cannot load its verifier (a pin that does not match, a module that does not
+    # import): every item of it fails alike, and the scheduler names its first in the batch
+    of_environment = False
+
     def __init__(self, reason: str, *, position: int | None = None) -> None:
         self.reason = reason
         self.position = position

@@ -20,11 +20,16 @@ from typing import TYPE_CHECKING, Any, cast
 if TYPE_CHECKING:
     import ssl
 
-__all__ = ["REDACTED", "Scrubber", "describe", "excerpt", "tls_verification_failure"]
+__all__ = ["REDACTED", "Scrubber", "a_or_an", "describe", "excerpt", "tls_verification_failure"]
 
 EXCERPT_CHARS = 200
 _CHAIN_DEPTH = 8  # causes followed to find why a connection failed
 REDACTED = "[redacted]"  # what a secret is replaced with in a message
+
+
+def a_or_an(noun: str) -> str:
+    """``noun`` with its indefinite article, for a message that names a kind or a type: "an int", "a list"."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' and noun[:1] else 'a'} {noun}"
 
 
 def excerpt(text: str | bytes, limit: int = EXCERPT_CHARS) -> str:

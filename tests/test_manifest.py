@@ -15,6 +15,7 @@ from special_files import SPECIAL_KINDS, make_special
 import engine
 from engine import ManifestError, load_environment
 from engine._environments.manifest import MAX_MANIFEST_BYTES
+from engine._reasons import a_or_an
 
 
 def write_manifest(root: Path, content: Any, name: str = "env") -> Path:
@@ -128,6 +129,8 @@ def test_bad_ref_per_kind(tmp_path: Path, kind: str, ref: Any) -> None:
         "endpoint": "http:// or https://",
     }
     assert form[kind] in message
+    article = {"rubric": "; a rubric ref", "plugin": "; a plugin ref", "endpoint": "; an endpoint ref"}
+    assert f"{article[kind]} must be " in message
 
 
 def test_no_manifest_file(tmp_path: Path) -> None:
@@ -183,6 +186,8 @@ def no_request_handler_server() -> Server:
         (item("no_such_environment", item_id="r-1"), ValueError, "item 1 (id 'r-1'): unknown environment"),
         (item("x" * 300), ValueError, "item 1: 'environment' must be an environment's directory name"),
         (["environment", "task"], TypeError, "item 1 is a list, not a mapping"),
+        (7, TypeError, "item 1 is an int, not a mapping"),
+        ({"environment": "twin_a", "task": 1, "trajectory": ""}, TypeError, "item 1: 'task' is an int, not a mapping"),
         ({"environment": "twin_a", "trajectory": ""}, ValueError, "item 1 has no 'task'"),
         ({"environment": "twin_a", "task": {}}, ValueError, "item 1 has no 'trajectory'"),
         ({"task": {}, "trajectory": ""}, ValueError, "item 1 has no 'environment'"),
@@ -229,3 +234,9 @@ async def test_score_on_a_closed_engine_is_refused(config: engine.EngineConfig) 
     eng = engine.Engine(config)
     with pytest.raises(RuntimeError, match="not open"):
         await eng.score([item("twin_a")])
+
+
+@pytest.mark.parametrize(("noun", "said"), [("endpoint", "an endpoint"), ("int", "an int"), ("list", "a list"),
+                                            ("Item", "an Item"), ("float", "a float"), ("", "a ")])
+def test_a_kind_or_a_type_in_a_message_takes_its_article(noun: str, said: str) -> None:
+    assert a_or_an(noun) == said

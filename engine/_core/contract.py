@@ -18,6 +18,7 @@ from gc import is_tracked
 from typing import Any, Protocol, overload, runtime_checkable
 
 from engine._errors import Failure
+from engine._reasons import a_or_an
 
 __all__ = [
     "ENV_NAME",
@@ -185,7 +186,7 @@ def check_item(index: int, item: Any) -> str:
     of its speed.)
     """
     if not isinstance(item, Mapping):
-        raise TypeError(f"item {index} is a {type(item).__name__}, not a mapping")
+        raise TypeError(f"item {index} is {a_or_an(type(item).__name__)}, not a mapping")
     if "environment" not in item:
         raise ValueError(
             f"{which(index, item)} has no 'environment' (an item needs 'environment', 'task', 'trajectory')"
@@ -205,7 +206,7 @@ def task_of(index: int, item: Mapping[str, Any]) -> tuple[Mapping[str, Any], Any
             f"item {index} has no {exc.args[0]!r} (an item needs 'environment', 'task', 'trajectory')"
         ) from None
     if type(task) is not dict and not isinstance(task, Mapping):
-        raise TypeError(f"item {index}: 'task' is a {type(task).__name__}, not a mapping")
+        raise TypeError(f"item {index}: 'task' is {a_or_an(type(task).__name__)}, not a mapping")
     return task, trajectory
 
 
@@ -302,7 +303,8 @@ def as_rewards(values: Sequence[Any], before: Callable[[int], None] | None = Non
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # the value's own code raised while it was checked
-            raise BadReward(position, f"returned a {_type_name(value)}, whose checking raised {_shown(exc)}") from exc
+            shown = a_or_an(_type_name(value))
+            raise BadReward(position, f"returned {shown}, whose checking raised {_shown(exc)}") from exc
     return rewards
 
 
@@ -326,7 +328,7 @@ def _shown(value: Any) -> str:
     except KeyboardInterrupt:
         raise
     except BaseException:
-        return f"a {_type_name(value)} (whose repr() raises)"
+        return f"{a_or_an(_type_name(value))} (whose repr() raises)"
     return text if len(text) <= 80 else text[:77] + "..."
 
 

@@ -16,6 +16,10 @@ its calls check each item's environment where they read it, and stop at the firs
 The lane then gives back the items from there on and those it has not taken, which are grouped
 into new lanes that start at once, in the same task group, while the lane's other calls finish.
 
+A failure of an environment rather than of an item (a pin that does not match, a module that does
+not import: ``Failure.of_environment``) names that environment's first item in input order, not
+whichever of its racing calls failed first.
+
 The first exception cancels the task group (HTTP requests are closed, queued items never start,
 threads are abandoned) and is raised alone, never wrapped in an ``ExceptionGroup``.
 """
@@ -120,9 +124,15 @@ def _failed(verifier: Verifier, exc: Exception, index: int, item: Mapping[str, A
     ``engine._reasons``); it never knows where its item sits in the batch, and the scheduler does.
     """
     reason = exc.reason if isinstance(exc, Failure) else describe(exc)
-    return VerificationError(
+    error = VerificationError(
         verifier.kind, verifier.ref, reason, environment=item["environment"], index=index, item_id=item.get("id")
     )
+    if isinstance(exc, Failure) and exc.of_environment:
+        error.add_note(
+            f"environment {item['environment']!r} cannot load its verifier, so none of its items can be scored; "
+            "the error names the first of them in the batch"
+        )
+    return error
 
 
 def _group(items: list[Any], positions: Iterable[int], first: int) -> dict[str, list[int]]:
@@ -231,6 +241,22 @@ class _Batch:
         """Lanes for items a guessed lane gave back (the batch was not all one environment's)."""
         return self._lanes(_group(self.items, left, self.first))
 
+    def _first_of(self, lane: Lane) -> int:
+        """The position of the batch's first item of ``lane``'s environment(s), in input order.
+
+        What an environment's failure (``Failure.of_environment``) names: every item of it fails
+        alike, and its calls race, so naming the call that failed first would name a different
+        item each run. A lane may not hold its environment's first item (a guessed lane gives back
+        the items of another environment a chunk at a time, to as many new lanes): the batch is
+        searched, on this failure's path only.
+        """
+        items = self.items
+        names = {lane.environment} if lane.environment is not None else {items[i]["environment"] for i in lane.indices}
+        for index, item in enumerate(items):
+            if isinstance(item, Mapping) and isinstance(name := item.get("environment"), str) and name in names:
+                return index
+        raise AssertionError("unreachable: a lane's items are the batch's")
+
     async def call(self, lane: Lane, chunk: Sequence[int]) -> list[float]:
         """The rewards of ``chunk`` from its lane's verifier; fewer if an item of another environment ends it."""
         v = lane.verifier
@@ -247,7 +273,7 @@ class _Batch:
             except Failure as exc:
                 # a position the verifier could not know names the chunk's first item (its reason says so)
                 position = exc.position if exc.position is not None and 0 <= exc.position < len(chunk) else 0
-                index = chunk[position]
+                index = self._first_of(lane) if exc.of_environment else chunk[position]
                 raise _failed(v, exc, self.first + index, items[index]) from exc.__cause__
             except Exception as exc:  # as for one item: which item it was is unknown, so the first
                 raise _failed(v, exc, self.first + chunk[0], items[chunk[0]]) from exc
@@ -261,6 +287,9 @@ class _Batch:
         try:
             return [await v.verify(task, trajectory)]
         except Failure as exc:
+            if exc.of_environment:  # whichever of its calls failed first, the environment's first item is named
+                index = self._first_of(lane)
+                item = items[index]
             raise _failed(v, exc, self.first + index, item) from exc.__cause__
         except Exception as exc:
             raise _failed(v, exc, self.first + index, item) from exc

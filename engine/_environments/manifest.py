@@ -32,6 +32,7 @@ import orjson
 from engine._environments.digest import MANIFEST, open_regular
 from engine._errors import DigestError, ManifestError
 from engine._http.network import credentials_refusal, shown_url, url_problem, without_credentials
+from engine._reasons import a_or_an
 
 __all__ = ["EXECUTORS", "KINDS", "Environment", "VerifierSpec", "load_environment", "parse_verifier"]
 
@@ -122,7 +123,7 @@ def parse_verifier(value: Any, where: str) -> VerifierSpec:
     pattern, form = _REF_FORMS[kind]
     if not isinstance(ref, str) or not pattern.fullmatch(ref):
         given: Any = shown_url(ref) if kind == "endpoint" and isinstance(ref, str) else ref  # a password?
-        raise ManifestError(f"{where}: field 'verifier.ref' is {given!r}; a {kind} ref must be {form}")
+        raise ManifestError(f"{where}: field 'verifier.ref' is {given!r}; {a_or_an(kind)} ref must be {form}")
     if kind == "endpoint" and (problem := url_problem(ref)) is not None:
         raise ManifestError(f"{where}: field 'verifier.ref': {problem}")  # found now, not at the first call
     executor = value.get("executor", "thread")

@@ -38,7 +38,7 @@ from typing import Any
 
 from engine._environments.digest import Snapshot
 from engine._errors import Failure
-from engine._reasons import describe
+from engine._reasons import a_or_an, describe
 
 __all__ = ["PluginLoadError", "forget", "import_from_environment", "load_callable", "load_plugin", "said"]
 
@@ -191,7 +191,8 @@ def load_callable(snapshot: Snapshot, name: str, ref: str) -> Callable[..., Any]
         except AttributeError:
             raise PluginLoadError(f"module {module_name!r} has no attribute {attr_path!r}") from None
     if not callable(target):
-        raise PluginLoadError(f"{attr_path!r} in module {module_name!r} is a {type(target).__name__}, not callable")
+        what = a_or_an(type(target).__name__)
+        raise PluginLoadError(f"{attr_path!r} in module {module_name!r} is {what}, not callable")
     fn: Callable[..., Any] = target
     return fn
 

@@ -604,7 +604,11 @@ class WorkerPool:
         worker = _Worker(self.spec, self.sources, next(self._numbers))
         worker.busy = True
         self._workers.add(worker)
-        await self._in_thread(worker, functools.partial(worker.start, self.timeout))
+        try:
+            await self._in_thread(worker, functools.partial(worker.start, self.timeout))
+        except WorkerFailure as exc:  # it could not import the plugin: the environment's failure, not an item's
+            exc.of_environment = True
+            raise
         return worker
 
     def _give_back(self, worker: _Worker) -> None:

@@ -216,9 +216,11 @@ class PluginVerifier:
             future = self._import_future = in_thread(self._import, f"engine-import-{self.environment.name}")
         try:
             fn, snapshot = await wait_future(future)
-        except Exception:
+        except Exception as exc:
             if self._import_future is future:
                 self._import_future = None
+            if isinstance(exc, Failure):  # the digest or the import: the environment's failure, not an item's
+                exc.of_environment = True
             raise
         if fn is not None:
             self._is_async, self._fn = is_async(fn), fn
@@ -310,14 +312,18 @@ class PluginVerifier:
         return reward
 
     def _failure(self, exc: WorkerFailure) -> Failure:
-        return self._fail(exc.reason, exc.position)
+        failure = self._fail(exc.reason, exc.position)
+        failure.of_environment = exc.of_environment  # a worker that could not import the plugin
+        return failure
 
     async def _in_process(self, pairs: Sequence[tuple[Mapping[str, Any], Any]]) -> list[float]:
         """The rewards of ``pairs`` from a worker process, in one round trip."""
         with anyio.move_on_after(self.limits.timeout) as deadline:
             await self._loaded()
         if deadline.cancelled_caught:
-            raise self._fail(f"timed out after {self.limits.timeout:g} s checking the environment's digest")
+            failure = self._fail(f"timed out after {self.limits.timeout:g} s checking the environment's digest")
+            failure.of_environment = True
+            raise failure
         pool = self._pool
         if pool is None:
             raise RuntimeError("this plugin's engine is closed")
@@ -356,7 +362,9 @@ class PluginVerifier:
                 raise self._fail(f"raised {said(exc)}") from exc
         assert deadline.cancelled_caught  # the only way here: the block returns or raises otherwise
         doing = " importing the module" if importing else ""
-        raise self._fail(f"timed out after {self.limits.timeout:g} s{doing}")
+        failure = self._fail(f"timed out after {self.limits.timeout:g} s{doing}")
+        failure.of_environment = importing
+        raise failure
 
     async def _run(
         self, fn: Callable[..., Any], items: Sequence[Mapping[str, Any]], out: list[Any], converting: list[int]

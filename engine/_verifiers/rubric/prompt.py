@@ -26,7 +26,7 @@ from typing import Any
 
 import orjson
 
-from engine._reasons import excerpt
+from engine._reasons import a_or_an, excerpt
 from engine._verifiers._json import Words, number_field
 from engine._verifiers.rubric.registry import Rubric
 
@@ -212,5 +212,5 @@ def reply_content(data: Any) -> str:
         hint = " (cut off at max_tokens)" if finish == "length" else ""
         raise ValueError(f"the judge's reply is empty{hint}")
     if not isinstance(content, str):
-        raise ValueError(f"the judge's message content is a {type(content).__name__}, not text")
+        raise ValueError(f"the judge's message content is {a_or_an(type(content).__name__)}, not text")
     return content
