@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -188,11 +189,17 @@ def _environment_dirs(root: Path) -> list[Path]:
         return []
 
 
+RUBRIC_VERSION = re.compile(r"(?P<name>[^/@:]+/[^/@:]+)@[0-9]+")  # owner/name@N: a rubric pinned to a version
+
+
 def _unknown_ref(key: str, keys: set[str], root: Path, unreadable: list[str]) -> str:
     """Why ``key`` is refused, with the closest key that names a verifier."""
     message = f"refs.{key!r}: names no verifier of an environment under {root}"
+    pinned = RUBRIC_VERSION.fullmatch(key)
     closest = difflib.get_close_matches(key, keys, n=1, cutoff=0.0)
-    if closest:
+    if pinned is not None and pinned["name"] in keys:  # one rubric's limits hold for every version of it
+        message += f" (a rubric's limits are keyed without its version, for every version: {pinned['name']!r})"
+    elif closest:
         message += f" (the closest that does is {closest[0]!r})"
     else:
         message += " (there is none)"

@@ -40,7 +40,6 @@ def refused(config: EngineConfig) -> str:
         (URL + "/", URL),  # a trailing '/' on the endpoint's URL
         ("http://127.0.0.1:9/Score", URL),
         ("alice/arithmetic-corectness", RUBRIC),  # a typo in the rubric
-        (f"{RUBRIC}@2", RUBRIC),  # a version: a rubric's limits are for every version
     ],
 )
 def test_a_key_that_names_no_verifier_is_refused_naming_the_closest(envs: Path, key: str, closest: str) -> None:
@@ -48,6 +47,15 @@ def test_a_key_that_names_no_verifier_is_refused_naming_the_closest(envs: Path, 
     message = refused(config)
     assert message.startswith(f"refs.{key!r}: names no verifier of an environment under {envs} "), message
     assert f"(the closest that does is {closest!r})" in message
+    assert message.endswith(HINT)
+
+
+def test_a_rubric_key_with_a_version_is_refused_saying_to_drop_it(envs: Path) -> None:
+    """A rubric's limits hold for every version of it: ``owner/name@N`` is refused, and told so."""
+    key = f"{RUBRIC}@2"
+    message = refused(EngineConfig(environments=envs, allow_unpinned=True, refs={key: Limits(max_concurrency=2)}))
+    assert message.startswith(f"refs.{key!r}: names no verifier of an environment under {envs} "), message
+    assert f"(a rubric's limits are keyed without its version, for every version: {RUBRIC!r})" in message
     assert message.endswith(HINT)
 
 
