@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 from cli_support import PLUGIN_ENV, RUBRICS, Workspace, make_workspace, row, rows, write_rows
-from conftest import add_endpoint_env, add_env, add_rubric_env
+from conftest import add_endpoint_env, add_env, add_rubric_env, process_twin
 from servers import Request, Response, Server, score
 
 from engine.cli import EXIT_OK, EXIT_VERIFICATION
@@ -69,7 +69,7 @@ def test_bench_table_on_stdout(tmp_path: Path) -> None:
     for column in ("items/s", "p50 ms", "p95 ms", "p99 ms", "peak in flight", "retries", "waiting", "in verifier"):
         assert column in result.stdout
     assert "waiting (summed)" in result.stdout and "in verifier (summed)" in result.stdout  # not wall time
-    assert "start-up ms" in result.stdout and "active s" in result.stdout
+    assert "start-up (summed)" in result.stdout and "active s" in result.stdout
     assert f"{PLUGIN_ENV}/verify:score" in result.stdout
     runs = result.stdout.split("runs: ")[1].split(", ")
     assert len(runs) == 2 and all(float(r.replace(",", "")) > 0 for r in runs)
@@ -126,7 +126,8 @@ def test_each_verifiers_rate_is_over_its_own_active_time(tmp_path: Path) -> None
 
 
 def test_start_up_is_reported_apart_from_steady_state_latency(tmp_path: Path) -> None:
-    """A plugin whose import takes 0.5 s: the calls that waited for it are start-up, not the p99."""
+    """A plugin whose import takes 0.5 s: the time its first calls spent on it is start-up, measured, and
+    no call's latency; every call, those first ones too, is in the percentiles and the histogram."""
     space = make_workspace(tmp_path)
     slow = add_sleeper(space, "slow", 0.02, import_seconds=0.5)
     space.write_config('[refs."slow/verify:score"]\nmax_concurrency = 2\n')
@@ -137,11 +138,71 @@ def test_start_up_is_reported_apart_from_steady_state_latency(tmp_path: Path) ->
     assert result.returncode == EXIT_OK, result.stderr
     v = by_verifier(orjson.loads(result.stdout))["slow/verify:score"]
     startup, latency = v["startup"], v["latency_ms"]
-    assert 1 <= startup["calls"] <= 2  # the first wave only: 2 calls at once, once in the whole benchmark
-    assert startup["max_ms"] >= 500  # it waited for the import
-    assert 19 <= latency["p50"] <= latency["p95"] <= latency["p99"] < startup["max_ms"]
-    # the histogram holds every steady-state item of both runs: all but the start-up calls' (one item each)
-    assert sum(bucket["items"] for bucket in v["histogram"]) == 2 * 60 - startup["calls"]
+    assert sum(bucket["items"] for bucket in v["histogram"]) == 2 * 60  # every item of both runs
+    assert 19 <= latency["p50"] <= latency["p95"] <= latency["p99"] < 500  # the first calls' latency: no import
+    assert 1 <= startup["calls"] <= 2  # the first wave's (2 at once) waited for the import, once in the benchmark
+    assert startup["max_ms"] >= 500 and startup["seconds"] >= 0.5  # the import's time, measured
+    assert v["in_verifier_s"] < 2 * 60 * 0.02 + 0.5  # the import is not time in the verifier either
+
+
+def test_a_process_workers_spawn_is_start_up(tmp_path: Path) -> None:
+    """A process plugin whose import takes 0.5 s in each of its 2 workers: their spawn, until the plugin is
+    imported, is start-up (a call per worker paid it); no call's latency holds it, every item is counted."""
+    space = make_workspace(tmp_path)
+    slow = process_twin(space.envs, add_sleeper(space, "slow", 0.02, import_seconds=0.5), workers=2)
+    space.write_config(f'[refs."{slow}/verify:score"]\nmax_concurrency = 2\n')
+    inp = write_rows(space.root / "in.jsonl", [row(n, slow) for n in range(40)])
+
+    result = space.run("bench", inp, "--config", space.config, "--json", "--repeat", "2", "--batch-size", "20")
+
+    assert result.returncode == EXIT_OK, result.stderr
+    v = by_verifier(orjson.loads(result.stdout))[f"{slow}/verify:score"]
+    startup, latency = v["startup"], v["latency_ms"]
+    assert sum(bucket["items"] for bucket in v["histogram"]) == 2 * 40  # every item of both runs
+    assert 19 <= latency["p50"] <= latency["p95"] <= latency["p99"] < 500
+    assert 1 <= startup["calls"] <= 2  # the 2 workers' spawns (and the digest check) in the first wave only
+    assert startup["max_ms"] >= 500 and startup["seconds"] >= 0.5  # a worker's import, inside its spawn
+
+
+def test_time_queued_for_a_process_plugins_workers_is_waiting(tmp_path: Path) -> None:
+    """A process plugin of 2 workers, 20 ms a call, that the scheduler may call 8 at a time: 6 calls queue for a
+    worker. That is waiting, not time in the plugin: the p50 is the call's 20 ms, 2 are in flight at most."""
+    space = make_workspace(tmp_path)
+    slow = process_twin(space.envs, add_sleeper(space, "slow", 0.02), workers=2)
+    space.write_config(f'[refs."{slow}/verify:score"]\nmax_concurrency = 8\n')
+    inp = write_rows(space.root / "in.jsonl", [row(n, slow) for n in range(80)])
+
+    result = space.run("bench", inp, "--config", space.config, "--json")
+
+    assert result.returncode == EXIT_OK, result.stderr
+    v = by_verifier(orjson.loads(result.stdout))[f"{slow}/verify:score"]
+    assert 1 <= v["peak_in_flight"] <= 2  # the workers, not the 8 calls queued for them
+    assert 19 <= v["latency_ms"]["p50"] < 2 * 20 * 2  # a call's 20 ms; queued 4 deep for 2 workers it would be ~80
+    assert v["waiting_share"] >= 0.5  # 8 calls held, 2 served: ~3/4 of their summed time is queueing
+
+
+def test_time_queued_behind_a_verifiers_own_limit_is_waiting(tmp_path: Path) -> None:
+    """An endpoint of 30 ms a call, max_concurrency 4, 40 items: the lane's 4 workers take them in 10 waves, and
+    the items of wave k waited k calls' time from the batch's start. Per call, as busy is: waiting is
+    4 x (0+1+...+9) = 180 call times, busy 40, so waiting is 4.5 times busy and ~82% of their sum."""
+
+    async def endpoint(request: Request) -> Response:
+        await asyncio.sleep(0.03)
+        return Response.json({"reward": 1.0})
+
+    with Server(endpoint) as server:
+        space = make_workspace(tmp_path)
+        add_endpoint_env(space.envs, "remote", f"{server.url}/score")
+        space.write_config(f'[refs."{server.url}/score"]\nmax_concurrency = 4\n')
+        inp = write_rows(space.root / "in.jsonl", [row(n, "remote") for n in range(40)])
+        result = space.run("bench", inp, "--config", space.config, "--json")
+
+    assert result.returncode == EXIT_OK, result.stderr
+    assert server.max_in_flight <= 4
+    (v,) = orjson.loads(result.stdout)["verifiers"]
+    assert v["waiting_s"] >= 180 * 0.03 * 0.95  # each wave's calls took >= 30 ms: a physical lower bound
+    assert 3.5 <= v["waiting_s"] / v["in_verifier_s"] <= 8  # 4.5 if calls took alike; the gaps between them wait
+    assert 0.7 <= v["waiting_share"] <= 0.9
 
 
 JUDGE_USAGE = {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18}

@@ -3,9 +3,10 @@
 The file is read and scored batch by batch, as a trainer would (``--batch-size`` rows at a time),
 ``--repeat`` times over, on one engine. For each verifier: its items/s over the time it had work
 (its *active span*: first call's start to last call's end, in each batch), latency percentiles and
-histogram in steady state, its start-up apart (the calls that waited for its first import, worker
-spawn or connections), the most calls in flight at once, retries, judge usage, and how its time
-split between waiting for a limit (the judge's own too) and the verifier itself. Rates are per
+histogram of every call, less its start-up, which is reported apart (the time calls spent importing
+the plugin or spawning a worker process, and how many calls did), the most calls in flight at once,
+retries, judge usage, and how its time split between waiting (from the batch's start, for any
+limit: its own, the engine-wide cap, the judge's) and the verifier itself. Rates are per
 run (min, median, max over the runs); time sums, latencies, retries and usage are pooled over all
 runs. The file is read and scored as ``engine score`` reads it (:func:`engine._backfill.run.score_chunks`):
 a bad row or a verification error aborts the benchmark, naming the row: a fast zero is not a result.
@@ -38,31 +39,25 @@ HISTOGRAM_PER_DOUBLING = 2  # buckets of the latency histogram shown per doublin
 class Measured:
     """One verifier's figures over a run that only a benchmark keeps (its run's ``VerifierTotals`` has the rest).
 
-    ``active``: its active spans added up; ``steady``: the latencies of calls past its start-up;
-    ``startup``: those of the calls that started before any of its calls had ended, in the
-    benchmark's first batch holding its items (later batches find it warm); ``spent``: what its
-    calls cost (a judge's requests and tokens).
+    ``active``: its active spans added up (its latencies, less their start-up, are in the run's
+    ``VerifierTotals``); ``startup``: the seconds each call that started it up spent so (``meters.starting``);
+    ``spent``: what its calls cost (a judge's requests and tokens).
     """
 
     active: float = 0.0
-    steady: LatencyHistogram = field(default_factory=LatencyHistogram)
     startup: list[float] = field(default_factory=list)
     spent: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
 class BenchRun:
-    """One pass over the file: its wall time, the time spent scoring, and per-verifier figures.
-
-    ``warm`` names the verifiers already started, in this run or an earlier one (the runs share it).
-    """
+    """One pass over the file: its wall time, the time spent scoring, and per-verifier figures."""
 
     items: int
     seconds: float  # wall time, reading the file included
     scoring: float  # time inside Engine.run, summed over the batches
     verifiers: dict[str, VerifierTotals]
     measured: dict[str, Measured] = field(default_factory=dict)
-    warm: set[str] = field(default_factory=set)
 
     def add(self, chunk: list[Row], result: BatchResult) -> None:
         """Count a scored chunk (:func:`score_chunks` has added its figures to ``verifiers``)."""
@@ -71,11 +66,7 @@ class BenchRun:
         for report in result.verifiers:
             measured = self.measured.setdefault(report.key, Measured())
             measured.active += report.active
-            measured.steady.extend(report.latencies, report.latency_items or None)
-            if report.key not in self.warm:  # its first calls ever: their wait for its start-up is no steady state
-                self.warm.add(report.key)
-                measured.steady.remove(report.startup, report.startup_items or [1] * len(report.startup))
-                measured.startup += report.startup
+            measured.startup += report.startup
             for name, count in report.spent.items():
                 measured.spent[name] = measured.spent.get(name, 0) + count
 
@@ -92,10 +83,9 @@ async def bench_file(
     if repeat < 1 or batch_size < 1:
         raise ValueError(f"repeat and batch_size must be >= 1, got {repeat} and {batch_size}")
     runs: list[BenchRun] = []
-    warm: set[str] = set()
     async with Engine(config, transport=transport) as engine:
         for _ in range(repeat):
-            run, started = BenchRun(0, 0.0, 0.0, {}, warm=warm), perf_counter()
+            run, started = BenchRun(0, 0.0, 0.0, {}), perf_counter()
             with open_rows(input_path) as rows:
                 await score_chunks(engine, rows, batch_size, run.verifiers, run.add)
             run.seconds = perf_counter() - started
@@ -118,8 +108,8 @@ def _verifier(key: str, runs: list[BenchRun]) -> dict[str, Any]:
     measured = [run.measured[key] for run in runs if key in run.measured]
     first = totals[0]
     steady = LatencyHistogram()
-    for m in measured:
-        for bucket, count in m.steady.counts.items():
+    for t in totals:
+        for bucket, count in t.latency.counts.items():
             steady.counts[bucket] = steady.counts.get(bucket, 0) + count
     startup = [seconds for m in measured for seconds in m.startup]
     waited, busy = sum(t.waited for t in totals), sum(t.busy for t in totals)
@@ -136,7 +126,7 @@ def _verifier(key: str, runs: list[BenchRun]) -> dict[str, Any]:
         "items_per_s": _spread(rates),
         "active_s": _spread([m.active for m in measured]),
         "latency_ms": {f"p{q}": _ms(steady.percentile(q)) for q in (50, 95, 99)},
-        "startup": {"calls": len(startup), "max_ms": max(startup) * 1e3 if startup else None},
+        "startup": {"calls": len(startup), "seconds": sum(startup), "max_ms": max(startup) * 1e3 if startup else None},
         "histogram": [
             {"low_ms": low * 1e3, "high_ms": high * 1e3, "items": count}
             for low, high, count in steady.coarse(HISTOGRAM_PER_DOUBLING)

@@ -8,7 +8,9 @@ yield to the event loop, so holding one costs a cheap plugin's item next to noth
 
 A limit inside a call (the judge's own, which every rubric shares) is still a limit: the verifier
 waits for it in :func:`waiting`, which tells the call's :class:`Account` (the scheduler's), so the
-time is reported as waiting, not as time in the verifier.
+time is reported as waiting, not as time in the verifier. Starting a verifier up inside a call (a
+plugin's first import, a worker process's spawn) is neither: the call does it in :func:`starting`,
+and the time is reported as start-up, apart from the call's latency.
 
 Only anyio is imported here, and aiolimiter only when a rate is asked for: most verifiers have none.
 (A plugin's worker process imports neither: it has no limits of its own.)
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
 
     from engine._config import Limits
 
-__all__ = ["Account", "Meter", "accounted", "rate", "slots", "threads", "waiting"]
+__all__ = ["Account", "Meter", "accounted", "rate", "slots", "starting", "threads", "waiting"]
 
 
 def slots(size: int) -> anyio.Semaphore:
@@ -80,14 +82,17 @@ class Meter:
 
 
 class Account(Protocol):
-    """What a call tells whoever measures it (the scheduler) about a limit inside it: the verifier's
-    own wait for a limit, which is not time in the verifier."""
+    """What a call tells whoever measures it (the scheduler) about time inside it that is not time in
+    the verifier: its own wait for a limit, and its start-up."""
 
     def paused(self) -> None:
         """The call has begun waiting for a limit: it is not in flight meanwhile."""
 
     def resumed(self, seconds: float) -> None:
         """The call waited ``seconds`` for a limit, and is in flight again."""
+
+    def started_up(self, seconds: float) -> None:
+        """The call spent ``seconds`` starting its verifier up (after :meth:`paused`), and is in flight again."""
 
 
 _ACCOUNT: ContextVar[Account | None] = ContextVar("engine_account", default=None)
@@ -126,3 +131,20 @@ def waiting() -> Iterator[None]:
         yield
     finally:
         account.resumed(perf_counter() - started)
+
+
+@contextmanager
+def starting() -> Iterator[None]:
+    """Start a verifier up inside a call (a plugin's import, a worker's spawn): the time is the call's
+    account's start-up, neither waiting nor time verifying. Entered only on the path that starts
+    something, so a warm call pays nothing for it."""
+    account = _ACCOUNT.get()
+    if account is None:
+        yield
+        return
+    account.paused()
+    started = perf_counter()
+    try:
+        yield
+    finally:
+        account.started_up(perf_counter() - started)

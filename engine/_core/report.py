@@ -35,14 +35,15 @@ class VerifierReport:
     ``provenance`` says what scored the items (kind, ref, and the environment digest or the rubric
     version); ``latencies`` are seconds per item, one entry per call, and ``latency_items`` how many
     items each entry stands for (a chunk of a cheap plugin's items shares its call's average);
-    ``waited`` is the total time items spent waiting for a limit (concurrency, rate, the engine-wide
-    cap, and the verifier's own inside a call: the judge's) and ``busy`` the total time in the
-    verifier; both are sums over calls that ran at the same time, not wall time. ``active`` is the
-    wall time from its first call's start to its last call's end. ``startup`` (with
-    ``startup_items``) holds the latencies of the calls that started before any call of it had
-    ended, which waited for its start-up (an import, a worker's spawn, the first connections) if
-    it had one: a subset of ``latencies``. ``spent`` is what its calls cost (a judge's requests and
-    tokens; empty for other kinds).
+    ``waited`` is the total time calls waited, from the moment their items could first have been
+    called (their lane's start), for a limit (concurrency, the verifier's own included, rate, the
+    engine-wide cap, and the verifier's own inside a call: the judge's or a worker pool's), and
+    ``busy`` the total time in the verifier; both are sums over calls that ran at the same time
+    (one span per call, a chunk's as one), not wall time. ``active`` is the wall time from its
+    first call's start to its last call's end. ``startup`` holds, for each call that started the
+    verifier up (a plugin's import, a worker process's spawn, ``meters.starting``), the seconds it
+    spent so: in neither ``busy`` nor ``latencies``. ``spent`` is what its calls cost (a judge's
+    requests and tokens; empty for other kinds).
     """
 
     kind: str
@@ -59,7 +60,6 @@ class VerifierReport:
     retries: int = 0
     active: float = 0.0
     startup: list[float] = field(default_factory=list)
-    startup_items: list[int] = field(default_factory=list)
     spent: Mapping[str, int] = field(default_factory=dict)
 
     @property
@@ -108,12 +108,6 @@ class LatencyHistogram:
         """Add each latency, standing for ``items[i]`` items (one each when omitted)."""
         for seconds, count in zip(latencies, items or [1] * len(latencies), strict=True):
             self.add(seconds, count)
-
-    def remove(self, latencies: Sequence[float], items: Sequence[int]) -> None:
-        """Take out latencies :meth:`extend` added (a subset of them: a benchmark's start-up calls)."""
-        for seconds, count in zip(latencies, items, strict=True):
-            self.add(seconds, -count)
-        self.counts = {bucket: count for bucket, count in self.counts.items() if count}
 
     def coarse(self, per_doubling: int = 1) -> list[tuple[float, float, int]]:
         """The histogram in ``per_doubling`` buckets per doubling (a divisor of ``STEPS``), to be shown:

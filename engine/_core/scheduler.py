@@ -63,30 +63,31 @@ class Lane:
     given_back: list[int] = field(default_factory=list)  # its indices it left to other lanes
     latencies: list[float] = field(default_factory=list)  # seconds per item, one entry per call
     latency_items: list[int] = field(default_factory=list)  # items each entry stands for (a chunk's)
-    waited: float = 0.0  # seconds items spent waiting for a limit, the verifier's own inside a call too
-    busy: float = 0.0  # seconds spent in calls, less their waits inside (meters.waiting)
+    waited: float = 0.0  # seconds calls waited to start (from the lane's start) and for a limit inside them
+    busy: float = 0.0  # seconds spent in calls, less their waits and start-up inside (meters.waiting, .starting)
     reward_sum: float = 0.0
     running: int = 0
     peak: int = 0
+    ready: float = math.inf  # when its items could first have been called: its workers' start (perf_counter)
     first_start: float = math.inf  # when its first call started (perf_counter), and its last ended
     last_end: float = -math.inf
-    warm: bool = False  # a call of it has ended: calls started from now on are past its start-up
-    startup: list[float] = field(default_factory=list)  # the latencies of calls started before that
-    startup_items: list[int] = field(default_factory=list)
+    startup: list[float] = field(default_factory=list)  # seconds each call that started the verifier up spent so
 
 
 class _Call:
-    """One call's account (``meters.Account``): a wait for a limit inside it is waiting, not in flight.
+    """One call's account (``meters.Account``): a wait for a limit inside it is waiting, and its verifier's
+    start-up is start-up; in neither is it in flight.
 
     A call that waits as it begins (a judge's slot, before it has yielded) was never in flight: the
     peak its start raised is taken back, unless another call has started since.
     """
 
-    __slots__ = ("lane", "raised", "waited")
+    __slots__ = ("lane", "raised", "startup", "waited")
 
     def __init__(self, lane: Lane) -> None:
         self.lane = lane
         self.waited = 0.0
+        self.startup = 0.0
         self.raised: tuple[int, int] | None = None  # (the peak before its start, the peak its start set)
 
     def started(self) -> None:
@@ -107,6 +108,10 @@ class _Call:
         lane.running += 1
         lane.peak = max(lane.peak, lane.running)
         self.waited += seconds
+
+    def started_up(self, seconds: float) -> None:
+        self.resumed(0.0)
+        self.startup += seconds
 
 
 def total(rewards: Sequence[float]) -> float:
@@ -312,14 +317,15 @@ class _Batch:
             meter = lane.meter
             chunk_size = _one if meter.rate is not None else lane.verifier.chunk_size
             while chunk := todo.take(chunk_size(todo.share(lane.width))):
-                queued = perf_counter()
+                # A call's items waited from the lane's start: behind its own limit (a lane has only
+                # as many workers as its max_concurrency, so they wait in the to-do list), the other
+                # limits, and earlier calls; one wait per call, as busy is one span per call.
                 async with meter.slots:
                     if meter.rate is not None:
                         await meter.rate.acquire()
                     async with in_flight:
                         started = perf_counter()
-                        lane.waited += started - queued
-                        lane.first_start, cold, inside = min(lane.first_start, started), not lane.warm, _Call(lane)
+                        lane.first_start, inside = min(lane.first_start, started), _Call(lane)
                         inside.started()
                         try:
                             with accounted(inside):  # the verifier's own limits (a judge's) are waiting too
@@ -327,16 +333,14 @@ class _Batch:
                         finally:
                             lane.running -= 1
                         lane.last_end = ended = perf_counter()
-                        lane.warm = True
-                        seconds = ended - started - inside.waited
-                        lane.waited += inside.waited
+                        seconds = ended - started - inside.waited - inside.startup
+                        lane.waited += started - lane.ready + inside.waited
                         lane.busy += seconds
+                        if inside.startup:  # it started the verifier up (an import, a worker): not its latency
+                            lane.startup.append(inside.startup)
                         if rewards:
                             lane.latencies.append(seconds / len(rewards))
                             lane.latency_items.append(len(rewards))
-                            if cold:
-                                lane.startup.append(seconds / len(rewards))
-                                lane.startup_items.append(len(rewards))
                 if len(rewards) < len(chunk):  # an item of another environment: give back the rest
                     left = [*chunk[len(rewards) :], *todo.rest()]
                     lane.given_back += left
@@ -364,6 +368,7 @@ class _Batch:
             todo = _Todo(lane.indices)
             chunk = 1 if lane.meter.rate is not None else lane.verifier.chunk_size(todo.share(lane.width))
             chunks = -(-len(lane.indices) // chunk)
+            lane.ready = perf_counter()
             for _ in range(min(lane.width, chunks, in_flight.max_value or 1)):  # no more workers than work
                 tg.start_soon(guarded, lane, todo)
 
@@ -406,7 +411,6 @@ class _Batch:
                     retries=v.retries - self.retries_before[v],
                     active=max(0.0, max(lane.last_end for lane in its) - min(lane.first_start for lane in its)),
                     startup=[seconds for lane in its for seconds in lane.startup],
-                    startup_items=[count for lane in its for count in lane.startup_items],
                     spent=dict(v.spent()),
                 )
             )

@@ -605,7 +605,8 @@ class WorkerPool:
         worker.busy = True
         self._workers.add(worker)
         try:
-            await self._in_thread(worker, functools.partial(worker.start, self.timeout))
+            with meters.starting():  # its spawn until it has imported the plugin: start-up, not verifying
+                await self._in_thread(worker, functools.partial(worker.start, self.timeout))
         except WorkerFailure as exc:  # it could not import the plugin: the environment's failure, not an item's
             exc.of_environment = True
             raise
@@ -618,13 +619,20 @@ class WorkerPool:
             self._idle.append(worker)
 
     async def call(self, pairs: Sequence[Pair]) -> tuple[list[float], Cost]:
-        """The rewards of ``pairs`` and what the calls cost, from one worker in one round trip."""
-        async with self._slots:
+        """The rewards of ``pairs`` and what the calls cost, from one worker in one round trip.
+
+        Queued for a free worker is waiting (``meters.waiting``), as for any limit: not time in the plugin.
+        """
+        with meters.waiting():
+            await self._slots.acquire()
+        try:
             worker = await self._take()
             try:
                 return await self._in_thread(worker, functools.partial(worker.call, pairs, self.timeout))
             finally:
                 self._give_back(worker)
+        finally:
+            self._slots.release()
 
     async def warm(self) -> None:
         """Start a worker if none runs: the plugin imports (or the reason it does not is raised)."""

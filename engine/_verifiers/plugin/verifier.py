@@ -215,7 +215,8 @@ class PluginVerifier:
         if future is None:
             future = self._import_future = in_thread(self._import, f"engine-import-{self.environment.name}")
         try:
-            fn, snapshot = await wait_future(future)
+            with meters.starting():  # the digest check and import: start-up, not verifying (nor this call's latency)
+                fn, snapshot = await wait_future(future)
         except Exception as exc:
             if self._import_future is future:
                 self._import_future = None
