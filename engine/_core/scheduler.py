@@ -37,7 +37,7 @@ from typing import Any
 import anyio
 
 from engine._core.contract import ChunkedVerifier, Items, MalformedItem, Verifier, check_item, task_of, which
-from engine._core.meters import Meter, accounted
+from engine._core.meters import Meter, ledger
 from engine._core.report import BatchResult, VerifierReport
 from engine._errors import ConfigError, Failure, VerificationError
 from engine._reasons import describe
@@ -314,7 +314,7 @@ class _Batch:
         results, lanes, in_flight, call = self.rewards, self.lanes, self.in_flight, self.call
 
         async def worker(lane: Lane, todo: _Todo) -> None:
-            meter = lane.meter
+            meter, book = lane.meter, ledger()  # this task's calls charge their accounts through it
             chunk_size = _one if meter.rate is not None else lane.verifier.chunk_size
             while chunk := todo.take(chunk_size(todo.share(lane.width))):
                 # A call's items waited from the lane's start: behind its own limit (a lane has only
@@ -327,10 +327,11 @@ class _Batch:
                         started = perf_counter()
                         lane.first_start, inside = min(lane.first_start, started), _Call(lane)
                         inside.started()
+                        book.account = inside  # the verifier's own limits (a judge's) are waiting too
                         try:
-                            with accounted(inside):  # the verifier's own limits (a judge's) are waiting too
-                                rewards = await call(lane, chunk)
+                            rewards = await call(lane, chunk)
                         finally:
+                            book.account = None
                             lane.running -= 1
                         lane.last_end = ended = perf_counter()
                         seconds = ended - started - inside.waited - inside.startup
