@@ -112,9 +112,8 @@ def test_a_math_trajectory_without_assistant_text_is_an_error_never_a_zero(
     examples: Path, trajectory: Any, match: str
 ) -> None:
     right = math_item("So the sum is $\\boxed{\\frac{3}{4}}$.") | {"id": "right"}
-    with BlockingEngine.from_config(examples / "engine.toml") as eng:
-        with pytest.raises(VerificationError) as info:
-            eng.score([right, math_item(trajectory)])
+    with BlockingEngine.from_config(examples / "engine.toml") as eng, pytest.raises(VerificationError) as info:
+        eng.score([right, math_item(trajectory)])
     check_error(info.value, kind="plugin", ref="verify:score", environment="math", index=1, item_id="it", match=match)
 
 
@@ -126,9 +125,8 @@ def test_an_exception_inside_math_verify_is_an_error_never_a_zero(examples: Path
     Without ``raise_on_error=True`` math-verify logs it at debug level and answers "no match": a 0.0.
     """
     nan_interval = "So the sum is $\\boxed{(1, \\frac{0}{0})}$."
-    with BlockingEngine.from_config(examples / "engine.toml") as eng:
-        with pytest.raises(VerificationError) as info:
-            eng.score([math_item(nan_interval)])
+    with BlockingEngine.from_config(examples / "engine.toml") as eng, pytest.raises(VerificationError) as info:
+        eng.score([math_item(nan_interval)])
     check_error(info.value, kind="plugin", ref="verify:score", environment="math", index=0, item_id="it",
                 match=r".*Invalid NaN comparison.*")
 
