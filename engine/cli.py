@@ -20,12 +20,14 @@ its event loop, see :func:`_on_signal`); the library itself installs no signal h
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import logging
 import math
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Iterator
@@ -74,6 +76,9 @@ EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports a process the signal 
 PLAIN_PROGRESS_EVERY = 10.0  # seconds between progress lines when stderr is not a terminal
 DEFAULT_CONFIG = "engine.toml"
 LOG_WIDTH = 200
+# seconds the threads still running when a command is done get to end by themselves (anyio's idle
+# workers end as soon as its loop does); a plugin call abandoned at its timeout never will
+THREADS_GRACE = 1.0
 
 T = TypeVar("T")
 
@@ -556,15 +561,44 @@ def main() -> None:
     try:
         _main()
     except SystemExit as exc:
-        if not _Signals.reported:
+        if _Signals.reported:
+            # Interrupted, and said so: exit with our code now. A KeyboardInterrupt that went through
+            # code compiled from a string (a dataclass or namedtuple being created, as imports do)
+            # makes CPython end ``python -m engine`` by SIGINT whatever SystemExit says, so SIGTERM
+            # would look like Ctrl-C. The run has already unwound (files closed, lock released).
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(exc.code if isinstance(exc.code, int) else EXIT_INTERRUPTED)
+        if not _threads_left_running():
             raise
-        # Interrupted, and said so: exit with our code now. A KeyboardInterrupt that went through
-        # code compiled from a string (a dataclass or namedtuple being created, as imports do)
-        # makes CPython end ``python -m engine`` by SIGINT whatever SystemExit says, so SIGTERM
-        # would look like Ctrl-C. The run has already unwound (files closed, lock released).
+        # Done, and said so, but a plugin call abandoned at its timeout still runs in one of anyio's
+        # worker threads, which are not daemons: the interpreter would wait for it at exit, for ever.
+        # The exit handlers run (worker processes are killed), then the process ends with its code.
+        code = _exit_status(exc.code)
+        atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(exc.code if isinstance(exc.code, int) else EXIT_INTERRUPTED)
+        os._exit(code)
+
+
+def _threads_left_running() -> bool:
+    """Whether a thread the interpreter would wait for at exit is still running, after a short grace."""
+    deadline = time.monotonic() + THREADS_GRACE
+    try:
+        for thread in threading.enumerate():
+            if thread is not threading.current_thread() and not thread.daemon:
+                thread.join(max(0.0, deadline - time.monotonic()))
+    except KeyboardInterrupt:  # Ctrl-C while waiting for them: they are not worth waiting for
+        return True
+    return any(t is not threading.current_thread() and not t.daemon and t.is_alive() for t in threading.enumerate())
+
+
+def _exit_status(code: object) -> int:
+    """The status ``sys.exit(code)`` would end the process with: None is 0, anything but an int is printed and 1."""
+    if code is None or isinstance(code, int):
+        return code or EXIT_OK
+    sys.stderr.write(f"{code}\n")
+    return 1
 
 
 def _main() -> None:

@@ -44,7 +44,7 @@ from cli_support import (
     write_rows,
 )
 from click.testing import CliRunner, Result
-from conftest import add_endpoint_env, add_rubric_env
+from conftest import add_endpoint_env, add_env, add_rubric_env
 from polling import wait_until
 from servers import Request, Response, Server, score
 
@@ -618,6 +618,58 @@ def test_check_names_a_fifo_manifest_instead_of_hanging(tmp_path: Path) -> None:
     assert squeezed(f"{manifest} is a named pipe (FIFO)") in squeezed(cells[3]), cells
     assert cells[-1] == "NO"
     assert check_row(result.stdout, PLUGIN_ENV)[-1] == "yes"  # the others are still checked
+
+
+HANGS = """import threading
+
+
+def score(task, trajectory):
+    threading.Event().wait()  # never returns: the engine abandons the call at its timeout
+"""
+EXIT_WAIT = 90.0  # seconds to wait for an engine process whose work is done to end (it took ~1 s) before failing
+
+
+def hanging_workspace(root: Path) -> Workspace:
+    """A workspace whose environment ``hang`` never returns from a call, in the engine's threads, timeout 1 s."""
+    space = make_workspace(root, config="[defaults]\ntimeout = 1.0\n")
+    add_env(space.envs, "hang", "plugin", "hang:score", example={"task": {}, "trajectory": "x"})
+    (space.envs / "hang" / "hang.py").write_text(HANGS)
+    return space
+
+
+def exited(process: subprocess.Popen[str]) -> tuple[int, str, str]:
+    """The exit status, stdout and stderr of ``process``; the test fails if it does not end."""
+    try:
+        out, err = process.communicate(timeout=EXIT_WAIT)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+        pytest.fail(f"the engine did not exit after its work was done:\n{out}\n{err}")
+    return process.returncode, out, err
+
+
+@pytest.mark.timeout(150)  # a new interpreter: its exit is the point
+def test_check_exits_when_a_plugin_call_hangs_in_a_thread(tmp_path: Path) -> None:
+    """anyio's worker threads are not daemons: the abandoned call kept the interpreter from exiting, for ever."""
+    space = hanging_workspace(tmp_path)
+    code, out, err = exited(space.start("check", "--config", space.config))
+    assert code == EXIT_VERIFICATION, out + err
+    assert squeezed("its example fails: timed out after 1 s") in squeezed(check_row(out, "hang")[5]), out
+    assert err == "error: 1 of 1 environments cannot score: hang\n"  # nothing from the interpreter's shutdown
+
+
+@pytest.mark.timeout(150)  # a new interpreter: its exit is the point
+def test_score_exits_when_a_plugin_call_hangs_in_a_thread(tmp_path: Path) -> None:
+    space = hanging_workspace(tmp_path)
+    stuck = {"id": "stuck", "environment": "hang", "task": {}, "trajectory": "x"}
+    rows_in = write_rows(space.root / "in.jsonl", [stuck])
+    output = space.root / "out.jsonl"
+    code, out, err = exited(space.start("score", rows_in, "-o", output, "--config", space.config))
+    assert code == EXIT_VERIFICATION, out + err
+    said = "error: plugin verifier 'hang:score' (environment 'hang') failed on item 0 (id 'stuck'): timed out after 1 s"
+    assert said in err, err
+    assert "Exception ignored" not in err, err
+    assert not output.exists()
 
 
 # --- engine digest ----------------------------------------------------------------------------

@@ -75,6 +75,62 @@ def test_a_slow_math_item_is_an_error_never_a_zero(examples: Path) -> None:
         assert eng.score(math_rows()[:3]) == [fraction_sum_reward(row) for row in math_rows()[:3]]  # a new worker
 
 
+def math_item(trajectory: Any, answer: str = "$\\frac{3}{4}$") -> dict[str, Any]:
+    return {"id": "it", "environment": "math", "task": {"prompt": "What is 1/2 + 1/4?", "answer": answer},
+            "trajectory": trajectory}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_the_math_example_reads_content_given_as_a_list_of_parts(examples: Path) -> None:
+    """OpenAI-style ``content`` parts are the answer's text, not messages to look for an assistant in (a 0.0)."""
+    boxed = "So the sum is $\\boxed{\\frac{3}{4}}$."
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is 1/2 + 1/4?"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": boxed}]}]
+    with_image = [{"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": "data:,"}},
+                                                    {"type": "text", "text": "So the sum is "},
+                                                    {"type": "text", "text": "$\\boxed{\\frac{3}{4}}$."}]}]
+    wrong = [{"role": "assistant", "content": [{"type": "text", "text": "So the sum is $\\boxed{\\frac{2}{6}}$."}]}]
+    with BlockingEngine.from_config(examples / "engine.toml") as eng:
+        assert eng.score([math_item(parts), math_item(with_image), math_item(wrong)]) == [1.0, 1.0, 0.0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("trajectory", "match"),
+    [
+        ([{"role": "user", "content": "What is 1/2 + 1/4?"}], r".*no assistant message.*"),
+        ([{"role": "assistant", "content": None}], r".*no text content \(content is NoneType\).*"),
+        ([{"role": "assistant"}], r".*no text content \(content is NoneType\).*"),
+        ({"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]},
+         r".*has no text part.*"),
+    ],
+    ids=["no-assistant-message", "content-none", "content-missing", "no-text-part"],
+)
+def test_a_math_trajectory_without_assistant_text_is_an_error_never_a_zero(
+    examples: Path, trajectory: Any, match: str
+) -> None:
+    right = math_item("So the sum is $\\boxed{\\frac{3}{4}}$.") | {"id": "right"}
+    with BlockingEngine.from_config(examples / "engine.toml") as eng, pytest.raises(VerificationError) as info:
+        eng.score([right, math_item(trajectory)])
+    check_error(info.value, kind="plugin", ref="verify:score", environment="math", index=1, item_id="it", match=match)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_an_exception_inside_math_verify_is_an_error_never_a_zero(examples: Path) -> None:
+    """sympy raising inside math-verify's comparison (an interval with a NaN end) fails the item.
+
+    Without ``raise_on_error=True`` math-verify logs it at debug level and answers "no match": a 0.0.
+    """
+    nan_interval = "So the sum is $\\boxed{(1, \\frac{0}{0})}$."
+    with BlockingEngine.from_config(examples / "engine.toml") as eng, pytest.raises(VerificationError) as info:
+        eng.score([math_item(nan_interval)])
+    check_error(info.value, kind="plugin", ref="verify:score", environment="math", index=0, item_id="it",
+                match=r".*Invalid NaN comparison.*")
+
+
 def load_run_script() -> ModuleType:
     spec = importlib.util.spec_from_file_location("example_run", EXAMPLES / "run.py")
     assert spec is not None and spec.loader is not None
