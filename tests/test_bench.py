@@ -12,11 +12,12 @@ import itertools
 import math
 import shutil
 import statistics
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import orjson
-from cli_support import PLUGIN_ENV, RUBRICS, Workspace, make_workspace, row, rows, write_rows
+from cli_support import PLUGIN_ENV, RUBRICS, Ran, Workspace, make_workspace, row, rows, write_rows
 from conftest import add_endpoint_env, add_env, add_rubric_env, process_twin
 from servers import Request, Response, Server, score
 
@@ -181,6 +182,19 @@ def test_time_queued_for_a_process_plugins_workers_is_waiting(tmp_path: Path) ->
     assert v["waiting_share"] >= 0.5  # 8 calls held, 2 served: ~3/4 of their summed time is queueing
 
 
+def bench_an_endpoint(
+    tmp_path: Path, endpoint: Callable[[Request], Awaitable[Response]], items: int, *runs: list[str]
+) -> tuple[Server, list[Ran]]:
+    """``engine bench`` over ``items`` rows of one endpoint (max_concurrency 4) served by ``endpoint``, once per
+    list of extra arguments in ``runs``; the server, to ask what it saw, and each run's result."""
+    with Server(endpoint) as server:
+        space = make_workspace(tmp_path)
+        add_endpoint_env(space.envs, "remote", f"{server.url}/score")
+        space.write_config(f'[refs."{server.url}/score"]\nmax_concurrency = 4\n')
+        inp = write_rows(space.root / "in.jsonl", [row(n, "remote") for n in range(items)])
+        return server, [space.run("bench", inp, "--config", space.config, *extra) for extra in runs]
+
+
 def test_time_queued_behind_a_verifiers_own_limit_is_waiting(tmp_path: Path) -> None:
     """An endpoint of 30 ms a call, max_concurrency 4, 40 items: the lane's 4 workers take them in 10 waves, and
     the items of wave k waited k calls' time from the batch's start. Per call, as busy is: waiting is
@@ -190,13 +204,7 @@ def test_time_queued_behind_a_verifiers_own_limit_is_waiting(tmp_path: Path) -> 
         await asyncio.sleep(0.03)
         return Response.json({"reward": 1.0})
 
-    with Server(endpoint) as server:
-        space = make_workspace(tmp_path)
-        add_endpoint_env(space.envs, "remote", f"{server.url}/score")
-        space.write_config(f'[refs."{server.url}/score"]\nmax_concurrency = 4\n')
-        inp = write_rows(space.root / "in.jsonl", [row(n, "remote") for n in range(40)])
-        result = space.run("bench", inp, "--config", space.config, "--json")
-
+    server, (result,) = bench_an_endpoint(tmp_path, endpoint, 40, ["--json"])
     assert result.returncode == EXIT_OK, result.stderr
     assert server.max_in_flight <= 4
     (v,) = orjson.loads(result.stdout)["verifiers"]
@@ -262,13 +270,7 @@ def test_latency_histogram_shows_two_modes(tmp_path: Path) -> None:
         await asyncio.sleep(0.06 if request.json()["task"]["n"] % 2 else 0.005)
         return Response.json({"reward": 1.0})
 
-    with Server(endpoint) as server:
-        space = make_workspace(tmp_path)
-        add_endpoint_env(space.envs, "remote", f"{server.url}/score")
-        space.write_config(f'[refs."{server.url}/score"]\nmax_concurrency = 4\n')
-        inp = write_rows(space.root / "in.jsonl", [row(n, "remote") for n in range(80)])
-        as_json = space.run("bench", inp, "--config", space.config, "--json")
-        table = space.run("bench", inp, "--config", space.config)
+    server, (as_json, table) = bench_an_endpoint(tmp_path, endpoint, 80, ["--json"], [])
 
     assert as_json.returncode == EXIT_OK, as_json.stderr
     (v,) = orjson.loads(as_json.stdout)["verifiers"]

@@ -18,8 +18,8 @@ Only anyio is imported here, and aiolimiter only when a rate is asked for: most 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from time import perf_counter
@@ -126,8 +126,8 @@ def _account() -> Account | None:
 
 
 @contextmanager
-def waiting() -> Iterator[None]:
-    """Wait for a limit inside a call (the judge's slots or rate): the time is the call's account's waiting."""
+def _aside(done: Callable[[Account, float], None]) -> Iterator[None]:
+    """Time inside a call that is not the call's own: the account is paused, then told how long by ``done``."""
     account = _account()
     if account is None:
         yield
@@ -137,21 +137,16 @@ def waiting() -> Iterator[None]:
     try:
         yield
     finally:
-        account.resumed(perf_counter() - started)
+        done(account, perf_counter() - started)
 
 
-@contextmanager
-def starting() -> Iterator[None]:
+def waiting() -> AbstractContextManager[None]:
+    """Wait for a limit inside a call (the judge's slots or rate): the time is the call's account's waiting."""
+    return _aside(lambda account, seconds: account.resumed(seconds))
+
+
+def starting() -> AbstractContextManager[None]:
     """Start a verifier up inside a call (a plugin's import, a worker's spawn): the time is the call's
     account's start-up, neither waiting nor time verifying. Entered only on the path that starts
     something, so a warm call pays nothing for it."""
-    account = _account()
-    if account is None:
-        yield
-        return
-    account.paused()
-    started = perf_counter()
-    try:
-        yield
-    finally:
-        account.started_up(perf_counter() - started)
+    return _aside(lambda account, seconds: account.started_up(seconds))
