@@ -81,9 +81,10 @@ class Engine:
     async def __aenter__(self) -> Self:
         if self._client is not None:
             raise RuntimeError("this engine is already open")
-        # a refs key that names no verifier would leave its verifier at the defaults in silence
-        # it reads every manifest: in a thread of its own (one of anyio's pool would outlive the engine)
-        await wait_future(in_thread(self._registry.check_refs, "engine-refs"))
+        if self.config.refs:
+            # a refs key that names no verifier would leave its verifier at the defaults in silence
+            # it reads every manifest: in a thread of its own (one of anyio's pool would outlive the engine)
+            await wait_future(in_thread(self._registry.check_refs, "engine-refs"))
         size = self.config.max_in_flight
         # a private CA is added to the default trust; without one the transport makes httpx's default context
         tls = ssl_context(self.config.ca_bundle) if self.config.ca_bundle is not None else None

@@ -182,7 +182,8 @@ class Registry:
 
 
 def _environment_dirs(root: Path) -> list[Path]:
-    """The environment directories under ``root``, as ``engine check`` walks them; none if it is no directory."""
+    """The directories under ``root`` the engine would take for environments (a name it accepts); none if ``root``
+    is no directory. (``engine check`` lists more: every directory, to say what is wrong with each.)"""
     try:
         return sorted(p for p in root.iterdir() if p.is_dir() and ENV_NAME.fullmatch(p.name) and p.name[:2] != "__")
     except OSError:  # no such directory, or not one: no verifier, so every key is unknown

@@ -26,7 +26,7 @@ from engine._core.contract import check_reward
 from engine._errors import Failure
 from engine._http.headers import fill_headers
 from engine._http.network import credentials_refusal, shown_url, url_problem, without_credentials
-from engine._http.post import Post, PostFailed
+from engine._http.post import Post
 from engine._http.retry import Scrub, Sleep
 from engine._reasons import Scrubber, describe, excerpt
 from engine._verifiers._json import Words, number_field
@@ -132,29 +132,23 @@ class EndpointVerifier:
     def provenance(self) -> Mapping[str, Any]:
         return {"kind": self.kind, "ref": self.ref}
 
-    def _fail(self, reason: str) -> Failure:
-        return Failure(reason)
-
     def _headers(self) -> tuple[dict[str, str], Scrub]:
         """This call's headers, their variables read now, and what scrubs the variables' values from text."""
-        extra, secrets = fill_headers(self._templates, self._fail)
+        extra, secrets = fill_headers(self._templates, Failure)
         return {**HEADERS, **extra}, Scrubber(secrets)
 
     async def _call(self, body: bytes, headers: Mapping[str, str], scrub: Scrub | None) -> float:
-        try:
-            response = await self._post(body, headers, scrub)
-        except PostFailed as exc:
-            raise self._fail(exc.reason) from exc.__cause__
+        response = await self._post(body, headers, scrub)  # a PostFailed is this call's Failure, its cause chained
         try:
             return parse_reward(response, scrub)
         except (TypeError, ValueError) as exc:
-            raise self._fail(str(exc)) from None
+            raise Failure(str(exc)) from None
 
     async def verify(self, task: Mapping[str, Any], trajectory: Any) -> float:
         try:
             body = encode_item(task, trajectory)
         except TypeError as exc:
-            raise self._fail(f"cannot send the item as JSON: {exc}") from exc
+            raise Failure(f"cannot send the item as JSON: {exc}") from exc
         if not self._templates:
             return await self._call(body, self._plain_headers, None)
         headers, scrub = self._headers()
@@ -163,4 +157,4 @@ class EndpointVerifier:
         except Exception as exc:
             # Keep no cause: its chain holds the request, with the headers, and unscrubbed bodies.
             reason = exc.reason if isinstance(exc, Failure) else describe(exc)
-            raise self._fail(scrub(reason)) from None
+            raise Failure(scrub(reason)) from None
