@@ -18,8 +18,8 @@ Only anyio is imported here, and aiolimiter only when a rate is asked for: most 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractContextManager, asynccontextmanager, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from time import perf_counter
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
     from engine._config import Limits
 
-__all__ = ["Account", "Ledger", "Meter", "ledger", "rate", "slots", "starting", "threads", "waiting"]
+__all__ = ["Account", "Ledger", "Meter", "held", "ledger", "rate", "slots", "starting", "threads", "waiting"]
 
 
 def slots(size: int) -> anyio.Semaphore:
@@ -143,6 +143,18 @@ def _aside(done: Callable[[Account, float], None]) -> Iterator[None]:
 def waiting() -> AbstractContextManager[None]:
     """Wait for a limit inside a call (the judge's slots or rate): the time is the call's account's waiting."""
     return _aside(lambda account, seconds: account.resumed(seconds))
+
+
+@asynccontextmanager
+async def held(limit: anyio.Semaphore) -> AsyncIterator[None]:
+    """One of ``limit``'s slots held for the block, inside a call: the time queued for it is the call's waiting
+    (a limit a verifier keeps itself, the judge's, a worker pool's, is a limit as the scheduler's are)."""
+    with waiting():
+        await limit.acquire()
+    try:
+        yield
+    finally:
+        limit.release()
 
 
 def starting() -> AbstractContextManager[None]:

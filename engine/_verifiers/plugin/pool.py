@@ -623,16 +623,12 @@ class WorkerPool:
 
         Queued for a free worker is waiting (``meters.waiting``), as for any limit: not time in the plugin.
         """
-        with meters.waiting():
-            await self._slots.acquire()
-        try:
+        async with meters.held(self._slots):
             worker = await self._take()
             try:
                 return await self._in_thread(worker, functools.partial(worker.call, pairs, self.timeout))
             finally:
                 self._give_back(worker)
-        finally:
-            self._slots.release()
 
     async def warm(self) -> None:
         """Start a worker if none runs: the plugin imports (or the reason it does not is raised)."""

@@ -37,7 +37,7 @@ import httpx
 import orjson
 
 from engine._config import JudgeConfig
-from engine._core.meters import Meter, waiting
+from engine._core.meters import Meter, held, waiting
 from engine._errors import Failure
 from engine._http.headers import fill_headers
 from engine._http.post import Post, PostFailed
@@ -167,17 +167,13 @@ class Judge:
         body = self._body(rubric, task, trajectory)
         headers, scrub = self._headers(ref)
         accounts = (self._usage,) if usage is None else (self._usage, usage)
-        slots = self._meter.slots
-        with waiting():  # queued behind the judge's max_concurrency: waiting, as the caller's limits are
-            await slots.acquire()
         try:
-            response = await self._post(body, headers, scrub, functools.partial(self._count, accounts))
+            async with held(self._meter.slots):  # queued behind the judge's max_concurrency: waiting
+                response = await self._post(body, headers, scrub, functools.partial(self._count, accounts))
         except PostFailed as exc:
             reason = f"judge request failed: {exc.reason}"
             # the cause is what really failed (the last try's error), not tenacity's wrapper of it
             raise Failure(reason if scrub is None else scrub(reason)) from exc.__cause__
-        finally:
-            slots.release()
         # every message below quotes the reply: without the key in it, if it echoed the key
         content = response.content if scrub is None else scrub.body(response.content)
         if not response.is_success:
