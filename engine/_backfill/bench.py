@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from time import perf_counter
@@ -46,7 +47,7 @@ class Measured:
 
     active: float = 0.0
     startup: list[float] = field(default_factory=list)
-    spent: dict[str, int] = field(default_factory=dict)
+    spent: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass
@@ -67,8 +68,7 @@ class BenchRun:
             measured = self.measured.setdefault(report.key, Measured())
             measured.active += report.active
             measured.startup += report.startup
-            for name, count in report.spent.items():
-                measured.spent[name] = measured.spent.get(name, 0) + count
+            measured.spent.update(report.spent)
 
 
 async def bench_file(
@@ -107,16 +107,15 @@ def _verifier(key: str, runs: list[BenchRun]) -> dict[str, Any]:
     totals = [run.verifiers[key] for run in runs if key in run.verifiers]
     measured = [run.measured[key] for run in runs if key in run.measured]
     first = totals[0]
-    steady = LatencyHistogram()
+    counts: Counter[int] = Counter()
     for t in totals:
-        for bucket, count in t.latency.counts.items():
-            steady.counts[bucket] = steady.counts.get(bucket, 0) + count
+        counts.update(t.latency.counts)
+    steady = LatencyHistogram(counts)
     startup = [seconds for m in measured for seconds in m.startup]
     waited, busy = sum(t.waited for t in totals), sum(t.busy for t in totals)
-    spent: dict[str, int] = {}
+    spent: Counter[str] = Counter()
     for m in measured:
-        for name, count in m.spent.items():
-            spent[name] = spent.get(name, 0) + count
+        spent.update(m.spent)
     items = sum(t.items for t in totals)
     rates = [t.items / m.active if m.active else 0.0 for t, m in zip(totals, measured, strict=True)]
     return {
@@ -137,7 +136,7 @@ def _verifier(key: str, runs: list[BenchRun]) -> dict[str, Any]:
         "in_verifier_s": busy,
         "waiting_share": waited / (waited + busy) if waited + busy else 0.0,
         "mean_reward": sum(t.reward_sum for t in totals) / items if items else math.nan,
-        "judge_usage": spent,
+        "judge_usage": dict(spent),
     }
 
 
@@ -149,15 +148,14 @@ def summarise(runs: list[BenchRun]) -> dict[str, Any]:
     """
     keys = list(dict.fromkeys(key for run in runs for key in run.verifiers))
     rates = [run.items / run.seconds for run in runs]
-    usage: dict[str, int] = {}
+    usage: Counter[str] = Counter()
     for run in runs:
         for measured in run.measured.values():
-            for name, count in measured.spent.items():
-                usage[name] = usage.get(name, 0) + count
+            usage.update(measured.spent)
     return {
         "runs": len(runs),
         "items": runs[0].items,
         "items_per_s": {**_spread(rates), "each": rates, "stdev": statistics.pstdev(rates)},
         "verifiers": [_verifier(key, runs) for key in keys],
-        "judge_usage": usage,
+        "judge_usage": dict(usage),
     }

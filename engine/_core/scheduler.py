@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -390,8 +390,10 @@ class _Batch:
             by_verifier.setdefault(lane.verifier, []).append(lane)
         verifier_of = [0] * len(self.rewards)
         reports = []
-        usage: dict[str, int] = {}
+        usage: Counter[str] = Counter()
         for position, (v, its) in enumerate(by_verifier.items()):
+            spent = dict(v.spent())  # a rubric's verifier is this batch's: so is what it spent
+            usage.update(spent)
             if position:
                 for lane in its:
                     for index in lane.indices:
@@ -412,12 +414,10 @@ class _Batch:
                     retries=v.retries - self.retries_before[v],
                     active=max(0.0, max(lane.last_end for lane in its) - min(lane.first_start for lane in its)),
                     startup=[seconds for lane in its for seconds in lane.startup],
-                    spent=dict(v.spent()),
+                    spent=spent,
                 )
             )
-            for name, count in v.spent().items():  # a rubric's verifier is this batch's: so is what it spent
-                usage[name] = usage.get(name, 0) + count
-        return BatchResult(self.rewards, reports, elapsed, verifier_of=verifier_of, usage=usage)
+        return BatchResult(self.rewards, reports, elapsed, verifier_of=verifier_of, usage=dict(usage))
 
 
 async def score_batch(
