@@ -217,9 +217,12 @@ class RewardWriter(Closing):
             )
         try:
             data.seek(0)
-            for number, line in enumerate(islice(data, checkpoint.rows_done), 1):
+            parquet = self.format == "parquet"
+            # read back only for what needs it: a Parquet output's verifiers, or the ids file's hashes
+            reread = checkpoint.rows_done if parquet or self._ids is not None else 0
+            for number, line in enumerate(islice(data, reread), 1):
                 record = orjson.loads(line)
-                if self.format == "parquet" and (problem := verifier_problem(record["verifier"])) is not None:
+                if parquet and (problem := verifier_problem(record["verifier"])) is not None:
                     raise ResumeError(
                         f"{self.partial}, line {number}: the interrupted run's record cannot be written to "
                         f"{self.output}'s verifier column: {problem}; delete {self.state} to start over"
