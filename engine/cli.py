@@ -48,10 +48,10 @@ from engine._backfill.checkpoint import Checkpoint, state_path
 from engine._backfill.input import count_rows
 from engine._backfill.run import DEFAULT_CHUNK_SIZE, RunSummary, score_file
 from engine._check import check_environments
-from engine._config import EngineConfig, load_config
+from engine._config import load_config
 from engine._environments.digest import digest_directory
 from engine._environments.manifest import RUBRIC_REF
-from engine._errors import DigestError, EngineError, ResumeError, RubricError, VerificationError, WriteError
+from engine._errors import EngineError, ResumeError, RubricError, VerificationError, WriteError
 from engine._verifiers.rubric.registry import RubricRegistry
 
 __all__ = [
@@ -267,13 +267,6 @@ def _only_cleanup_left(output: Path) -> bool:
         return False
 
 
-def _config(path: Path) -> EngineConfig:
-    try:
-        return load_config(path)
-    except EngineError as exc:
-        _fail(EXIT_BAD_INPUT, str(exc))
-
-
 @click.group(
     cls=_Commands,
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -358,7 +351,7 @@ def _summary_table(summary: RunSummary) -> Table:
 def score(input_path: Path, output: Path, config_path: Path, resume: bool, chunk_size: int) -> None:
     """Backfill rewards for a file of stored trajectories (JSON Lines or Parquet)."""
     try:
-        config = _config(config_path)
+        config = load_config(config_path)
         cleanup_only = resume and _only_cleanup_left(output)  # the input is neither needed nor read then
         if not cleanup_only and not input_path.is_file():
             _fail(EXIT_BAD_INPUT, f"{input_path}: no such input file")
@@ -408,7 +401,7 @@ def score(input_path: Path, output: Path, config_path: Path, resume: bool, chunk
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON instead of a table.")
 def bench(input_path: Path, config_path: Path, repeat: int, batch_size: int, as_json: bool) -> None:
     """Measure each verifier on a file of stored trajectories, writing no rewards."""
-    config = _config(config_path)
+    config = load_config(config_path)
     if not input_path.is_file():
         _fail(EXIT_BAD_INPUT, f"{input_path}: no such input file")
     runs = _run(lambda: bench_file(input_path=input_path, config=config, repeat=repeat, batch_size=batch_size))
@@ -491,7 +484,7 @@ def _histogram(buckets: list[dict[str, Any]]) -> Table:
 @config_option
 def check(config_path: Path) -> None:
     """Load every environment and report whether each can score; exit 1 if any cannot."""
-    config = _config(config_path)
+    config = load_config(config_path)
     checks = _run(lambda: check_environments(config=config))
     table = Table()
     for name in ("environment", "kind", "ref", "manifest", "digest", "verifier", "ok"):
@@ -514,10 +507,7 @@ def check(config_path: Path) -> None:
 @click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
 def digest(directory: Path) -> None:
     """Print an environment directory's digest (the value to pin under [pins])."""
-    try:
-        click.echo(digest_directory(directory))
-    except DigestError as exc:  # a FIFO, a socket or a device in it
-        _fail(EXIT_BAD_INPUT, str(exc))
+    click.echo(digest_directory(directory))  # a FIFO, a socket or a device in it: a DigestError, bad input
 
 
 @cli.group(invoke_without_command=True)
@@ -527,7 +517,7 @@ def rubrics(ctx: click.Context, config_path: Path) -> None:
     """List the rubrics and their versions."""
     ctx.obj = config_path  # a subcommand may be given its own --config, where users type it
     if ctx.invoked_subcommand is None:
-        registry = RubricRegistry(_config(config_path).rubrics)
+        registry = RubricRegistry(load_config(config_path).rubrics)
         listing = registry.list()
         if not listing:
             stdout.print(f"no rubrics under {registry.root}")
@@ -542,7 +532,7 @@ def rubrics(ctx: click.Context, config_path: Path) -> None:
 @click.pass_obj
 def rubrics_show(group_config: Path, ref: str, config_path: Path | None) -> None:
     """Print one rubric: owner/name (the latest version) or owner/name@N."""
-    registry = RubricRegistry(_config(config_path or group_config).rubrics)
+    registry = RubricRegistry(load_config(config_path or group_config).rubrics)
     try:
         rubric = registry.resolve(ref)
     except RubricError as exc:
