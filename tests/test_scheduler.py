@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 from conftest import add_endpoint_env, item, loaded_module, plugin_module
 from polling import eventually
@@ -17,6 +18,7 @@ from servers import Request, Response, Server
 
 import engine
 from engine import EngineConfig, Limits, VerificationError
+from engine._core import scheduler
 
 HOLD = 4.0  # seconds a handler waits for a condition before it answers anyway (and the test's asserts fail)
 
@@ -285,3 +287,47 @@ async def test_errors_name_an_item_by_its_place_in_the_stream(envs: Path, size: 
     with engine.BlockingEngine(config) as blocking, pytest.raises(VerificationError) as info:
         blocking.score(items, first_index=7)
     assert info.value.index == 7 + size - 2
+
+
+def _named(environments: list[str]) -> list[dict[str, Any]]:
+    return [{"environment": name, "task": {"prompt": "p"}, "trajectory": "t"} for name in environments]
+
+
+@pytest.mark.parametrize("kinds", [2, scheduler._FEW + 3])  # picked out in C, and item by item
+async def test_grouping_keeps_first_appearance_and_input_order_across_slices(kinds: int) -> None:
+    size = 2 * scheduler.GROUP_SLICE + 5
+    names = [f"env{(i * 7 + i // 3) % kinds}" for i in range(size)]
+    names[-1] = "late"  # an environment first seen in the last slice
+    groups = await scheduler._group(_named(names), range(size), 0)
+    expected: dict[str, list[int]] = {}
+    for position, name in enumerate(names):
+        expected.setdefault(name, []).append(position)
+    assert list(groups) == list(expected)  # lanes (and reports) come in order of first appearance
+    assert groups == expected
+
+
+async def test_grouping_a_large_batch_lets_the_loop_run_other_tasks() -> None:
+    items = _named(["a", "b"] * scheduler.GROUP_SLICE)  # two slices
+    ran: list[int] = []
+    grouped = False
+
+    async def other() -> None:
+        while not grouped:
+            ran.append(1)
+            await anyio.lowlevel.checkpoint()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(other)
+        await anyio.lowlevel.checkpoint()  # the other task has started
+        before = len(ran)
+        await scheduler._group(items, range(len(items)), 0)
+        during = len(ran) - before
+        grouped = True
+    assert during >= 1  # it ran between the two slices, not only once the grouping was done
+
+
+async def test_a_malformed_item_in_a_later_slice_is_named() -> None:
+    items: list[Any] = _named(["a"] * (scheduler.GROUP_SLICE + 3))
+    items[scheduler.GROUP_SLICE + 1] = {"task": {}, "trajectory": "t"}
+    with pytest.raises(ValueError, match=f"item {scheduler.GROUP_SLICE + 1 + 10}"):
+        await scheduler._group(items, range(len(items)), 10)

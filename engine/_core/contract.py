@@ -153,7 +153,7 @@ class Items(Sequence[Mapping[str, Any]]):
             return self._batch[picked]
         if isinstance(picked, range) and picked.step == 1:  # contiguous: one slice of the batch
             return self._batch[picked.start : picked.stop]
-        return [self._batch[i] for i in picked]
+        return list(map(self._batch.__getitem__, picked))
 
     def __iter__(self) -> Iterator[Mapping[str, Any]]:
         return iter(self[:])

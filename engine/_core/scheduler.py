@@ -28,13 +28,16 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import compress, repeat
+from operator import eq, itemgetter
 from time import perf_counter
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 
 from engine._core.contract import ChunkedVerifier, Items, MalformedItem, Verifier, check_item, task_of, which
 from engine._core.meters import Meter, ledger
@@ -45,6 +48,10 @@ from engine._reasons import describe
 __all__ = ["Resolve", "score_batch", "total"]
 
 logger = logging.getLogger("engine")
+
+GROUP_SLICE = 1 << 14  # items grouped between two yields to the event loop (~2 ms of work)
+_FEW = 8  # environments in a slice picked out one pass each; more are grouped item by item
+_ENVIRONMENT = itemgetter("environment")
 
 Resolve = Callable[[str], tuple[Verifier, Meter]]
 """An environment's name -> its verifier and meter: ``ValueError`` if there is no such environment,
@@ -140,13 +147,32 @@ def _failed(verifier: Verifier, exc: Exception, index: int, item: Mapping[str, A
     return error
 
 
-def _group(items: list[Any], positions: Iterable[int], first: int) -> dict[str, list[int]]:
-    """The items at ``positions`` by environment, in one pass; ``TypeError``/``ValueError`` naming a malformed one
-    (by its position plus ``first``, the batch's first item's)."""
+async def _group(items: list[Any], positions: Sequence[int], first: int) -> dict[str, list[int]]:
+    """The items at ``positions`` by environment, in order of first appearance; ``TypeError``/``ValueError``
+    naming a malformed one (by its position plus ``first``, the batch's first item's).
+
+    The pass yields to the event loop every ``GROUP_SLICE`` items: grouping a batch of 300,000
+    held the loop ~45 ms, which is the caller's loop (a trainer's work, other batches' calls).
+    A slice's few environments are picked out in C, one pass each (~2x faster than a Python loop
+    over the items); a slice of many is grouped item by item.
+    """
     groups: defaultdict[str, list[int]] = defaultdict(list)
+    batch = items.__getitem__
     try:
-        for index in positions:
-            groups[items[index]["environment"]].append(index)
+        for start in range(0, len(positions), GROUP_SLICE):
+            if start:
+                await anyio.lowlevel.checkpoint()
+            part = positions[start : start + GROUP_SLICE]
+            names = list(map(_ENVIRONMENT, map(batch, part)))
+            kinds = dict.fromkeys(names)
+            if len(kinds) == 1:
+                groups[names[0]].extend(part)
+            elif len(kinds) <= _FEW:
+                for name in kinds:
+                    groups[name].extend(compress(part, map(eq, names, repeat(name))))
+            else:
+                for index, name in zip(part, names, strict=True):
+                    groups[name].append(index)
     except (KeyError, TypeError, IndexError):
         for index in positions:  # something is malformed: find it, and say what
             check_item(first + index, items[index])
@@ -154,6 +180,16 @@ def _group(items: list[Any], positions: Iterable[int], first: int) -> dict[str, 
     for indices in groups.values():
         check_item(first + indices[0], items[indices[0]])
     return dict(groups)
+
+
+def _put(into: list[Any], positions: Sequence[int], values: Sequence[Any]) -> None:
+    """``into[positions[i]] = values[i]`` for each ``i``, in C: a chunk's rewards are up to 2**18 of them,
+    written on the event loop (in a Python loop, ~10 ms for the largest)."""
+    assert len(positions) == len(values)
+    if isinstance(positions, range) and positions.step == 1:  # contiguous: one slice assignment
+        into[positions.start : positions.stop] = values
+    else:
+        deque(map(into.__setitem__, positions, values), maxlen=0)
 
 
 def _guess(items: list[Any], first: int) -> str | None:
@@ -228,7 +264,7 @@ class _Batch:
                 lane.indices = sorted([*lane.indices, *indices])
         return list(lanes.values())
 
-    def plan(self) -> None:
+    async def plan(self) -> None:
         """The batch's first lanes: one guessed lane if it looks like one plugin environment's, else grouped.
 
         A guess pays only for plugins, where a pass over the batch to group it costs a tenth of
@@ -240,11 +276,11 @@ class _Batch:
         if guess is not None and isinstance(self._resolved(0)[0], ChunkedVerifier):
             self.lanes = self._lanes({guess: range(len(items))}, guess=True)
         else:
-            self.lanes = self._lanes(_group(items, range(len(items)), self.first))
+            self.lanes = self._lanes(await _group(items, range(len(items)), self.first))
 
-    def regroup(self, left: list[int]) -> list[Lane]:
+    async def regroup(self, left: list[int]) -> list[Lane]:
         """Lanes for items a guessed lane gave back (the batch was not all one environment's)."""
-        return self._lanes(_group(self.items, left, self.first))
+        return self._lanes(await _group(self.items, left, self.first))
 
     def _first_of(self, lane: Lane) -> int:
         """The position of the batch's first item of ``lane``'s environment(s), in input order.
@@ -346,14 +382,10 @@ class _Batch:
                     left = [*chunk[len(rewards) :], *todo.rest()]
                     lane.given_back += left
                     chunk = chunk[: len(rewards)]
-                    for more in self.regroup(left):
+                    for more in await self.regroup(left):
                         lanes.append(more)
                         start(more)
-                if isinstance(chunk, range):  # contiguous: one slice assignment
-                    results[chunk.start : chunk.stop] = rewards
-                else:
-                    for index, reward in zip(chunk, rewards, strict=True):
-                        results[index] = reward
+                _put(results, chunk, rewards)
                 lane.reward_sum += total(rewards)
 
         async def guarded(lane: Lane, todo: _Todo) -> None:
@@ -396,8 +428,7 @@ class _Batch:
             usage.update(spent)
             if position:
                 for lane in its:
-                    for index in lane.indices:
-                        verifier_of[index] = position
+                    _put(verifier_of, lane.indices, [position] * len(lane.indices))
             reports.append(
                 VerifierReport(
                     kind=v.kind,
@@ -432,7 +463,7 @@ async def score_batch(
     """
     batch = _Batch(items if type(items) is list else list(items), resolve, in_flight, first_index)
     try:
-        batch.plan()
+        await batch.plan()
     except VerificationError as exc:
         logger.error("batch aborted: %s", exc)
         raise
