@@ -6,10 +6,21 @@ it cost there. Python cannot stop a thread: a call whose caller gave up on it (a
 is counted as abandoned (:class:`Abandoned`) until it returns, so the verifier can refuse new calls
 while too many still run, and a chunk checks between steps that its caller still waits, so an
 abandoned chunk stops within a step.
+
+A chunk of cheap calls keeps a CPU busy in Python, so it holds the GIL, and the event loop that
+started it shares that GIL: each time the loop lets go of it (every socket read and write, every
+wait for I/O) the chunk's thread takes it, and the loop waits for it back for up to the
+interpreter's switch interval (5 ms). A loop serving endpoint calls beside such a chunk crawled,
+and the chunk with it (measured: a batch mixing both took 1.9x its two parts run apart, and the
+endpoint calls' p99 rose 14-fold). So the two take turns (:class:`Turns`): a chunk that finds others
+held the GIL during its last step hands the loop a turn after each step (~1 ms) and waits until the
+loop has run the work it had ready. A chunk alone, or beside a loop with little to do (a trainer's
+timer), never waits: the switch interval bounds what the loop waits then.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -20,9 +31,70 @@ from typing import Any, TypeVar
 from engine._core.contract import MalformedItem, as_rewards, private_pair
 from engine._verifiers.plugin.wire import Cost
 
-__all__ = ["Abandoned", "ThreadCall", "run_chunk", "timed"]
+__all__ = ["Abandoned", "ThreadCall", "Turns", "run_chunk", "timed"]
 
 T = TypeVar("T")
+SHARED = 0.05e-3  # seconds others held the GIL (or the CPU) during one step: the loop has work, so turns begin
+BUSY_TURN = 0.5e-3  # a turn that took longer came from a loop with work of its own: turns go on
+IDLE_PASS = 0.1e-3  # a pass of the loop this short ran nothing but the turn's callback: the loop is idle
+LONGEST_TURN = 0.01  # seconds a chunk waits at most for the loop to be idle: a busy loop never starves it
+TURN_STEPS = 20  # steps a chunk keeps taking turns after it last found the GIL shared
+TURN_POLL = 0.05  # seconds between a waiting chunk's checks that its caller still waits (a loop that stopped)
+
+
+class Turns:
+    """A chunk's turns with the event loop it was started from (see the module's docstring).
+
+    Between two steps the chunk's thread calls :meth:`between` with the time its last step lost to
+    others. Past ``SHARED``, and for ``TURN_STEPS`` steps after (and its first ``TURN_STEPS``: a
+    loop whose work waits for the GIL shows none lost, as it gets none), it asks the loop for a
+    turn and waits for it. The loop gives it once it is idle: a callback that calls itself again each pass
+    of the loop, until a pass ran nothing else (``IDLE_PASS``), or ``LONGEST_TURN`` has gone by.
+    While turns come back slowly (``BUSY_TURN``: the loop had work) they go on; a chunk whose turns
+    come back at once stops asking after ``TURN_STEPS`` of them.
+    """
+
+    __slots__ = ("_asked", "_busy", "_left", "_longest", "_loop", "_pass", "_slow", "_turn")
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, *, longest: float = LONGEST_TURN, slow: float = BUSY_TURN
+    ) -> None:
+        self._loop = loop
+        self._longest, self._slow = longest, slow
+        self._turn = threading.Event()
+        self._left = TURN_STEPS  # a chunk starts taking turns: the loop may have work waiting already
+        self._busy = False  # whether the last turn found the loop with work
+        self._asked = self._pass = 0.0  # when the turn was asked for; when the loop last passed the callback
+
+    def _ask(self) -> None:  # on the loop, once a pass
+        now = perf_counter()
+        if (self._pass and now - self._pass < IDLE_PASS) or now - self._asked > self._longest:
+            self._turn.set()
+        else:
+            self._pass = now
+            self._loop.call_soon(self._ask)
+
+    def between(self, lost: float, wanted: Callable[[], bool]) -> float:
+        """In the chunk's thread, between steps: let the loop go first if it has been busy; the seconds waited."""
+        if lost > SHARED or self._busy:
+            self._left = TURN_STEPS
+        elif self._left:
+            self._left -= 1
+        else:
+            return 0.0
+        started = self._asked = perf_counter()
+        self._pass = 0.0
+        self._turn.clear()
+        try:
+            self._loop.call_soon_threadsafe(self._ask)
+        except RuntimeError:  # the loop is closed: there is nobody to take turns with
+            self._left = 0
+            return 0.0
+        while not self._turn.wait(TURN_POLL) and wanted():
+            pass
+        waited = perf_counter() - started
+        self._busy = waited > self._slow
+        return waited
 
 
 def timed(fn: Callable[..., Any], task: Mapping[str, Any], trajectory: Any) -> tuple[float, Cost]:
@@ -45,6 +117,7 @@ def run_chunk(
     step: int,
     wanted: Callable[[], bool],
     converting: list[int],
+    turns: Turns | None = None,
 ) -> tuple[list[float], Cost]:
     """Call ``fn`` on each item into ``out`` (runs in a worker thread); the rewards, and what they cost.
 
@@ -56,12 +129,20 @@ def run_chunk(
     :class:`BadItem` names an item that cannot be copied, or a value that is not a reward. Once
     every call has returned, ``converting[0]`` is the position of the value being made a reward
     one at a time (its ``__float__`` is the plugin's code, which may overrun the timeout).
+    With ``turns``, it takes turns with the event loop between steps; the time it waits for them
+    is not in the cost it returns (that sizes its verifier's chunks).
     """
     append = out.append
     at = functools.partial(converting.__setitem__, 0)
     copy, tracked = dict.copy, is_tracked
     started, cpu = perf_counter(), thread_time()
+    waited = 0.0  # for turns
+    step_wall, step_cpu = started, cpu
     for start in range(0, len(items), step):
+        if turns is not None and start:
+            wall, used = perf_counter(), thread_time()
+            waited += turns.between((wall - step_wall) - (used - step_cpu), wanted)
+            step_wall, step_cpu = perf_counter(), thread_time()
         if not wanted():
             raise RuntimeError("abandoned")  # nobody waits for this
         for item in items[start : start + step]:
@@ -70,7 +151,7 @@ def run_chunk(
             except (KeyError, TypeError):
                 raise MalformedItem(len(out)) from None
             if name != environment:
-                return as_rewards(out, at), (perf_counter() - started, thread_time() - cpu)
+                return as_rewards(out, at), (perf_counter() - started - waited, thread_time() - cpu)
             # each call is handed a task and a trajectory of its own: private_pair, inlined for a text
             # and a task with no container in it (a dict the garbage collector does not track)
             if type(task) is dict and type(trajectory) is str and not tracked(task):
@@ -78,7 +159,7 @@ def run_chunk(
             else:
                 task, trajectory = private_pair(len(out), task, trajectory)
             append(fn(task, trajectory))
-    return as_rewards(out, at), (perf_counter() - started, thread_time() - cpu)
+    return as_rewards(out, at), (perf_counter() - started - waited, thread_time() - cpu)
 
 
 class Abandoned:

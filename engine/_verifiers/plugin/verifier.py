@@ -38,7 +38,7 @@ call. Calls under ``CHEAP_CALL``, and CPU-bound calls (a Python math check), run
 CPU-bound plugins, process isolation is the way to use more cores). Everything a chunk does to its
 items (slicing them, checking them, turning the values into rewards) happens in its thread: done
 on the event loop, on the other CPU, it cost a fifth of a cheap plugin's speed in cache misses. A
-chunk's thread checks every ~10 ms that its caller still waits, so an abort or a timeout ends it
+chunk's thread checks every ~1 ms that its caller still waits, so an abort or a timeout ends it
 within that. Calls that wait (blocking I/O, a subprocess) run chunks of up to ~300 ms in parallel
 on the thread pool, up to the verifier's concurrency, split finer as a lane nears its end so no
 worker idles (measured: 0.90x the ideal rate for 10 ms calls on 64 threads, against 0.61x one item
@@ -69,7 +69,7 @@ from engine._environments.manifest import Environment
 from engine._errors import DigestError, Failure
 from engine._verifiers.plugin.importer import PluginLoadError, forget, load_plugin, said
 from engine._verifiers.plugin.pool import WorkerFailure, WorkerPool, as_dict, default_workers, pairs_of
-from engine._verifiers.plugin.threads import Abandoned, run_chunk, timed
+from engine._verifiers.plugin.threads import Abandoned, Turns, run_chunk, timed
 from engine._verifiers.plugin.wire import Cost, PluginSpec
 
 __all__ = ["PluginVerifier"]
@@ -77,7 +77,7 @@ __all__ = ["PluginVerifier"]
 T = TypeVar("T")
 CHEAP_CALL = 100e-6  # seconds: calls cheaper than this run in chunks one at a time, on one thread
 SERIAL_CHUNK_SECONDS = 0.25  # work per hop for cheap calls: the hop and the chunk's setup cost ~1%
-STEP_SECONDS = 0.01  # a chunk's thread checks this often that its caller still waits for it
+STEP_SECONDS = 0.001  # a chunk's thread checks this often that its caller still waits, and takes turns with the loop
 PARALLEL_CHUNK_SECONDS = 0.3  # for waiting calls, run in parallel; a lane's last chunks are split finer
 CPU_BOUND = 0.5  # a call whose thread is on a CPU more than this share of its time is CPU-bound
 PROCESS_CHUNK_SECONDS = 0.05  # work per round trip to a worker process
@@ -371,8 +371,10 @@ class PluginVerifier:
         self, fn: Callable[..., Any], items: Sequence[Mapping[str, Any]], out: list[Any], converting: list[int]
     ) -> tuple[list[float], Cost]:
         call = self._abandoned.call()
+        # serial chunks keep a CPU busy under the GIL: they take turns with the loop; parallel ones mostly wait
+        turns = Turns(asyncio.get_running_loop()) if self._serial else None
         runner = functools.partial(
-            call.run, run_chunk, fn, items, out, self.environment.name, self._step, call.wanted, converting
+            call.run, run_chunk, fn, items, out, self.environment.name, self._step, call.wanted, converting, turns
         )
         try:
             if self._serial:

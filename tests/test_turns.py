@@ -1,0 +1,108 @@
+"""A chunk of cheap calls and the event loop take turns at the GIL: the loop's ready work goes first.
+
+``Turns`` is exercised with a real event loop running in a thread of its own, as the engine's
+loop runs beside a chunk's thread; the loop is kept busy by a chain of callbacks, each a pass
+of the loop long enough (it sleeps) not to look idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from engine._verifiers.plugin.threads import SHARED, TURN_STEPS, Turns
+
+PASS = 0.002  # seconds each callback of a busy chain holds the loop: well past an idle pass
+
+
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    loop.close()
+
+
+def busy_chain(loop: asyncio.AbstractEventLoop, passes: int | None, log: list[str]) -> threading.Event:
+    """Keep ``loop`` busy for ``passes`` passes (or until the returned event is set), one callback a pass."""
+    stop = threading.Event()
+
+    def step(left: int | None) -> None:
+        time.sleep(PASS)
+        if left == 1 or stop.is_set():
+            log.append("chain done")
+            return
+        loop.call_soon(step, None if left is None else left - 1)
+
+    loop.call_soon_threadsafe(step, passes)
+    return stop
+
+
+def test_a_busy_loop_finishes_its_work_before_the_chunk_goes_on(loop: asyncio.AbstractEventLoop) -> None:
+    log: list[str] = []
+    busy_chain(loop, 20, log)
+    turns = Turns(loop, longest=60.0)
+    turns.between(1.0, lambda: True)
+    log.append("turn")
+    assert log == ["chain done", "turn"]
+
+
+def test_a_loop_busy_for_longer_than_the_longest_turn_still_gives_one(loop: asyncio.AbstractEventLoop) -> None:
+    log: list[str] = []
+    stop = busy_chain(loop, None, log)
+    turns = Turns(loop, longest=0.05)
+    try:
+        assert turns.between(1.0, lambda: True) > 0
+        assert log == []  # the chain still runs: the chunk was not starved
+    finally:
+        stop.set()
+
+
+def asks(turns: Turns, lost: float = 0.0) -> bool:
+    """Whether the chunk asked the loop for a turn between two steps (``between`` returns 0.0 only if not)."""
+    return turns.between(lost, lambda: True) > 0
+
+
+def test_a_chunk_starts_by_taking_turns_and_stops_once_they_come_at_once(loop: asyncio.AbstractEventLoop) -> None:
+    turns = Turns(loop, longest=60.0, slow=60.0)  # every turn counts as quick: the loop had nothing of its own
+    # a loop whose work waits for the GIL shows no time lost to it: the first turns are asked anyway
+    assert [asks(turns) for _ in range(TURN_STEPS + 1)] == [True] * TURN_STEPS + [False]
+    assert not asks(turns)
+
+
+def test_a_turn_the_loop_was_slow_to_give_keeps_the_turns_going(loop: asyncio.AbstractEventLoop) -> None:
+    turns = Turns(loop, longest=60.0, slow=0.0)  # every turn counts as slow: the loop had work of its own
+    assert all(asks(turns) for _ in range(3 * TURN_STEPS))
+
+
+def test_time_lost_to_others_starts_turns_again(loop: asyncio.AbstractEventLoop) -> None:
+    turns = Turns(loop, longest=60.0, slow=60.0)
+    while asks(turns):
+        pass
+    assert asks(turns, lost=2 * SHARED)
+    assert asks(turns)  # and they go on
+
+
+
+def test_a_closed_loop_is_not_waited_for() -> None:
+    loop = asyncio.new_event_loop()
+    loop.close()
+    turns = Turns(loop)
+    assert turns.between(1.0, lambda: True) == 0.0
+    assert turns.between(1.0, lambda: True) == 0.0
+
+
+def test_a_chunk_nobody_waits_for_stops_waiting_for_a_loop_that_does_not_run() -> None:
+    loop = asyncio.new_event_loop()  # open, but nothing runs it: the turn never comes
+    try:
+        wanted = iter([True, True, False])
+        assert Turns(loop).between(1.0, lambda: next(wanted)) > 0
+    finally:
+        loop.close()
