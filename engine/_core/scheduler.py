@@ -31,7 +31,7 @@ import math
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import compress, repeat
+from itertools import chain, compress, repeat
 from operator import eq, itemgetter
 from time import perf_counter
 from typing import Any
@@ -437,8 +437,8 @@ class _Batch:
                     provenance=v.provenance(),
                     items=sum(len(lane.indices) for lane in its),
                     reward_sum=total([lane.reward_sum for lane in its]),
-                    latencies=[seconds for lane in its for seconds in lane.latencies],
-                    latency_items=[count for lane in its for count in lane.latency_items],
+                    latencies=list(chain.from_iterable(lane.latencies for lane in its)),  # one a call: joined in C
+                    latency_items=list(chain.from_iterable(lane.latency_items for lane in its)),
                     waited=sum(lane.waited for lane in its),
                     busy=sum(lane.busy for lane in its),
                     peak_in_flight=max(lane.peak for lane in its),
