@@ -39,7 +39,6 @@ BUSY_TURN = 0.5e-3  # a turn that took longer came from a loop with work of its 
 IDLE_PASS = 0.1e-3  # a pass of the loop this short ran nothing but the turn's callback: the loop is idle
 LONGEST_TURN = 0.01  # seconds a chunk waits at most for the loop to be idle: a busy loop never starves it
 TURN_STEPS = 20  # steps a chunk keeps taking turns after it last found the GIL shared
-TURN_POLL = 0.05  # seconds between a waiting chunk's checks that its caller still waits (a loop that stopped)
 
 
 class Turns:
@@ -48,13 +47,14 @@ class Turns:
     Between two steps the chunk's thread calls :meth:`between` with the time its last step lost to
     others. Past ``SHARED``, and for ``TURN_STEPS`` steps after (and its first ``TURN_STEPS``: a
     loop whose work waits for the GIL shows none lost, as it gets none), it asks the loop for a
-    turn and waits for it. The loop gives it once it is idle: a callback that calls itself again each pass
-    of the loop, until a pass ran nothing else (``IDLE_PASS``), or ``LONGEST_TURN`` has gone by.
-    While turns come back slowly (``BUSY_TURN``: the loop had work) they go on; a chunk whose turns
-    come back at once stops asking after ``TURN_STEPS`` of them.
+    turn and waits for it. The loop gives it once it is idle: a callback that calls itself again
+    each pass of the loop, until a pass ran nothing else (``IDLE_PASS``), or ``longest`` has gone
+    by. The chunk waits ``longest`` at most, so a loop held by other code (or not running) delays
+    it no more than that a step. While turns come back slowly (``slow``: the loop had work) they go
+    on; a chunk whose turns come back at once stops asking after ``TURN_STEPS`` of them.
     """
 
-    __slots__ = ("_asked", "_busy", "_left", "_longest", "_loop", "_pass", "_slow", "_turn")
+    __slots__ = ("_asked", "_asks", "_busy", "_left", "_longest", "_loop", "_pass", "_slow", "_turn")
 
     def __init__(
         self, loop: asyncio.AbstractEventLoop, *, longest: float = LONGEST_TURN, slow: float = BUSY_TURN
@@ -64,17 +64,20 @@ class Turns:
         self._turn = threading.Event()
         self._left = TURN_STEPS  # a chunk starts taking turns: the loop may have work waiting already
         self._busy = False  # whether the last turn found the loop with work
+        self._asks = 0  # turns asked for: a callback for an earlier one (the chunk went on without it) stops
         self._asked = self._pass = 0.0  # when the turn was asked for; when the loop last passed the callback
 
-    def _ask(self) -> None:  # on the loop, once a pass
+    def _ask(self, turn: int) -> None:  # on the loop, once a pass
+        if turn != self._asks:
+            return
         now = perf_counter()
         if (self._pass and now - self._pass < IDLE_PASS) or now - self._asked > self._longest:
             self._turn.set()
         else:
             self._pass = now
-            self._loop.call_soon(self._ask)
+            self._loop.call_soon(self._ask, turn)
 
-    def between(self, lost: float, wanted: Callable[[], bool]) -> float:
+    def between(self, lost: float) -> float:
         """In the chunk's thread, between steps: let the loop go first if it has been busy; the seconds waited."""
         if lost > SHARED or self._busy:
             self._left = TURN_STEPS
@@ -85,13 +88,13 @@ class Turns:
         started = self._asked = perf_counter()
         self._pass = 0.0
         self._turn.clear()
+        self._asks += 1
         try:
-            self._loop.call_soon_threadsafe(self._ask)
+            self._loop.call_soon_threadsafe(self._ask, self._asks)
         except RuntimeError:  # the loop is closed: there is nobody to take turns with
             self._left = 0
             return 0.0
-        while not self._turn.wait(TURN_POLL) and wanted():
-            pass
+        self._turn.wait(self._longest)
         waited = perf_counter() - started
         self._busy = waited > self._slow
         return waited
@@ -141,7 +144,7 @@ def run_chunk(
     for start in range(0, len(items), step):
         if turns is not None and start:
             wall, used = perf_counter(), thread_time()
-            waited += turns.between((wall - step_wall) - (used - step_cpu), wanted)
+            waited += turns.between((wall - step_wall) - (used - step_cpu))
             step_wall, step_cpu = perf_counter(), thread_time()
         if not wanted():
             raise RuntimeError("abandoned")  # nobody waits for this
