@@ -223,12 +223,15 @@ _ENTRIES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopEngines] = w
 _PORTAL: tuple[BlockingPortal, AbstractContextManager[BlockingPortal]] | None = None
 _PID = os.getpid()
 _EXIT_REGISTERED = False
+_INHERITED: list[Any] = []  # what a forked child's parent had opened
 
 
 def _this_process() -> None:
     """Forget what a parent process opened (under ``_LOCK``): its loops do not run in a forked child."""
     global _PID, _PORTAL, _ENTRIES, _EXIT_REGISTERED
     if os.getpid() != _PID:
+        # kept, never collected: the portal's manager, collected, would stop a loop thread that is not here
+        _INHERITED.append((_PORTAL, _ENTRIES))
         _PID, _PORTAL, _ENTRIES, _EXIT_REGISTERED = os.getpid(), None, weakref.WeakKeyDictionary(), False
 
 
