@@ -47,3 +47,22 @@ def test_importing_every_adapter_imports_no_trainer_and_starts_nothing() -> None
     done = subprocess.run(command, env=child_env(None), capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["[]", "1"]  # no trainer module, no thread: an engine opens on first use
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "trainers"
+NEEDS = {"trl_grpo": "trl", "verl_ppo": "verl", "openrlhf_ppo": "openrlhf", "slime_grpo": "slime",
+         "verifiers_eval": "verifiers"}
+
+
+def test_each_trainer_example_says_so_when_its_trainer_is_not_installed() -> None:
+    import importlib.util
+
+    assert sorted(path.stem for path in EXAMPLES.glob("*.py")) == sorted(NEEDS)
+    for name, trainer in NEEDS.items():
+        if importlib.util.find_spec(trainer) is not None:
+            continue  # installed: the script would train
+        command = [sys.executable, str(EXAMPLES / f"{name}.py")]
+        done = subprocess.run(command, env=child_env(None), capture_output=True, text=True, timeout=60)
+        assert (done.returncode, done.stdout) == (1, ""), (name, done.stderr)
+        assert " is not installed: " in done.stderr, (name, done.stderr)
+        assert "Traceback" not in done.stderr, name

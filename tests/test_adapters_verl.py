@@ -111,3 +111,26 @@ def test_misuse_fails_every_call_of_its_batch_with_the_engines_own_error(engine_
 
     outcomes = asyncio.run(step())
     assert all(isinstance(outcome, ValueError) and "unknown environment" in str(outcome) for outcome in outcomes)
+
+
+def test_past_the_largest_batch_the_calls_are_split_and_a_cancelled_caller_leaves_the_others_theirs(
+    engine_toml: Path,
+) -> None:
+    from engine.adapters._runtime import DEFAULT_MAX_BATCH
+
+    count = DEFAULT_MAX_BATCH + 100
+
+    async def step() -> tuple[list[Any], int]:
+        tasks = [
+            asyncio.ensure_future(compute_score("arith", str(n % 4), "1", config=str(engine_toml)))
+            for n in range(count)
+        ]
+        await asyncio.sleep(0)  # every call has submitted its sample
+        tasks[7].cancel()
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        return outcomes, await batches_of(engine_toml)
+
+    outcomes, batches = asyncio.run(step())
+    assert batches == 2
+    assert isinstance(outcomes[7], asyncio.CancelledError)
+    assert [o for n, o in enumerate(outcomes) if n != 7] == [1.0 if n % 4 == 1 else 0.0 for n in range(count) if n != 7]

@@ -121,8 +121,11 @@ _SOURCES: dict[tuple[str | None, ...], Source] = {}
 def source_of(config: str | None, url: str | None, token: str | None) -> Source:
     """``Source.of`` for a per-sample caller: kept per arguments and variables (a relative path is resolved
     against the directory of the first call that names it)."""
-    env = os.environ
-    key = (config, url, token, env.get(ENV_CONFIG), env.get(ENV_URL), env.get(ENV_TOKEN))
+    if config is None and url is None:  # the variables' (read at each call: a test or a launcher may change them)
+        env = os.environ
+        key: tuple[str | None, ...] = (None, None, token, env.get(ENV_CONFIG), env.get(ENV_URL), env.get(ENV_TOKEN))
+    else:
+        key = (config, url, token)
     found = _SOURCES.get(key)
     if found is None:
         if len(_SOURCES) >= 64:
@@ -224,15 +227,17 @@ _PORTAL: tuple[BlockingPortal, AbstractContextManager[BlockingPortal]] | None = 
 _PID = os.getpid()
 _EXIT_REGISTERED = False
 _INHERITED: list[Any] = []  # what a forked child's parent had opened
+_LAST: tuple[asyncio.AbstractEventLoop, Source, _LoopEngines, Coalescer] | None = None  # coalescer()'s last answer
 
 
 def _this_process() -> None:
     """Forget what a parent process opened (under ``_LOCK``): its loops do not run in a forked child."""
-    global _PID, _PORTAL, _ENTRIES, _EXIT_REGISTERED
+    global _PID, _PORTAL, _ENTRIES, _EXIT_REGISTERED, _LAST
     if os.getpid() != _PID:
         # kept, never collected: the portal's manager, collected, would stop a loop thread that is not here
         _INHERITED.append((_PORTAL, _ENTRIES))
         _PID, _PORTAL, _ENTRIES, _EXIT_REGISTERED = os.getpid(), None, weakref.WeakKeyDictionary(), False
+        _LAST = None
 
 
 def _register_exit() -> None:
@@ -264,10 +269,16 @@ async def engine_for(source: Source) -> Any:
 
 def coalescer(source: Source) -> Coalescer:
     """The running loop's :class:`Coalescer` of ``source``'s engine."""
-    entry = _entry(asyncio.get_running_loop())
+    global _LAST
+    loop = asyncio.get_running_loop()
+    last = _LAST
+    if last is not None and last[0] is loop and last[1] is source and not last[2].closed:
+        return last[3]  # the same caller again: a per-sample call pays no lock nor lookup
+    entry = _entry(loop)
     found = entry.coalescers.get(source.key)
     if found is None:
         found = entry.coalescers[source.key] = Coalescer(entry, source)
+    _LAST = (loop, source, entry, found)
     return found
 
 
@@ -302,12 +313,12 @@ def close_engines() -> None:
     Call it from synchronous code (not from a coroutine on a loop whose engines it would close). The
     next adapter call opens a new engine.
     """
-    global _PORTAL
+    global _PORTAL, _LAST
     with _LOCK:
         _this_process()
         entries, portal = list(_ENTRIES.items()), _PORTAL
         _ENTRIES.clear()
-        _PORTAL = None
+        _PORTAL = _LAST = None
     try:
         running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
     except RuntimeError:
