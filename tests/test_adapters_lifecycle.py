@@ -90,3 +90,22 @@ def test_close_engines_is_refused_on_a_loop_whose_engines_it_would_close(engine_
             close_engines()
 
     asyncio.run(inside())
+
+
+def test_a_loop_that_has_shut_down_is_not_kept(engine_toml: Path) -> None:
+    import asyncio
+    import gc
+    import weakref
+
+    from engine.adapters.verl import compute_score
+
+    loops: list[weakref.ref[asyncio.AbstractEventLoop]] = []
+
+    async def step() -> float:
+        loops.append(weakref.ref(asyncio.get_running_loop()))
+        return await compute_score("twin_a", "x", None, config=str(engine_toml))
+
+    for _ in range(3):  # a trainer that runs asyncio.run per step: an engine per step, each closed and let go
+        assert asyncio.run(step()) == 0.25
+    gc.collect()
+    assert [ref() for ref in loops] == [None, None, None]

@@ -204,6 +204,9 @@ class _LoopEngines:
                 await eng.__aexit__(None, None, None)
             except Exception:
                 logger.warning("an adapter's engine failed to close", exc_info=True)
+        loop = self.loop()
+        if loop is not None:
+            _forget(loop, self)
 
     async def shut(self) -> None:
         """Close them through the keeper, so that asyncio has nothing left to close."""
@@ -250,6 +253,17 @@ def _register_exit() -> None:
         except RuntimeError:  # the interpreter is shutting down already
             return
         _EXIT_REGISTERED = True
+
+
+def _forget(loop: asyncio.AbstractEventLoop, entry: _LoopEngines) -> None:
+    """Drop a closed entry: its keeper refers to its loop, which would otherwise be kept for ever (a trainer
+    that runs ``asyncio.run`` per step makes a loop per step)."""
+    global _LAST
+    with _LOCK:
+        if _ENTRIES.get(loop) is entry:
+            del _ENTRIES[loop]
+        if _LAST is not None and _LAST[0] is loop:
+            _LAST = None
 
 
 def _entry(loop: asyncio.AbstractEventLoop) -> _LoopEngines:
