@@ -82,3 +82,14 @@ def test_without_an_environment_it_says_which_variable(reward_func: Any, monkeyp
     monkeypatch.delenv("ENGINE_ENVIRONMENT")
     with pytest.raises(ValueError, match="ENGINE_ENVIRONMENT"):
         reward_func(["q"], ["q"], ["l"])
+
+
+def test_a_label_that_is_an_item_names_its_environment_task_and_id(reward_func: Any) -> None:
+    import orjson
+
+    labels = [
+        orjson.dumps({"environment": "twin_b", "task": {}, "id": "x1"}).decode(),  # a string holding an item
+        {"environment": "arith", "task": {"reference": "9"}},  # an object
+        "{not json",  # a reference that starts with a brace: arith's, and no match
+    ]
+    assert reward_func(["p 1", "p 9", "p 9"], ["p ", "p ", "p "], labels)["rewards"] == [0.75, 1.0, 0.0]

@@ -26,24 +26,30 @@ TOKEN = "adapter-test-token"
 
 @pytest.fixture
 def served(engine_toml: Path) -> Iterator[str]:
-    """The URL of an ``engine serve`` over the test's environments, asking for ``TOKEN``."""
+    """The URL of an ``engine serve`` over the test's environments, asking for ``TOKEN`` (as tests/test_serve.py
+    starts one on i14/serve: ``--config``, ``--port``, ``--token-env``, ready once ``/healthz`` answers)."""
     import socket
+    import urllib.request
 
     from polling import wait_until
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = engine_command("serve", "--config", engine_toml, "--host", "127.0.0.1", "--port", str(port))
-    server = subprocess.Popen(command, env=child_env({"ENGINE_SERVE_TOKEN": TOKEN}))
+    command = engine_command("serve", "--config", engine_toml, "--port", str(port), "--token-env", "SERVE_TOKEN")
+    server = subprocess.Popen(command, cwd=engine_toml.parent, env=child_env({"SERVE_TOKEN": TOKEN}))
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        try:
+            with urllib.request.urlopen(f"{url}/healthz", timeout=5) as answer:
+                return bool(answer.status == 200)
+        except OSError:
+            return False
+
     try:
-
-        def listening() -> bool:
-            with socket.socket() as s:
-                return s.connect_ex(("127.0.0.1", port)) == 0
-
-        wait_until(listening, timeout=30)
-        yield f"http://127.0.0.1:{port}"
+        wait_until(healthy, timeout=30)
+        yield url
     finally:
         server.terminate()
         server.wait(30)

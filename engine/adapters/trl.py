@@ -136,7 +136,8 @@ class EngineReward:
                 "reward function %r skipped its batch of %d rows (None for each): %s", self.__name__, len(items), exc
             )
             rewards = [None] * len(items)
-        return rewards, (dict(eng.stats(reset=True)) if stats else {})
+        figures = getattr(eng, "stats", None)  # an engine serve's client may keep none
+        return rewards, (dict(figures(reset=True)) if stats and figures is not None else {})
 
 
 class AsyncEngineReward(EngineReward):
