@@ -42,7 +42,8 @@ def served(engine_toml: Path) -> Iterator[str]:
 
     def healthy() -> bool:
         try:
-            with urllib.request.urlopen(f"{url}/healthz", timeout=5) as answer:
+            request = urllib.request.Request(f"{url}/healthz", headers={"Authorization": f"Bearer {TOKEN}"})
+            with urllib.request.urlopen(request, timeout=5) as answer:
                 return bool(answer.status == 200)
         except OSError:
             return False
