@@ -71,3 +71,8 @@ class BlockingEngine:
             functools.partial(self._engine.run, items, first_index=first_index)
         )
         return result
+
+    def stats(self, *, reset: bool = True) -> dict[str, float]:
+        """Like :meth:`Engine.stats`: the figures since the last reset (read on the engine's own loop)."""
+        stats: dict[str, float] = self._open_portal().call(functools.partial(self._engine.stats, reset=reset))
+        return stats

@@ -25,6 +25,7 @@ from engine._core import meters
 from engine._core.contract import Verifier
 from engine._core.report import BatchResult
 from engine._core.scheduler import score_batch
+from engine._core.stats import Stats
 from engine._core.threads import in_thread, wait_future
 from engine._environments.manifest import Environment
 from engine._errors import Failure, VerificationError
@@ -72,6 +73,7 @@ class Engine:
         self._in_flight = meters.slots(self.config.max_in_flight)
         self._registry = Registry(self.config, sleep=sleep)
         self.rubrics = self._registry.rubrics
+        self._stats = Stats()
 
     @classmethod
     def from_config(cls, path: str | Path, **kwargs: Any) -> Self:
@@ -162,4 +164,21 @@ class Engine:
         if type(first_index) is not int or first_index < 0:
             raise ValueError(f"first_index must be a whole number >= 0, got {first_index!r}")
         with self._batch_scope():
-            return await score_batch(items, self._registry.resolver(), self._in_flight, first_index=first_index)
+            try:
+                result = await score_batch(items, self._registry.resolver(), self._in_flight, first_index=first_index)
+            except VerificationError as exc:
+                self._stats.failed(exc)
+                raise
+        self._stats.add(result)
+        return result
+
+    def stats(self, *, reset: bool = True) -> dict[str, float]:
+        """The engine's figures since the last reset, per verifier, ready for a trainer's metrics (wandb ...).
+
+        Keys are ``engine/<verifier>/<figure>``, ``<verifier>`` the verifier's key (as in ``[refs."..."]``),
+        figures ``items``, ``reward_mean``, ``errors`` (aborted batches), ``retries``, ``timeouts``,
+        ``latency_p50_s``, ``latency_p99_s`` and ``judge_tokens``. Across ranks the counts sum (items,
+        errors, retries, timeouts, judge_tokens) and ``reward_mean`` averages weighted by items; the
+        percentiles do not average. ``reset`` starts a new window.
+        """
+        return self._stats.snapshot(reset)

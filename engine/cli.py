@@ -546,6 +546,17 @@ def rubrics_show(group_config: Path, ref: str, config_path: Path | None) -> None
     stdout.print(rubric.text, markup=False)
 
 
+@cli.group()
+def adapters() -> None:
+    """Trainer adapters (engine.adapters): the files a trainer loads by their path."""
+
+
+@adapters.command("openrlhf-path")
+def adapters_openrlhf_path() -> None:
+    """Print the path of OpenRLHF's adapter file, the value of --reward.remote_url."""
+    click.echo(Path(__file__).resolve().parent / "adapters" / "openrlhf.py")
+
+
 def main() -> None:
     """Entry point of the ``engine`` command: the process is the CLI's, so it handles SIGTERM (as Ctrl-C)."""
     try:

@@ -153,3 +153,25 @@ def import_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path
 
 def import_count(log: Path) -> int:
     return len(log.read_text().splitlines()) if log.exists() else 0
+
+
+@pytest.fixture
+def engine_toml(envs: Path) -> Iterator[Path]:
+    """A config file over this test's environments, for the trainer adapters; the engines they opened (one
+    per process or loop, kept across calls) are closed when the test ends."""
+    from adapter_support import write_config
+
+    from engine.adapters import close_engines
+
+    yield write_config(envs)
+    close_engines()
+
+
+@pytest.fixture
+def trainer_loop() -> Iterator[Any]:
+    """An event loop running in a daemon thread, as TRL's is (``adapter_support.LoopThread``), shut at the end."""
+    from adapter_support import LoopThread
+
+    looping = LoopThread()
+    yield looping
+    looping.shut()

@@ -1,0 +1,450 @@
+"""What every adapter shares: where its engine is configured, one engine per event loop, and per-sample
+calls gathered into engine batches.
+
+An adapter's engine is configured by a config file (``config=``, or ``ENGINE_CONFIG``) or is a running
+``engine serve`` (``url=``/``token=``, or ``ENGINE_URL``/``ENGINE_TOKEN``). It is opened on the event loop
+that first needs it, once per loop and source (concurrent first calls share the opening), and closed:
+
+* when that loop shuts down its async generators (``asyncio.run`` and ``asyncio.Runner`` do, as they
+  close it): each loop's engines are held by an async generator, which asyncio closes then;
+* else at exit, before the interpreter waits for its threads (``threading._register_atexit``, which
+  runs before ``concurrent.futures`` joins its workers; a plain ``atexit`` hook would run after, and a
+  loop thread that never ends would hang the exit first): a loop still running in another thread (TRL's
+  daemon-thread loop) closes them there, a loop that is stopped but not closed runs their closing
+  itself, a closed loop's are left to the process's end.
+
+Synchronous adapters call through one process-wide loop in a background thread (an anyio blocking
+portal), started on first use. A forked child forgets its parent's loops and engines and opens its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import threading
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+import engine
+
+__all__ = [
+    "DEFAULT_MAX_BATCH",
+    "DEFAULT_WINDOW",
+    "ENV_CONFIG",
+    "ENV_ENVIRONMENT",
+    "ENV_TOKEN",
+    "ENV_URL",
+    "Coalescer",
+    "Source",
+    "close_engines",
+    "coalescer",
+    "engine_for",
+    "environment_from",
+    "in_background",
+    "source_of",
+]
+
+ENV_CONFIG = "ENGINE_CONFIG"  # path of the engine's config file
+ENV_URL = "ENGINE_URL"  # or the URL of an `engine serve`
+ENV_TOKEN = "ENGINE_TOKEN"  # its token, if it asks for one
+ENV_ENVIRONMENT = "ENGINE_ENVIRONMENT"  # the environment of items that do not name one
+# Per-sample calls are gathered while each pass of the loop brings more, for at most this many seconds
+# (a steady stream would otherwise never be flushed), and into batches of at most this many items.
+DEFAULT_WINDOW = 0.005
+DEFAULT_MAX_BATCH = 4096
+CLOSE_TIMEOUT = 30.0  # seconds an engine gets to close at exit (its worker processes stop, its sockets close)
+
+logger = logging.getLogger("engine")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where an adapter's engine comes from: a config (its file's absolute path, or the object), or a URL."""
+
+    config: Path | engine.EngineConfig | None = None
+    url: str | None = None
+    token: str | None = field(default=None, repr=False)
+
+    @classmethod
+    def of(
+        cls, config: str | os.PathLike[str] | engine.EngineConfig | None, url: str | None, token: str | None
+    ) -> Source:
+        """The source the arguments name, or else the environment variables'; ``ValueError`` if neither or both."""
+        if config is None and url is None:
+            return cls.from_environment()
+        if config is not None and url is not None:
+            raise ValueError("give the engine a config or a url, not both")
+        if url is not None:
+            if not isinstance(url, str) or not url:
+                raise TypeError(f"url must be a non-empty string, got {url!r}")
+            return cls(url=url, token=token)
+        if token is not None:
+            raise ValueError("token goes with url= (an engine serve's), not with a config")
+        if isinstance(config, engine.EngineConfig):
+            return cls(config=config)
+        if not isinstance(config, str | os.PathLike):
+            raise TypeError(f"config must be a path to the engine's config file or an EngineConfig, got {config!r}")
+        return cls(config=Path(config).absolute())  # a later chdir, or another process's cwd, changes nothing
+
+    @classmethod
+    def from_environment(cls) -> Source:
+        """The source ``ENGINE_CONFIG`` or ``ENGINE_URL`` (with ``ENGINE_TOKEN``) names."""
+        config, url = os.environ.get(ENV_CONFIG) or None, os.environ.get(ENV_URL) or None
+        if config is None and url is None:
+            raise ValueError(f"no engine configured: pass config= or url=, or set {ENV_CONFIG} or {ENV_URL}")
+        if config is not None and url is not None:
+            raise ValueError(f"set {ENV_CONFIG} or {ENV_URL}, not both")
+        if url is not None:
+            return cls(url=url, token=os.environ.get(ENV_TOKEN) or None)
+        return cls(config=Path(config).absolute())  # type: ignore[arg-type]  # not None here
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        """What one engine per loop is kept for: the same file, object or server is the same engine."""
+        if isinstance(self.config, engine.EngineConfig):
+            return ("object", id(self.config))  # the engine kept for it keeps the object, and its id, alive
+        return ("config", self.config) if self.config is not None else ("url", self.url, self.token)
+
+
+_SOURCES: dict[tuple[str | None, ...], Source] = {}
+
+
+def source_of(config: str | None, url: str | None, token: str | None) -> Source:
+    """``Source.of`` for a per-sample caller: kept per arguments and variables (a relative path is resolved
+    against the directory of the first call that names it)."""
+    if config is None and url is None:  # the variables' (read at each call: a test or a launcher may change them)
+        env = os.environ
+        key: tuple[str | None, ...] = (None, None, token, env.get(ENV_CONFIG), env.get(ENV_URL), env.get(ENV_TOKEN))
+    else:
+        key = (config, url, token)
+    found = _SOURCES.get(key)
+    if found is None:
+        if len(_SOURCES) >= 64:
+            _SOURCES.clear()
+        found = _SOURCES[key] = Source.of(config, url, token)
+    return found
+
+
+def environment_from(explicit: str | None, what: str) -> str:
+    """``explicit``, else ``ENGINE_ENVIRONMENT``; ``ValueError`` saying where ``what`` could have named one."""
+    name = explicit or os.environ.get(ENV_ENVIRONMENT) or None
+    if name is None:
+        raise ValueError(f"no environment for this item: {what}, or set {ENV_ENVIRONMENT}")
+    return name
+
+
+def _connect(source: Source) -> Any:
+    """A client of the ``engine serve`` at ``source.url``: ``Engine.connect`` (issue 14), when this engine has it."""
+    connect: Callable[..., Any] | None = getattr(engine.Engine, "connect", None)
+    if connect is None:
+        raise NotImplementedError("url= needs Engine.connect, which this version of engine does not have")
+    return connect(source.url, token=source.token)
+
+
+async def _open(source: Source) -> Any:
+    """The engine ``source`` names, opened on the running loop."""
+    if source.url is not None:
+        eng = _connect(source)
+    else:
+        config = source.config
+        eng = engine.Engine(config if isinstance(config, engine.EngineConfig) else engine.load_config(str(config)))
+    await eng.__aenter__()
+    return eng
+
+
+class _LoopEngines:
+    """The engines and coalescers of one event loop, closed together (see the module's docstring)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = weakref.ref(loop)
+        self.opening: dict[tuple[Any, ...], asyncio.Task[Any]] = {}
+        self.coalescers: dict[tuple[Any, ...], Coalescer] = {}
+        self.keeper: Any = None  # the async generator asyncio closes at the loop's shutdown
+        self.closed = False
+
+    async def engine(self, source: Source) -> Any:
+        key = source.key
+        task = self.opening.get(key)
+        if task is None:
+            if self.closed:
+                raise RuntimeError("the adapters' engines of this event loop are closed")
+            loop = asyncio.get_running_loop()
+            task = self.opening[key] = loop.create_task(_open(source))
+            task.add_done_callback(functools.partial(self._opened, key))
+            if self.keeper is None:
+                self.keeper = _keeper(self)
+                await self.keeper.__anext__()  # started on this loop: asyncio now tracks it, to close it
+        return await asyncio.shield(task)  # a caller cancelled does not cancel the opening others wait for
+
+    def _opened(self, key: tuple[Any, ...], task: asyncio.Task[Any]) -> None:
+        failed = task.cancelled() or task.exception() is not None
+        if failed and self.opening.get(key) is task:  # the next call tries again
+            del self.opening[key]
+
+    async def aclose(self) -> None:
+        self.closed = True
+        tasks, self.opening = list(self.opening.values()), {}
+        for coalescer in self.coalescers.values():
+            await coalescer.drain()
+        for task in tasks:
+            try:
+                eng = await task
+            except BaseException:  # it never opened: nothing to close
+                continue
+            try:
+                await eng.__aexit__(None, None, None)
+            except Exception:
+                logger.warning("an adapter's engine failed to close", exc_info=True)
+        loop = self.loop()
+        if loop is not None:
+            _forget(loop, self)
+
+    async def shut(self) -> None:
+        """Close them through the keeper, so that asyncio has nothing left to close."""
+        if self.keeper is not None:
+            await self.keeper.aclose()
+        else:
+            await self.aclose()
+
+
+async def _keeper(entry: _LoopEngines) -> AsyncIterator[None]:
+    try:
+        yield
+    finally:
+        if not entry.closed:
+            await entry.aclose()
+
+
+_LOCK = threading.Lock()
+_ENTRIES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopEngines] = weakref.WeakKeyDictionary()
+_PORTAL: tuple[BlockingPortal, AbstractContextManager[BlockingPortal]] | None = None
+_PID = os.getpid()
+_EXIT_REGISTERED = False
+_INHERITED: list[Any] = []  # what a forked child's parent had opened
+_LAST: tuple[asyncio.AbstractEventLoop, Source, _LoopEngines, Coalescer] | None = None  # coalescer()'s last answer
+
+
+def _this_process() -> None:
+    """Forget what a parent process opened (under ``_LOCK``): its loops do not run in a forked child."""
+    global _PID, _PORTAL, _ENTRIES, _EXIT_REGISTERED, _LAST
+    if os.getpid() != _PID:
+        # kept, never collected: the portal's manager, collected, would stop a loop thread that is not here
+        _INHERITED.append((_PORTAL, _ENTRIES))
+        _PID, _PORTAL, _ENTRIES, _EXIT_REGISTERED = os.getpid(), None, weakref.WeakKeyDictionary(), False
+        _LAST = None
+
+
+def _register_exit() -> None:
+    """Close every engine at exit, before the interpreter waits for its threads (under ``_LOCK``)."""
+    global _EXIT_REGISTERED
+    if not _EXIT_REGISTERED:
+        register: Callable[[Callable[[], None]], None] = threading._register_atexit  # type: ignore[attr-defined]
+        try:
+            register(close_engines)
+        except RuntimeError:  # the interpreter is shutting down already
+            return
+        _EXIT_REGISTERED = True
+
+
+def _forget(loop: asyncio.AbstractEventLoop, entry: _LoopEngines) -> None:
+    """Drop a closed entry: its keeper refers to its loop, which would otherwise be kept for ever (a trainer
+    that runs ``asyncio.run`` per step makes a loop per step)."""
+    global _LAST
+    with _LOCK:
+        if _ENTRIES.get(loop) is entry:
+            del _ENTRIES[loop]
+        if _LAST is not None and _LAST[0] is loop:
+            _LAST = None
+
+
+def _entry(loop: asyncio.AbstractEventLoop) -> _LoopEngines:
+    with _LOCK:
+        _this_process()
+        entry = _ENTRIES.get(loop)
+        if entry is None or entry.closed:
+            entry = _ENTRIES[loop] = _LoopEngines(loop)
+            _register_exit()
+        return entry
+
+
+async def engine_for(source: Source) -> Any:
+    """The engine ``source`` names on the running loop, opened on first use."""
+    return await _entry(asyncio.get_running_loop()).engine(source)
+
+
+def coalescer(source: Source) -> Coalescer:
+    """The running loop's :class:`Coalescer` of ``source``'s engine."""
+    global _LAST
+    loop = asyncio.get_running_loop()
+    last = _LAST
+    if last is not None and last[0] is loop and last[1] is source and not last[2].closed:
+        return last[3]  # the same caller again: a per-sample call pays no lock nor lookup
+    entry = _entry(loop)
+    found = entry.coalescers.get(source.key)
+    if found is None:
+        found = entry.coalescers[source.key] = Coalescer(entry, source)
+    _LAST = (loop, source, entry, found)
+    return found
+
+
+def in_background(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """``await fn(*args)`` on the process's background loop, from synchronous code, blocking until done."""
+    global _PORTAL
+    with _LOCK:
+        _this_process()
+        if _PORTAL is None:
+            manager = start_blocking_portal(backend="asyncio")
+            _PORTAL = (manager.__enter__(), manager)
+            _register_exit()
+        portal = _PORTAL[0]
+    return portal.call(fn, *args)
+
+
+def _close(loop: asyncio.AbstractEventLoop, entry: _LoopEngines) -> None:
+    if entry.closed or loop.is_closed():  # a closed loop can run nothing: the process's end releases them
+        return
+    try:
+        if loop.is_running():
+            asyncio.run_coroutine_threadsafe(entry.shut(), loop).result(CLOSE_TIMEOUT)
+        else:
+            loop.run_until_complete(entry.shut())
+    except Exception:
+        logger.warning("the adapters' engines of an event loop failed to close", exc_info=True)
+
+
+def close_engines() -> None:
+    """Close every engine the adapters opened in this process, and their background loop; run at exit.
+
+    Call it from synchronous code (not from a coroutine on a loop whose engines it would close). The
+    next adapter call opens a new engine.
+    """
+    global _PORTAL, _LAST
+    with _LOCK:
+        _this_process()
+        entries, portal = list(_ENTRIES.items()), _PORTAL
+        _ENTRIES.clear()
+        _PORTAL = _LAST = None
+    try:
+        running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    for loop, entry in entries:
+        if loop is running:
+            raise RuntimeError("close_engines() is called from synchronous code, not from the loop it would close")
+        _close(loop, entry)
+    if portal is not None:
+        portal[1].__exit__(None, None, None)
+
+
+class Coalescer:
+    """Per-sample calls on one loop gathered into engine batches (verl's, slime's, OpenRLHF's calls).
+
+    A call's item waits while each pass of the loop brings more items (a ``call_soon`` chain: a pass
+    that brings none flushes), for at most ``DEFAULT_WINDOW`` seconds, or until ``DEFAULT_MAX_BATCH``
+    items wait; then they are scored as one batch. Each caller gets its own item's reward. A batch that
+    fails fails every call in it: each gets its own copy of the ``VerificationError``, naming the item
+    that failed by its place in the gathered batch, with a note giving the caller's own place.
+    """
+
+    def __init__(self, entry: _LoopEngines, source: Source) -> None:
+        self._entry = entry
+        self._source = source
+        self._pending: list[tuple[Mapping[str, Any], asyncio.Future[float]]] = []
+        self._generation = 0  # which hop chain is current: a flush at max size ends the one under way
+        self._scheduled = False
+        self._seen = 0
+        self._deadline = 0.0
+        self._running: set[asyncio.Task[None]] = set()
+        self.batches = 0  # engine batches scored or failed so far (tests and benchmarks read it)
+
+    def submit(self, item: Mapping[str, Any]) -> asyncio.Future[float]:
+        """A future of ``item``'s reward, scored in the next batch (call from the entry's loop)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[float] = loop.create_future()
+        pending = self._pending
+        pending.append((item, future))
+        if len(pending) >= DEFAULT_MAX_BATCH:
+            self._flush(loop)
+        elif not self._scheduled:
+            self._scheduled, self._seen, self._deadline = True, len(pending), loop.time() + DEFAULT_WINDOW
+            loop.call_soon(self._hop, loop, self._generation)
+        return future
+
+    async def score(self, item: Mapping[str, Any]) -> float:
+        return await self.submit(item)
+
+    async def score_many(self, items: Sequence[Mapping[str, Any]]) -> list[float]:
+        futures = [self.submit(item) for item in items]
+        return list(await asyncio.gather(*futures))
+
+    def _hop(self, loop: asyncio.AbstractEventLoop, generation: int) -> None:
+        if generation != self._generation:
+            return  # flushed at max size meanwhile
+        count = len(self._pending)
+        if count > self._seen and loop.time() < self._deadline:  # the last pass brought more: one more pass
+            self._seen = count
+            loop.call_soon(self._hop, loop, generation)
+            return
+        self._flush(loop)
+
+    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        batch, self._pending = self._pending, []
+        self._scheduled = False
+        self._generation += 1
+        task = loop.create_task(self._score(batch))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    async def drain(self) -> None:
+        """Wait for the batches under way (before the engine closes)."""
+        if self._pending:
+            self._flush(asyncio.get_running_loop())
+        if self._running:
+            await asyncio.wait(list(self._running))
+
+    async def _score(self, batch: list[tuple[Mapping[str, Any], asyncio.Future[float]]]) -> None:
+        items = [item for item, _ in batch]
+        try:
+            eng = await self._entry.engine(self._source)
+            rewards = await eng.score(items)
+            if len(rewards) != len(items):  # never pair rewards with the wrong calls
+                raise RuntimeError(f"the engine returned {len(rewards)} rewards for {len(items)} items")
+        except engine.VerificationError as exc:
+            for position, (_, future) in enumerate(batch):
+                if not future.done():
+                    future.set_exception(_for_caller(exc, position, len(batch)))
+            return
+        except Exception as exc:  # misuse (an unknown environment, a malformed item): every caller's
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        except BaseException:  # cancelled (the loop shuts down): so are the calls
+            for _, future in batch:
+                future.cancel()
+            raise
+        finally:
+            self.batches += 1
+        for (_, future), reward in zip(batch, rewards, strict=True):
+            if not future.done():  # its caller may have been cancelled
+                future.set_result(reward)
+
+
+def _for_caller(error: engine.VerificationError, position: int, size: int) -> engine.VerificationError:
+    """The caller at ``position``'s own copy of the error that failed its gathered batch."""
+    if error.index is None or error.environment is None:
+        return error
+    mine = error.at_item(error.environment, error.index, error.item_id)
+    mine.__cause__ = error
+    whose = "this call's own item" if position == error.index else f"not this call's: its item was {position}"
+    mine.add_note(f"{size} per-sample calls were scored as one engine batch; item {error.index} failed ({whose})")
+    return mine

@@ -1,0 +1,68 @@
+"""The adapters stand on the engine's public face: they import ``engine`` and each other, never a private
+module of the engine (``engine._*``) nor any trainer (none is installed where they are imported)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+from cli_support import child_env
+
+import engine
+
+ADAPTERS = Path(engine.__file__).parent / "adapters"
+TRAINERS = {"trl", "verl", "openrlhf", "slime", "verifiers", "torch", "ray", "transformers"}
+
+
+def imported(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+    return found
+
+
+def test_adapters_import_only_the_public_engine_and_no_trainer() -> None:
+    modules = sorted(ADAPTERS.glob("*.py"))
+    assert {path.stem for path in modules} >= {"trl", "verl", "openrlhf", "slime", "verifiers"}
+    for path in modules:
+        names = imported(path)
+        private = {name for name in names if name.startswith("engine.") and not name.startswith("engine.adapters")}
+        assert private == set(), (path.name, private)
+        assert {name.split(".")[0] for name in names} & TRAINERS == set(), path.name
+
+
+def test_importing_every_adapter_imports_no_trainer_and_starts_nothing() -> None:
+    probe = (
+        "import sys, threading\n"
+        "import engine.adapters.trl, engine.adapters.verl, engine.adapters.openrlhf, engine.adapters.slime, "
+        "engine.adapters.verifiers\n"
+        f"print(sorted(set(sys.modules) & set({sorted(TRAINERS)!r})), threading.active_count())\n"
+    )
+    command = [sys.executable, "-c", probe]
+    done = subprocess.run(command, env=child_env(None), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[]", "1"]  # no trainer module, no thread: an engine opens on first use
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "trainers"
+NEEDS = {"trl_grpo": "trl", "verl_ppo": "verl", "openrlhf_ppo": "openrlhf", "slime_grpo": "slime",
+         "verifiers_eval": "verifiers"}
+
+
+def test_each_trainer_example_says_so_when_its_trainer_is_not_installed() -> None:
+    import importlib.util
+
+    assert sorted(path.stem for path in EXAMPLES.glob("*.py")) == sorted(NEEDS)
+    for name, trainer in NEEDS.items():
+        if importlib.util.find_spec(trainer) is not None:
+            continue  # installed: the script would train
+        command = [sys.executable, str(EXAMPLES / f"{name}.py")]
+        done = subprocess.run(command, env=child_env(None), capture_output=True, text=True, timeout=60)
+        assert (done.returncode, done.stdout) == (1, ""), (name, done.stderr)
+        assert " is not installed: " in done.stderr, (name, done.stderr)
+        assert "Traceback" not in done.stderr, name
