@@ -41,6 +41,7 @@ PUBLIC = [
     "ResumeError",
     "RewardRecord",
     "RubricError",
+    "ServiceError",
     "VerificationError",
     "VerifierReport",
     "VerifierSpec",
