@@ -1,10 +1,11 @@
 """The service's figures for ``GET /metrics``, in Prometheus's text format (prometheus-client).
 
 Per verifier (labels ``kind`` and ``verifier``, the key its limits are configured under: a plugin's
-``environment/module:callable``, a rubric's ``owner/name``, an endpoint's URL), from the ``BatchResult`` each batch returns and the
-``VerificationError`` each failed one raises: items scored, errors by type (and those that were
-timeouts), retries, the most calls one batch had in flight, the items' latency as a histogram, and
-what its calls spent (a judge's requests and tokens). Per route: requests by status, and their latency.
+``environment/module:callable``, a rubric's ``owner/name``, an endpoint's URL), from the
+``BatchResult`` each batch returns and the ``VerificationError`` each failed one raises: items
+scored, errors by type (and those that were timeouts), retries, the most calls one batch had in
+flight, the items' latency as a histogram, and what its calls spent (a judge's requests and tokens).
+Per route: requests by status, and their latency.
 Items admitted and requests in progress are gauges of the moment.
 
 The figures are kept in plain counters and exposed by a collector of our own: a chunk of a cheap
