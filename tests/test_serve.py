@@ -436,7 +436,8 @@ async def test_a_client_that_hangs_up_cancels_its_batch(service: Service, endpoi
     before = len(server.requests)
     body = orjson.dumps({"items": [it("held", n=n) for n in range(40)]})
     async with httpx.AsyncClient(headers=service.headers, timeout=60) as client, anyio.create_task_group() as group:
-        group.start_soon(functools.partial(client.post, service.url + "/v1/score", content=body))  # never answered: cancelled
+        # never answered: cancelled below
+        group.start_soon(functools.partial(client.post, service.url + "/v1/score", content=body))
         await eventually(lambda: server.in_flight == LIMIT, message="the batch never reached the endpoint")
         group.cancel_scope.cancel()  # the client hangs up
     await eventually(lambda: server.in_flight == 0, message="the endpoint's held requests were never cancelled")
