@@ -554,3 +554,43 @@ async def test_sigterm_finishes_the_batch_in_flight_then_exits_0(
     code, err = stop(small_service)
     assert code == 0, err
     assert "Shutting down" in err
+
+
+# --- what is not an answer ---------------------------------------------------------------------------------
+
+
+class Broken:
+    """Stands in for an engine with a bug (a real one cannot be made to have one on purpose)."""
+
+    async def run(self, items: Any, *, first_index: int = 0) -> Any:
+        raise RuntimeError("a bug in the service")
+
+
+async def test_a_bug_in_the_service_is_a_500_and_a_service_error_never_a_reward() -> None:
+    from engine._serve.app import App
+    from engine._serve.limits import ServeConfig
+
+    transport = httpx.ASGITransport(app=App(Broken(), ServeConfig()))
+    async with httpx.AsyncClient(transport=transport) as client:
+        response = await client.post("http://service/v1/score", content=b'{"items": []}')
+    assert response.status_code == 500
+    assert response.json()["error"]["type"] == "InternalError"
+    async with engine.Engine.connect("http://service", transport=transport) as eng:
+        with pytest.raises(ServiceError, match="HTTP 500: InternalError: a bug in the service") as info:
+            await eng.score([it("cheap", n=1)])
+    assert info.value.status == 500 and not isinstance(info.value, VerificationError)
+
+
+async def test_no_service_or_a_stranger_answering_is_a_service_error() -> None:
+    with Server(_text) as stranger:
+        async with engine.Engine.connect(stranger.url) as eng:
+            with pytest.raises(ServiceError, match="answered HTTP 502") as info:
+                await eng.score([it("cheap", n=1)])
+    assert info.value.status == 502
+    async with engine.Engine.connect(f"http://127.0.0.1:{free_port()}") as eng:
+        with pytest.raises(ServiceError, match="cannot reach the scoring service"):
+            await eng.score([it("cheap", n=1)])
+
+
+async def _text(request: Request) -> Response:
+    return Response(502, b"<html>bad gateway</html>", {"content-type": "text/html"})

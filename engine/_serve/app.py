@@ -34,7 +34,7 @@ from engine._serve.wire import INTERNAL, JSON, encode_error, encode_result, erro
 
 __all__ = ["App", "Scorer"]
 
-logger = logging.getLogger("engine")
+logger = logging.getLogger("engine.serve")
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
