@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -27,10 +28,10 @@ import anyio
 import httpx
 import orjson
 import pytest
-from cli_support import child_env, copy_env, engine_command, invoke
+from cli_support import RUBRICS, child_env, copy_env, engine_command, invoke
 from polling import eventually, wait_until
 from prometheus_client.parser import text_string_to_metric_families
-from servers import Request, Response, Server
+from servers import Request, Response, Server, score, status
 
 import engine
 from engine import RubricError, ServiceError, VerificationError
@@ -139,6 +140,20 @@ class Endpoint:
         return Response.json({"reward": float(len(request.json()["trajectory"]))})
 
 
+def grade(request: Request) -> Response:
+    """The judge: 4 on the rubric's scale of 1 to 5 (a reward of 0.75), with its token counts, or 500 for a task
+    whose prompt says FAIL."""
+    if "FAIL" in request.body.decode():
+        return status(500)
+    return score(4, usage={"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12})
+
+
+@pytest.fixture(scope="module")
+def judge() -> Iterator[Server]:
+    with Server.judge(default=grade) as server:
+        yield server
+
+
 @pytest.fixture(scope="module")
 def endpoint() -> Iterator[tuple[Server, Endpoint]]:
     handler = Endpoint()
@@ -167,26 +182,29 @@ def make_envs(root: Path, url: str) -> None:
     manifest = {"kind": "environment", "verifier": {"kind": "plugin", "ref": "verify:score", "executor": "process",
                                                     "workers": 1}}
     (envs / "crash" / "manifest.json").write_bytes(orjson.dumps(manifest))
-    (envs / "rubbed").mkdir()
-    manifest = {"kind": "environment", "verifier": {"kind": "rubric", "ref": "nobody/missing"}}
-    (envs / "rubbed" / "manifest.json").write_bytes(orjson.dumps(manifest))
-    (root / "rubrics").mkdir()
+    for name, ref in (("rubbed", "nobody/missing"), ("graded", "bob/helpfulness")):
+        (envs / name).mkdir()
+        manifest = {"kind": "environment", "verifier": {"kind": "rubric", "ref": ref}}
+        (envs / name / "manifest.json").write_bytes(orjson.dumps(manifest))
+    shutil.copytree(RUBRICS, root / "rubrics")
 
 
-def limits(url: str) -> str:
+def limits(url: str, judge: str) -> str:
     return (
         f'rubrics = "rubrics"\n[refs."{url}/score"]\nmax_concurrency = {LIMIT}\n'
         f'[refs."{url}/hold"]\nmax_concurrency = {LIMIT}\n[refs."{url}/broken"]\nmax_attempts = 1\n'
-        f'[judge]\nbase_url = "{url}/v1"\nmodel = "judge-test"\n'  # never called: its rubric does not exist
+        f'[judge]\nbase_url = "{judge}"\nmodel = "judge-test"\nmax_attempts = 1\n'
     )
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory, endpoint: tuple[Server, Endpoint]) -> Iterator[Service]:
+def service(
+    tmp_path_factory: pytest.TempPathFactory, endpoint: tuple[Server, Endpoint], judge: Server
+) -> Iterator[Service]:
     root = tmp_path_factory.mktemp("serve")
     make_envs(root, endpoint[0].url)
-    running = start_service(root, limits(endpoint[0].url), "--environment", "arith", "--max-items", "200",
-                            "--max-bytes", "100000", token=TOKEN)
+    running = start_service(root, limits(endpoint[0].url, judge.base_url), "--environment", "arith",
+                            "--max-items", "200", "--max-bytes", "100000", token=TOKEN)
     yield running
     code, err = stop(running)
     assert code == 0, err
@@ -262,6 +280,8 @@ def test_the_blocking_client_scores_as_the_blocking_engine(service: Service) -> 
         pytest.param([it("cheap", n=1)] * 3 + [it("broken", "x", item_id="b")], id="endpoint-500"),
         pytest.param([it("cheap", n=1), it("crash", crash=True, item_id=9)], id="worker-crashes"),
         pytest.param([it("rubbed", prompt="p", item_id="r")], id="rubric-missing"),
+        pytest.param([it("graded", "ok", prompt="p")] * 2 + [it("graded", "ok", prompt="FAIL", item_id=2)],
+                     id="judge-500"),
     ],
 )
 async def test_every_field_of_an_error_crosses_the_wire(service: Service, batch: list[dict[str, Any]]) -> None:
@@ -281,10 +301,11 @@ def pids(value: Any) -> Any:
 
 
 async def test_the_service_keeps_serving_after_a_worker_crash_and_a_failing_endpoint(service: Service) -> None:
-    for bad in (it("crash", crash=True), it("broken", "x")):
+    for bad in (it("crash", crash=True), it("broken", "x"), it("graded", "x", prompt="FAIL")):
         with pytest.raises(VerificationError):
             await remote(service, "score", [bad])
-    assert await remote(service, "score", [it("crash"), it("remote", "ab")]) == [0.25, 2.0]
+    assert await remote(service, "score", [it("crash"), it("remote", "ab"), it("graded", "x", prompt="p")]) == [
+        0.25, 2.0, 0.75]
 
 
 async def test_a_rubric_error_keeps_its_class(service: Service) -> None:
@@ -449,7 +470,8 @@ async def test_a_client_that_hangs_up_cancels_its_batch(service: Service, endpoi
 
 async def test_metrics_parse_and_count_what_was_scored(service: Service) -> None:
     before = service.metrics()
-    await remote(service, "score", [it("cheap", n=n) for n in range(25)] + [it("remote", "ab")])
+    graded = [it("graded", "an answer", prompt="a question")] * 3
+    await remote(service, "score", [it("cheap", n=n) for n in range(25)] + [it("remote", "ab"), *graded])
     with pytest.raises(VerificationError):
         await remote(service, "score", [it("faulty", mode="raise")])
     after = service.metrics()
@@ -468,6 +490,10 @@ async def test_metrics_parse_and_count_what_was_scored(service: Service) -> None
     assert grew("engine_http_requests_total", route="/v1/score", status="200") == 1
     assert grew("engine_http_requests_total", route="/v1/score", status="422") == 1
     assert grew("engine_http_request_seconds_count", route="/v1/score") == 2
+    rubric = {"kind": "rubric", "verifier": "bob/helpfulness"}
+    assert grew("engine_verifier_items_total", **rubric) == 3
+    assert grew("engine_verifier_spent_total", what="total_tokens", **rubric) == 36  # the judge's tokens
+    assert grew("engine_verifier_spent_total", what="requests", **rubric) == 3
     assert after[("engine_items_admitted", ())] == 0
     assert ("engine_verifier_retries_total", tuple(sorted(cheap.items()))) in after
     assert ("engine_verifier_peak_in_flight", tuple(sorted(cheap.items()))) in after
@@ -483,10 +509,10 @@ def endpoint_url(service: Service) -> str:
 
 
 @pytest.fixture
-def small_service(tmp_path: Path, endpoint: tuple[Server, Endpoint]) -> Iterator[Service]:
+def small_service(tmp_path: Path, endpoint: tuple[Server, Endpoint], judge: Server) -> Iterator[Service]:
     """A service whose queue holds 4 items; the endpoint's held requests released on leaving."""
     make_envs(tmp_path, endpoint[0].url)
-    running = start_service(tmp_path, limits(endpoint[0].url), "--max-queued", "4", "--max-items", "4")
+    running = start_service(tmp_path, limits(endpoint[0].url, judge.base_url), "--max-queued", "4", "--max-items", "4")
     try:
         yield running
     finally:
