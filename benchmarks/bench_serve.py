@@ -2,8 +2,10 @@
 
 1. Single-item ``POST /v1/score`` requests from 64 concurrent keep-alive connections (OpenRLHF's
    pattern) with a cheap plugin: ``engine serve``'s items/s against the same server stack
-   (uvicorn, httptools, one process) answering a constant, in the same run. For the choice of that
-   stack, the constant is also measured on uvicorn with h11 and on hypercorn.
+   (uvicorn, httptools, one process) answering a constant, in the same run. For the record, the
+   same with the plugin's ``async def`` twin (no thread hop a batch), and the service's own layer
+   over a stub engine that answers at once (what a request costs beyond the engine's batch of one).
+   For the choice of the stack, the constant is also measured on uvicorn with h11 and on hypercorn.
 2. One 4,096-item batch of the same plugin through ``Engine.connect()`` against the same batch
    in-process (``Engine.from_config``), one after the other, ``--repeat`` times.
 
@@ -42,6 +44,36 @@ TIME_LIMIT = 60.0  # seconds one load run may take, whatever its count
 CHEAP = """\
 def score(task, trajectory):
     return 1.0 if trajectory == task["reference"] else 0.0
+"""
+CHEAP_ASYNC = """\
+async def score(task, trajectory):
+    return 1.0 if trajectory == task["reference"] else 0.0
+"""
+# The service's own layer (its ASGI app, JSON both ways, the admission and the metrics) over an engine
+# that answers at once: what the service costs a request beyond the engine's batch of one.
+STUB = """\
+import sys
+
+import uvicorn
+
+from engine._core.report import BatchResult, VerifierReport
+from engine._serve.app import App
+from engine._serve.limits import ServeConfig
+
+RESULT = BatchResult([0.0], [VerifierReport("plugin", "verify:score", "cheap/verify:score",
+                                            {"kind": "plugin", "ref": "verify:score", "environment": "cheap",
+                                             "digest": "sha256:" + "0" * 64}, items=1, latencies=[1e-6],
+                                            latency_items=[1])], 1e-4, [0])
+
+
+class Stub:
+    async def run(self, items, *, first_index=0):
+        return RESULT
+
+
+port = int(sys.argv[1])
+uvicorn.run(App(Stub(), ServeConfig(port=port)), host="127.0.0.1", port=port, http="httptools", lifespan="off",
+            log_level="warning", access_log=False)
 """
 # The same server stack answering a constant: uvicorn (or hypercorn) in one process, a plain ASGI app
 # that reads the body and answers a body the size of the service's answer to one item.
@@ -82,8 +114,8 @@ else:
 """
 
 
-def item(n: int) -> dict[str, object]:
-    return {"environment": "cheap", "task": {"reference": str(n % 3)}, "trajectory": "1", "id": n}
+def item(n: int, environment: str = "cheap") -> dict[str, object]:
+    return {"environment": environment, "task": {"reference": str(n % 3)}, "trajectory": "1", "id": n}
 
 
 @contextlib.contextmanager
@@ -142,14 +174,20 @@ def load(port: int, body: bytes, requests: int) -> float:
 
 def single_items(config: Path, requests: int, repeat: int) -> list[list[str]]:
     body = orjson.dumps({"items": [item(1)]})
-    ports = {name: free_port() for name in ("serve", "httptools", "h11", "hypercorn")}
+    bodies = {"async": orjson.dumps({"items": [item(1, "cheap_async")]})}
+    ports = {name: free_port() for name in ("serve", "async", "stub", "httptools", "h11", "hypercorn")}
     serve = [sys.executable, "-m", "engine", "serve", "--config", str(config), "--port", str(ports["serve"])]
     with tempfile.TemporaryDirectory() as tmp, process(serve, ports["serve"]):
         # the constant is what the service answers one item with, byte for byte
         constant_answer = httpx.post(f"http://127.0.0.1:{ports['serve']}/v1/score", content=body).content
         script = Path(tmp, "constant.py")
         script.write_text(textwrap.dedent(CONSTANT.format(answer=constant_answer)))
+        stub = Path(tmp, "stub.py")
+        stub.write_text(STUB)
         stacks = {
+            # the same service again, scoring the plugin's async twin (on the loop, no thread hop)
+            "async": [sys.executable, "-m", "engine", "serve", "--config", str(config), "--port", str(ports["async"])],
+            "stub": [sys.executable, str(stub), str(ports["stub"])],
             "httptools": [sys.executable, str(script), "uvicorn", "httptools", str(ports["httptools"])],
             "h11": [sys.executable, str(script), "uvicorn", "h11", str(ports["h11"])],
             "hypercorn": [sys.executable, str(script), "hypercorn", "-", str(ports["hypercorn"])],
@@ -160,12 +198,17 @@ def single_items(config: Path, requests: int, repeat: int) -> list[list[str]]:
             rates: dict[str, list[float]] = {name: [] for name in ports}
             for _ in range(repeat):  # alternating, so that each run's figures share their moment
                 for name, port in ports.items():
-                    rates[name].append(load(port, body, requests))
-    ratios = [s / c for s, c in zip(rates["serve"], rates["httptools"], strict=True)]
+                    rates[name].append(load(port, bodies.get(name, body), requests))
+
+    def ratio(name: str) -> str:
+        return f"{statistics.median(r / c for r, c in zip(rates[name], rates['httptools'], strict=True)):.2f}x"
+
     median = {name: statistics.median(values) for name, values in rates.items()}
+    constant = ["uvicorn+httptools, constant", f"{median['httptools']:,.0f}"]
     return [
-        ["engine serve, cheap plugin", f"{median['serve']:,.0f}", "uvicorn+httptools, constant",
-         f"{median['httptools']:,.0f}", f"{statistics.median(ratios):.2f}x", ">= 0.5x"],
+        ["engine serve, cheap plugin", f"{median['serve']:,.0f}", *constant, ratio("serve"), ">= 0.5x"],
+        ["  engine serve, its async twin", f"{median['async']:,.0f}", *constant, ratio("async"), "(for the record)"],
+        ["  the service over a stub engine", f"{median['stub']:,.0f}", *constant, ratio("stub"), "(for the record)"],
         ["  (stack) uvicorn+h11, constant", f"{median['h11']:,.0f}", "uvicorn+httptools, constant",
          f"{median['httptools']:,.0f}", f"{median['h11'] / median['httptools']:.2f}x", "(the choice)"],
         ["  (stack) hypercorn, constant", f"{median['hypercorn']:,.0f}", "uvicorn+httptools, constant",
@@ -201,6 +244,7 @@ def one_batch(config: Path, repeat: int) -> list[str]:
 def main(requests: int, repeat: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         write_env(Path(tmp, "envs"), "cheap", "plugin", "verify:score", {"verify.py": CHEAP})
+        write_env(Path(tmp, "envs"), "cheap_async", "plugin", "verify:score", {"verify.py": CHEAP_ASYNC})
         config = Path(tmp, "engine.toml")
         config.write_text('environments = "envs"\nallow_unpinned = true\n')
         rows = single_items(config, requests, repeat)

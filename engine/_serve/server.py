@@ -68,6 +68,7 @@ async def serve(engine_config: EngineConfig, config: ServeConfig) -> list[int]:
                 log_level="info",  # says where it listens, and when it stops
                 access_log=False,
                 server_header=False,
+                proxy_headers=False,  # the client's address is used for nothing: no middleware to rewrite it
             )
         )
         # Everything made so far (modules, the engine) lives as long as the process: out of the collector's
