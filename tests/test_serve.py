@@ -109,9 +109,13 @@ def start_service(root: Path, config: str, *args: str, token: str | None = None)
     return service
 
 
-def stop(service: Service) -> tuple[int, str]:
-    """Stop the service (SIGTERM, then kill); its exit status and stderr."""
-    if service.process.poll() is None:
+def stop(service: Service, *, signalled: bool = False) -> tuple[int, str]:
+    """Stop the service (SIGTERM unless ``signalled`` already, then kill); its exit status and stderr.
+
+    Not a second SIGTERM to a service already stopping: one that lands while the interpreter exits finds
+    the default handler back in place (Python restores it at exit) and ends the process by the signal.
+    """
+    if service.process.poll() is None and not signalled:
         service.process.send_signal(signal.SIGTERM)
     try:
         _, err = service.process.communicate(timeout=60)
@@ -577,7 +581,7 @@ async def test_sigterm_finishes_the_batch_in_flight_then_exits_0(
         assert small_service.process.poll() is None  # still answering the batch in flight
         handler.release.set()
     assert done == [[2.0, 4.0]]
-    code, err = stop(small_service)
+    code, err = stop(small_service, signalled=True)
     assert code == 0, err
     assert "Shutting down" in err
 
@@ -620,3 +624,31 @@ async def test_no_service_or_a_stranger_answering_is_a_service_error() -> None:
 
 async def _text(request: Request) -> Response:
     return Response(502, b"<html>bad gateway</html>", {"content-type": "text/html"})
+
+
+async def test_sigterm_cancels_a_batch_still_running_at_the_deadline_and_exits_0(
+    tmp_path: Path, endpoint: tuple[Server, Endpoint], judge: Server
+) -> None:
+    server, handler = endpoint
+    make_envs(tmp_path, server.url)
+    service = start_service(tmp_path, limits(server.url, judge.base_url), "--graceful-timeout", "1")
+    try:
+        async with anyio.create_task_group() as group:
+            failed: list[BaseException] = []
+
+            async def batch() -> None:
+                with pytest.raises(ServiceError) as info:  # the service gave up on it: no answer, no reward
+                    await remote(service, "score", [it("held", "ab")])
+                failed.append(info.value)
+
+            group.start_soon(batch)
+            await eventually(lambda: server.in_flight == 1, message="the batch never reached the endpoint")
+            service.process.send_signal(signal.SIGTERM)
+        assert failed
+        await eventually(lambda: server.in_flight == 0, message="the held request was never cancelled")
+        assert not handler.release.is_set()
+        code, err = stop(service, signalled=True)
+        assert code == 0, err
+        assert "timeout graceful shutdown exceeded" in err
+    finally:
+        stop(service)
