@@ -33,6 +33,7 @@ if TYPE_CHECKING:
         OutputError,
         ResumeError,
         RubricError,
+        ServiceError,
         VerificationError,
         WriteError,
     )
@@ -57,6 +58,7 @@ __all__ = [
     "ResumeError",
     "RewardRecord",
     "RubricError",
+    "ServiceError",
     "VerificationError",
     "VerifierReport",
     "VerifierSpec",
@@ -85,6 +87,7 @@ _MODULES = {  # where each public name lives
     "OutputError": "engine._errors",
     "ResumeError": "engine._errors",
     "RubricError": "engine._errors",
+    "ServiceError": "engine._errors",
     "VerificationError": "engine._errors",
     "WriteError": "engine._errors",
     "Environment": "engine._environments.manifest",

@@ -11,13 +11,16 @@ from collections.abc import Iterable, Mapping
 from contextlib import ExitStack
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from engine._config import EngineConfig, load_config
 from engine._core.report import BatchResult
 from engine._engine import Engine
+
+if TYPE_CHECKING:
+    from engine._serve.client import BlockingRemoteEngine
 
 __all__ = ["BlockingEngine"]
 
@@ -33,6 +36,13 @@ class BlockingEngine:
     @classmethod
     def from_config(cls, path: str | Path, **kwargs: Any) -> Self:
         return cls(load_config(path), **kwargs)
+
+    @staticmethod
+    def connect(url: str, *, token: str | None = None, **kwargs: Any) -> BlockingRemoteEngine:
+        """The engine served by ``engine serve`` at ``url``, used as this class is (see ``Engine.connect``)."""
+        from engine._serve.client import BlockingRemoteEngine
+
+        return BlockingRemoteEngine(url, token=token, **kwargs)
 
     @property
     def config(self) -> EngineConfig:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import anyio
 import httpx
@@ -34,6 +34,9 @@ from engine._http.retry import Sleep
 from engine._http.transport import PoolTransport
 from engine._registry import Registry, Shared
 from engine._verifiers.rubric.judge import Judge
+
+if TYPE_CHECKING:
+    from engine._serve.client import RemoteEngine
 
 __all__ = ["Engine"]
 
@@ -79,6 +82,19 @@ class Engine:
     def from_config(cls, path: str | Path, **kwargs: Any) -> Self:
         """An engine configured by the TOML file at ``path``."""
         return cls(load_config(path), **kwargs)
+
+    @staticmethod
+    def connect(url: str, *, token: str | None = None, **kwargs: Any) -> RemoteEngine:
+        """The engine served by ``engine serve`` at ``url``, with this class's ``score`` and ``run``.
+
+        Use it as this class is used (``async with Engine.connect("http://127.0.0.1:8000") as eng``):
+        the same rewards, reports, provenance and errors, raised here; every client of one service
+        shares its verifiers' limits. ``token`` is the service's bearer token (``--token-env``).
+        ``kwargs``: ``retry_budget`` (seconds a saturated service is asked again), ``sleep``, ``transport``.
+        """
+        from engine._serve.client import RemoteEngine  # lazily: the client is above this module
+
+        return RemoteEngine(url, token=token, **kwargs)
 
     async def __aenter__(self) -> Self:
         if self._client is not None:

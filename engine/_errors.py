@@ -12,7 +12,9 @@ Tree::
     ├── InputError             (also a ValueError) a backfill's input file is unreadable or holds a bad row
     ├── OutputError            (also a ValueError) a backfill's output cannot go where or how it was asked
     │   └── ResumeError        a backfill cannot start or resume: its state is missing or does not match
-    └── WriteError             the system refused to write a backfill's output or state (disk full, ...)
+    ├── WriteError             the system refused to write a backfill's output or state (disk full, ...)
+    └── ServiceError           a scoring service (``engine serve``) could not be reached or failed itself;
+                               never a verifier's failure, which crosses the wire as a VerificationError
 
     Failure                    internal: a failure inside a verifier, with a ``reason`` in words; the
                                engine turns it into the ``VerificationError`` naming the item
@@ -38,6 +40,7 @@ __all__ = [
     "OutputError",
     "ResumeError",
     "RubricError",
+    "ServiceError",
     "VerificationError",
     "WriteError",
 ]
@@ -163,6 +166,19 @@ class WriteError(EngineError):
         self.path = path
         self.rows_done = rows_done
         super().__init__(f"cannot write {path}: {exc.strerror or exc}")
+
+
+class ServiceError(EngineError):
+    """A scoring service (``Engine.connect``) gave no answer a batch can be read from.
+
+    It could not be reached, stayed saturated (503) past the client's retry budget, refused the
+    token, or failed itself (a bug answered as HTTP 500). ``status`` is the HTTP status, if one came.
+    Never a verification failure: a verifier's crosses the wire and is raised as ``VerificationError``.
+    """
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        self.status = status
+        super().__init__(message)
 
 
 class Failure(Exception):

@@ -52,6 +52,7 @@ from engine._config import load_config
 from engine._environments.digest import digest_directory
 from engine._environments.manifest import RUBRIC_REF
 from engine._errors import EngineError, ResumeError, RubricError, VerificationError, WriteError
+from engine._serve import limits as _limits
 from engine._verifiers.rubric.registry import RubricRegistry
 
 __all__ = [
@@ -544,6 +545,47 @@ def rubrics_show(group_config: Path, ref: str, config_path: Path | None) -> None
     lo, hi = rubric.scale
     stdout.print(f"# {rubric.ref}  scale [{lo:g}, {hi:g}]  {rubric.digest}", markup=False)
     stdout.print(rubric.text, markup=False)
+
+
+@cli.command()
+@config_option
+@click.option("--host", default=_limits.DEFAULT_HOST, show_default=True,
+              help="Address to listen on; one that is not loopback needs --token-env.")
+@click.option("--port", type=click.IntRange(0, 65535), default=_limits.DEFAULT_PORT, show_default=True)
+@click.option("--token-env", metavar="NAME", default=None,
+              help="Environment variable holding the bearer token every request must carry.")
+@click.option("--environment", metavar="NAME", default=None,
+              help="The environment /get_reward scores a label that is not an item in (its reference).")
+@click.option("--max-items", type=click.IntRange(min=1), default=_limits.MAX_ITEMS, show_default=True,
+              help="Items in one request; more is refused (413).")
+@click.option("--max-bytes", type=click.IntRange(min=1), default=_limits.MAX_BYTES, show_default=True,
+              help="Bytes of one request body; more is refused (413).")
+@click.option("--max-queued", type=click.IntRange(min=1), default=_limits.MAX_QUEUED, show_default=True,
+              help="Items admitted across requests; a batch that does not fit gets 503 with Retry-After.")
+@click.option("--graceful-timeout", type=click.FloatRange(min=0), default=_limits.GRACEFUL_TIMEOUT,
+              show_default=True, help="Seconds in-flight batches get to finish after SIGTERM.")
+def serve(config_path: Path, host: str, port: int, token_env: str | None, environment: str | None, max_items: int,
+          max_bytes: int, max_queued: int, graceful_timeout: float) -> None:
+    """Serve one engine over HTTP to every process of a training job (POST /v1/score, /get_reward)."""
+    from engine._serve.server import serve as run_service  # uvicorn: imported by this command only
+
+    token = None
+    if token_env is not None:
+        token = os.environ.get(token_env)
+        if not token:
+            _fail(EXIT_BAD_INPUT, f"--token-env {token_env}: the variable is not set or empty")
+    try:
+        settings = _limits.ServeConfig(host=host, port=port, token=token, environment=environment,
+                                       max_items=max_items, max_bytes=max_bytes, max_queued=max_queued,
+                                       graceful_timeout=graceful_timeout)
+    except ValueError as exc:
+        _fail(EXIT_BAD_INPUT, str(exc))
+    config = load_config(config_path)
+    # a bug answering a request is answered 500 and logged here, on stderr: the service's log
+    logging.getLogger("engine.serve").addHandler(logging.StreamHandler())
+    stopped_by = _run(lambda: run_service(config, settings))
+    if signal.SIGINT in stopped_by:
+        _interrupted()
 
 
 @cli.group()

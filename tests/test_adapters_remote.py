@@ -1,7 +1,4 @@
 """The adapters' ``url=`` path: each scores through a running ``engine serve`` via ``Engine.connect(url, token=...)``.
-
-Skipped until ``Engine.connect`` (issue 14, branch i14/serve) is merged: remove the ``pytestmark`` line
-then, and adjust :func:`served` to however ``engine serve`` is started there.
 """
 
 from __future__ import annotations
@@ -18,8 +15,6 @@ import engine
 from engine.adapters.trl import EngineReward
 from engine.adapters.verl import compute_score
 
-pytestmark = pytest.mark.skip(reason="needs Engine.connect (issue 14)")
-
 TOKEN = "adapter-test-token"
 
 
@@ -27,7 +22,7 @@ TOKEN = "adapter-test-token"
 @pytest.fixture
 def served(engine_toml: Path) -> Iterator[str]:
     """The URL of an ``engine serve`` over the test's environments, asking for ``TOKEN`` (as tests/test_serve.py
-    starts one on i14/serve: ``--config``, ``--port``, ``--token-env``, ready once ``/healthz`` answers)."""
+    starts one: ``--config``, ``--port``, ``--token-env``, ready once ``/healthz`` answers)."""
     import socket
     import urllib.request
 
@@ -75,3 +70,23 @@ def test_the_environment_variables_name_the_server(served: str, monkeypatch: pyt
     monkeypatch.setenv("ENGINE_URL", served)
     monkeypatch.setenv("ENGINE_TOKEN", TOKEN)
     assert EngineReward(environment="twin_a")(prompts=["p"], completions=["c"]) == [0.25]
+
+
+def test_trl_logs_the_remote_engines_stats(served: str) -> None:
+    logged: dict[str, float] = {}
+    reward = EngineReward(url=served, token=TOKEN, environment="arith")
+    completions, reference = ["4", "5", "4"], ["4", "4", "4"]
+    reward(prompts=["a", "b", "c"], completions=completions, reference=reference, log_metric=logged.__setitem__)
+    assert logged["engine/arith/verify:score/items"] == 3
+    assert logged["engine/arith/verify:score/reward_mean"] == pytest.approx(2 / 3)
+
+
+def test_a_remote_engine_counts_its_batches_and_their_errors(served: str) -> None:
+    with engine.BlockingEngine.connect(served, token=TOKEN) as eng:
+        assert eng.score([{"environment": "arith", "task": {"prompt": "p", "reference": "4"}, "trajectory": "4"}])
+        with pytest.raises(engine.VerificationError):
+            eng.score([{"environment": "faulty", "task": {"prompt": "p", "mode": "raise"}, "trajectory": "x"}])
+        stats = eng.stats()
+    assert stats["engine/arith/verify:score/items"] == 1
+    errors = [value for key, value in stats.items() if key.startswith("engine/faulty/") and key.endswith("/errors")]
+    assert errors == [1]

@@ -42,6 +42,7 @@ PUBLIC = [
     "ResumeError",
     "RewardRecord",
     "RubricError",
+    "ServiceError",
     "VerificationError",
     "VerifierReport",
     "VerifierSpec",

@@ -1,0 +1,237 @@
+"""The service's ASGI application: a few routes, written straight on ASGI (no framework).
+
+``POST /v1/score`` scores ``{"items": [...], "first_index": n}`` as ``Engine.run`` would and
+answers its result (``engine._serve.wire``); ``POST /get_reward`` is OpenRLHF's protocol
+(``engine._serve.openrlhf``); ``GET /healthz`` and ``GET /metrics``. Every request carries the
+bearer token when the service has one (401 otherwise).
+
+One engine scores every request's batch, so its limits hold across all of them. A body over
+``max_bytes`` is refused (413) from its ``Content-Length`` before a byte is read, or as soon as it
+grows past it; a batch over ``max_items`` too; one that does not fit in what is admitted across
+requests gets 503 with ``Retry-After``. While a batch is scored the request's ``receive`` is
+watched: a client that hangs up cancels its batch (nobody reads the answer, so no verifier and no
+judge should keep working on it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
+from typing import Any, Protocol
+
+import anyio
+import orjson
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from engine._core.report import BatchResult
+from engine._errors import VerificationError
+from engine._serve import openrlhf
+from engine._serve.limits import Admission, ServeConfig
+from engine._serve.metrics import Metrics
+from engine._serve.wire import INTERNAL, JSON, encode_error, encode_result, error_status
+
+__all__ = ["App", "Scorer"]
+
+logger = logging.getLogger("engine.serve")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+GONE = 499  # the status a request whose client hung up is counted under (nginx's): none was sent
+
+
+class Scorer(Protocol):
+    """What the service scores with: an open ``Engine``."""
+
+    async def run(self, items: Iterable[Mapping[str, Any]], *, first_index: int = 0) -> BatchResult: ...
+
+
+class _Refused(Exception):
+    """A request the service will not score: answered ``status`` with the error's shape."""
+
+    def __init__(self, status: int, kind: str, message: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        self.status = status
+        self.kind = kind
+        self.message = message
+        self.headers = headers or []
+        super().__init__(message)
+
+
+class _Gone(Exception):
+    """The client hung up before its answer: nothing is sent."""
+
+
+class App:
+    """The ASGI application around one open engine."""
+
+    def __init__(self, engine: Scorer, config: ServeConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.admission = Admission(config.max_queued)
+        self.open_requests = 0
+        self.metrics = Metrics(self._gauges)
+        self._token = config.token.encode() if config.token is not None else None
+        self._routes: dict[tuple[str, str], Callable[[Scope, Receive], Awaitable[tuple[int, bytes, str]]]] = {
+            ("POST", "/v1/score"): self._score,
+            ("POST", "/get_reward"): self._get_reward,
+            ("GET", "/healthz"): self._healthz,
+            ("GET", "/metrics"): self._metrics,
+        }
+
+    def _gauges(self) -> dict[str, tuple[str, float]]:
+        return {
+            "engine_items_admitted": ("Items admitted across requests, queued or in flight.", self.admission.held),
+            "engine_http_requests_in_progress": ("Requests being answered.", self.open_requests),
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":  # the engine is opened around the server, not by it
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        started = time.perf_counter()
+        path, method = scope["path"], scope["method"]
+        route = self._routes.get((method, path))
+        label = path if any(path == known for _, known in self._routes) else "other"
+        self.open_requests += 1
+        headers: list[tuple[bytes, bytes]] = []
+        try:
+            try:
+                self._authorize(scope)
+                if route is None:
+                    if label != "other":
+                        raise _Refused(405, "MethodNotAllowed", f"{method} is not allowed on {path}")
+                    raise _Refused(404, "NotFound", f"no route {method} {path}")
+                status, body, content_type = await route(scope, receive)
+            except _Refused as refused:
+                status, content_type, headers = refused.status, JSON, refused.headers
+                body = orjson.dumps(encode_error(refused, kind=refused.kind, message=refused.message))
+            except (VerificationError, ValueError, TypeError) as exc:
+                status, body, content_type = error_status(exc), orjson.dumps(encode_error(exc)), JSON
+            await _respond(send, status, body, content_type, headers)
+        except _Gone:
+            status = GONE
+        except Exception as exc:  # a bug: answered as one, never as a reward or a verifier's failure
+            logger.exception("engine serve: internal error answering %s %s", method, path)
+            status = 500
+            await _respond(send, status, orjson.dumps(encode_error(exc, kind=INTERNAL)), JSON, [])
+        finally:
+            self.open_requests -= 1
+        self.metrics.request(label, status, time.perf_counter() - started)
+
+    def _authorize(self, scope: Scope) -> None:
+        if self._token is None:
+            return
+        given = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                given = value
+        scheme, _, token = given.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._token):
+            raise _Refused(401, "Unauthorized", "a bearer token is required (Authorization: Bearer <token>)",
+                           [(b"www-authenticate", b"Bearer")])
+
+    async def _read(self, scope: Scope, receive: Receive) -> Any:
+        """The request's JSON body, read no further than ``max_bytes``."""
+        limit = self.config.max_bytes
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                raise _Refused(413, "TooLarge", f"the body is {int(value)} bytes, over this service's {limit}")
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _Gone
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise _Refused(413, "TooLarge", f"the body is over this service's {limit} bytes")
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        try:
+            return orjson.loads(b"".join(chunks))
+        except orjson.JSONDecodeError as exc:
+            raise ValueError(f"the body is not JSON: {exc}") from None
+
+    async def _scored(self, items: list[Any], first_index: int, receive: Receive) -> BatchResult:
+        """``items`` scored by the engine, admitted first; ``_Gone`` if the client hangs up meanwhile."""
+        count = len(items)
+        if count > self.config.max_items:
+            raise _Refused(413, "TooLarge", f"the batch has {count} items, over this service's {self.config.max_items}")
+        if not self.admission.admit(count):
+            wait = self.config.retry_after
+            raise _Refused(503, "Saturated", f"the service has {self.admission.held} items admitted: try again later",
+                           [(b"retry-after", str(wait).encode())])
+        try:
+            with anyio.CancelScope() as scope:
+                # A plain asyncio task waits for the hang-up: far cheaper a request than a task group, whose
+                # cancellation (to stop its watcher) cost more than the rest of the service's work (measured)
+                watch = asyncio.ensure_future(_hung_up(receive))
+
+                def cancel_if_hung_up(done: asyncio.Future[bool]) -> None:
+                    if not done.cancelled() and done.exception() is None and done.result():
+                        scope.cancel()
+
+                watch.add_done_callback(cancel_if_hung_up)
+                try:
+                    result = await self.engine.run(items, first_index=first_index)
+                except VerificationError as exc:
+                    self.metrics.failed(exc)
+                    raise
+                finally:
+                    watch.cancel()
+        finally:
+            self.admission.release(count)
+        if scope.cancelled_caught:
+            raise _Gone
+        self.metrics.batch(result)
+        return result
+
+    async def _score(self, scope: Scope, receive: Receive) -> tuple[int, bytes, str]:
+        body = await self._read(scope, receive)
+        if not isinstance(body, dict) or not isinstance(body.get("items"), list):
+            raise TypeError('the body must be a JSON object {"items": [...]}')
+        unknown = set(body) - {"items", "first_index"}
+        if unknown:
+            raise ValueError(f"unknown keys in the body: {', '.join(sorted(unknown))}")
+        result = await self._scored(body["items"], body.get("first_index", 0), receive)
+        return 200, orjson.dumps(encode_result(result)), JSON
+
+    async def _get_reward(self, scope: Scope, receive: Receive) -> tuple[int, bytes, str]:
+        items = openrlhf.items_from(await self._read(scope, receive), self.config.environment)
+        result = await self._scored(items, 0, receive)
+        return 200, orjson.dumps(openrlhf.answer(result.rewards)), JSON
+
+    async def _healthz(self, scope: Scope, receive: Receive) -> tuple[int, bytes, str]:
+        return 200, b'{"status":"ok"}', JSON
+
+    async def _metrics(self, scope: Scope, receive: Receive) -> tuple[int, bytes, str]:
+        return 200, self.metrics.exposition(), CONTENT_TYPE_LATEST
+
+
+async def _hung_up(receive: Receive) -> bool:
+    """Whether the client hung up (its body was read already: ``receive`` waits for the hang-up)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    return True
+
+
+async def _respond(send: Send, status: int, body: bytes, content_type: str, headers: list[tuple[bytes, bytes]]) -> None:
+    head = [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode()), *headers]
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

@@ -1,0 +1,100 @@
+"""What ``engine serve`` is told at start (its address, token and limits), and the admission of batches.
+
+One service takes every rank's and worker's batches: a batch over ``max_items`` or ``max_bytes`` is
+refused with 413 (it could never be admitted), and one that would take the items admitted over
+``max_queued`` with 503 and ``Retry-After`` (it can be, later). The engine's own ``max_in_flight``
+then bounds what runs at once of what was admitted.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+__all__ = [
+    "DEFAULT_HOST",
+    "DEFAULT_PORT",
+    "GRACEFUL_TIMEOUT",
+    "MAX_BYTES",
+    "MAX_ITEMS",
+    "MAX_QUEUED",
+    "RETRY_AFTER",
+    "Admission",
+    "ServeConfig",
+    "is_loopback",
+]
+
+DEFAULT_HOST = "127.0.0.1"  # this machine only, unless told otherwise (with a token)
+DEFAULT_PORT = 8000
+MAX_ITEMS = 65_536  # items in one request: a large GRPO step's rollouts
+MAX_BYTES = 256 * 1024 * 1024  # bytes of one request body
+MAX_QUEUED = 262_144  # items admitted across requests, queued or in flight, before new ones get 503
+GRACEFUL_TIMEOUT = 60.0  # seconds in-flight batches get to finish after SIGTERM
+RETRY_AFTER = 1  # seconds a saturated service asks a client to wait (Retry-After)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the service to this machine (``localhost``, 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve anywhere
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """The service's settings: validated on construction (``ValueError`` saying which and why)."""
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    token: str | None = None
+    environment: str | None = None  # what /get_reward scores a label that is not an item against
+    max_items: int = MAX_ITEMS
+    max_bytes: int = MAX_BYTES
+    max_queued: int = MAX_QUEUED
+    graceful_timeout: float = GRACEFUL_TIMEOUT
+    retry_after: int = RETRY_AFTER
+
+    def __post_init__(self) -> None:
+        if not is_loopback(self.host) and not self.token:
+            raise ValueError(
+                f"refusing to serve on {self.host}, which is not a loopback address, without a token: "
+                "pass --token-env NAME (the token is read from that variable) or bind 127.0.0.1"
+            )
+        if self.token is not None and not self.token:
+            raise ValueError("the token is empty")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be 0..65535, got {self.port}")
+        for name in ("max_items", "max_bytes", "max_queued", "retry_after"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+        if self.max_items > self.max_queued:
+            raise ValueError(f"max_items ({self.max_items}) must not exceed max_queued ({self.max_queued}): "
+                             "a batch that large could never be admitted")
+        if not self.graceful_timeout >= 0:
+            raise ValueError(f"graceful_timeout must be >= 0 seconds, got {self.graceful_timeout!r}")
+
+
+class Admission:
+    """The items admitted and not yet answered, across requests, held to ``capacity``.
+
+    A count on the event loop, not a limiter: a batch that does not fit is refused at once (503), never
+    queued here, so a client retries and a saturated service sheds load instead of holding connections.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.held = 0
+
+    def admit(self, items: int) -> bool:
+        """Take ``items`` if they fit; whether they did."""
+        if self.held + items > self.capacity:
+            return False
+        self.held += items
+        return True
+
+    def release(self, items: int) -> None:
+        self.held -= items
