@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from engine._core.report import LatencyHistogram, percentile
+from engine._core.report import LATENCY_SAMPLE, LatencyHistogram, VerifierReport, percentile
 
 
 def test_percentile_by_nearest_rank() -> None:
@@ -33,3 +33,23 @@ def test_histogram_counts_items() -> None:
     assert sum(histogram.counts.values()) == 1001
     assert histogram.percentile(50) == pytest.approx(0.001, rel=0.025)
     assert histogram.percentile(99.5) == pytest.approx(0.5, rel=0.025)
+
+
+def test_a_running_histogram_takes_a_thinned_sample_of_a_large_batchs_latencies() -> None:
+
+    calls = 50 * LATENCY_SAMPLE + 7
+    latencies = [0.001 * (1 + (i * 7919) % 1000) for i in range(calls)]  # 1..1000 ms, spread over the batch
+    report = VerifierReport(kind="endpoint", ref="u", key="u", provenance={}, items=calls, latencies=latencies)
+    sample, weights = report.latency_sample()
+    assert len(sample) <= LATENCY_SAMPLE
+    assert abs(sum(weights) - calls) <= 51  # each entry stands for the calls it was picked from
+    histogram = LatencyHistogram()
+    histogram.extend(sample, weights)
+    for q in (50, 99):
+        assert histogram.percentile(q) == pytest.approx(report.latency(q), rel=0.05)
+
+
+def test_a_small_batchs_latencies_are_taken_whole() -> None:
+    report = VerifierReport(kind="plugin", ref="r", key="k", provenance={}, items=30,
+                            latencies=[0.1, 0.2, 0.3], latency_items=[10, 10, 10])
+    assert report.latency_sample() == ([0.1, 0.2, 0.3], [10, 10, 10])

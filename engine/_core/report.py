@@ -8,7 +8,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BatchResult", "LatencyHistogram", "VerifierReport", "VerifierTotals", "add_reports", "percentile"]
+__all__ = [
+    "LATENCY_SAMPLE",
+    "BatchResult",
+    "LatencyHistogram",
+    "VerifierReport",
+    "VerifierTotals",
+    "add_reports",
+    "percentile",
+]
+
+LATENCY_SAMPLE = 4096  # latencies a running histogram takes from one report (VerifierReport.latency_sample)
 
 
 def percentile(values: Sequence[float], q: float, weights: Sequence[int] | None = None) -> float:
@@ -69,6 +79,19 @@ class VerifierReport:
     def latency(self, q: float) -> float:
         """The ``q``-th percentile of the items' latency, in seconds."""
         return percentile(self.latencies, q, self.latency_items or None)
+
+    def latency_sample(self) -> tuple[Sequence[float], Sequence[int]]:
+        """The latencies thinned to at most ``LATENCY_SAMPLE`` evenly spread entries, each with the items it
+        stands for: what a running histogram adds per batch (``Engine.stats``, ``engine serve``'s metrics).
+
+        Adding every latency of a 200,000-call batch held the event loop ~100 ms at the batch's end;
+        a stride sample of 4,096 puts a percentile within a few tenths of a percent of its rank.
+        """
+        latencies, weights = self.latencies, self.latency_items or [1] * len(self.latencies)
+        stride = -(-len(latencies) // LATENCY_SAMPLE)
+        if stride <= 1:
+            return latencies, weights
+        return latencies[::stride], [weight * stride for weight in weights[::stride]]
 
 
 @dataclass

@@ -99,7 +99,7 @@ class Stats:
             window.reward_sum += report.reward_sum
             window.retries += report.retries
             window.judge_tokens += report.spent.get("total_tokens", 0)
-            window.latency.extend(report.latencies, report.latency_items or None)
+            window.latency.extend(*report.latency_sample())
 
     def failed(self, error: VerificationError) -> None:
         """Count a batch that ``error`` aborted: one error of its verifier (a timeout if it ran out of time).

@@ -80,8 +80,7 @@ class Metrics:
             histogram = self.latency.get(key)
             if histogram is None:
                 histogram = self.latency[key] = _Histogram()
-            for seconds, items in zip(report.latencies, report.latency_items or [1] * len(report.latencies),
-                                      strict=True):
+            for seconds, items in zip(*report.latency_sample(), strict=True):
                 histogram.add(seconds, items)
             for what, amount in report.spent.items():
                 self.spent[(*key, what)] += amount
