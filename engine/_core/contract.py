@@ -15,7 +15,7 @@ import re
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from decimal import Decimal
 from gc import is_tracked
-from typing import Any, Protocol, overload, runtime_checkable
+from typing import Any, Protocol, TypeGuard, overload, runtime_checkable
 
 from engine._errors import Failure
 from engine._reasons import a_or_an
@@ -34,6 +34,7 @@ __all__ = [
     "check_item",
     "check_reward",
     "is_async",
+    "is_chunked",
     "private",
     "private_pair",
     "task_of",
@@ -157,6 +158,19 @@ class Items(Sequence[Mapping[str, Any]]):
 
     def __iter__(self) -> Iterator[Mapping[str, Any]]:
         return iter(self[:])
+
+
+_CHUNKED: dict[type, bool] = {}  # verifier class -> whether it is a ChunkedVerifier
+
+
+def is_chunked(verifier: Verifier) -> TypeGuard[ChunkedVerifier]:
+    """Whether ``verifier`` is a :class:`ChunkedVerifier`, asked once per class: ``isinstance`` against a
+    runtime-checkable protocol costs ~15 us (Python 3.11), a tenth of a one-item batch, every batch."""
+    kind = type(verifier)
+    known = _CHUNKED.get(kind)
+    if known is None:
+        known = _CHUNKED[kind] = isinstance(verifier, ChunkedVerifier)
+    return known
 
 
 class MalformedItem(Exception):

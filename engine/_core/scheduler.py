@@ -39,7 +39,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from engine._core.contract import ChunkedVerifier, Items, MalformedItem, Verifier, check_item, task_of, which
+from engine._core.contract import Items, MalformedItem, Verifier, check_item, is_chunked, task_of, which
 from engine._core.meters import Meter, ledger
 from engine._core.report import BatchResult, VerifierReport
 from engine._errors import ConfigError, Failure, VerificationError
@@ -273,7 +273,7 @@ class _Batch:
         """
         items = self.items
         guess = _guess(items, self.first)
-        if guess is not None and isinstance(self._resolved(0)[0], ChunkedVerifier):
+        if guess is not None and is_chunked(self._resolved(0)[0]):
             self.lanes = self._lanes({guess: range(len(items))}, guess=True)
         else:
             self.lanes = self._lanes(await _group(items, range(len(items)), self.first))
@@ -303,7 +303,7 @@ class _Batch:
         v = lane.verifier
         items = self.items
         if len(chunk) > 1 or v.chunk_size(1) > 1:  # serial chunk mode: even a lone item is a chunk
-            assert isinstance(v, ChunkedVerifier)  # only they ask for chunks
+            assert is_chunked(v)  # only they ask for chunks
             try:
                 return await v.verify_chunk(Items(items, chunk))
             except MalformedItem as exc:
