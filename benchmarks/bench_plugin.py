@@ -62,11 +62,11 @@ def load(path: Path):  # the very function the engine will call, imported the sa
     return module.score
 
 
-def items_for(environment: str, count: int) -> list[dict[str, object]]:
+def items_for(environment: str, count: int, start: int = 0) -> list[dict[str, object]]:
     return [
         {"environment": environment, "task": {"prompt": f"What is {i} + 1?", "reference": str(i + 1)},
          "trajectory": f"The answer is {i + 1 if i % 3 else i}."}
-        for i in range(count)
+        for i in range(start, start + count)
     ]
 
 

@@ -180,13 +180,8 @@ class Engine:
         if type(first_index) is not int or first_index < 0:
             raise ValueError(f"first_index must be a whole number >= 0, got {first_index!r}")
         with self._batch_scope():
-            try:
-                result = await score_batch(items, self._registry.resolver(), self._in_flight, first_index=first_index)
-            except VerificationError as exc:
-                self._stats.failed(exc)
-                raise
-        self._stats.add(result)
-        return result
+            batch = score_batch(items, self._registry.resolver(), self._in_flight, first_index=first_index)
+            return await self._stats.counted(batch)
 
     def stats(self, *, reset: bool = True) -> dict[str, float]:
         """The engine's figures since the last reset, per verifier, ready for a trainer's metrics (wandb ...).

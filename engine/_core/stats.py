@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
 from engine._core.report import BatchResult, LatencyHistogram
@@ -90,6 +91,16 @@ class Stats:
         if window is None:
             window = self._windows[key] = _Window()
         return window
+
+    async def counted(self, batch: Awaitable[BatchResult]) -> BatchResult:
+        """``await batch``, counted: its reports (:meth:`add`), or the error that aborted it (:meth:`failed`)."""
+        try:
+            result = await batch
+        except VerificationError as exc:
+            self.failed(exc)
+            raise
+        self.add(result)
+        return result
 
     def add(self, result: BatchResult) -> None:
         """Count a batch that was scored."""

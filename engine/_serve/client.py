@@ -13,9 +13,7 @@ Imports nothing above ``engine._core``: ``engine._engine`` imports it lazily, in
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable, Mapping
-from contextlib import ExitStack
 from types import TracebackType
 from typing import Any, Self
 
@@ -23,11 +21,11 @@ import anyio
 import httpx
 import orjson
 import tenacity
-from anyio.from_thread import BlockingPortal, start_blocking_portal
 
+from engine._core.portal import Blocking
 from engine._core.report import BatchResult
 from engine._core.stats import Stats
-from engine._errors import ServiceError, VerificationError
+from engine._errors import ServiceError
 from engine._http.retry import Sleep, backoff, parse_retry_after
 from engine._serve.wire import decode_error, decode_result
 
@@ -117,13 +115,10 @@ class RemoteEngine:
             body = orjson.dumps({"items": list(items), "first_index": first_index}, default=_jsonable)
         except orjson.JSONEncodeError as exc:
             raise TypeError(f"the batch cannot be sent to the scoring service: {exc}") from None
-        try:
-            result = decode_result(orjson.loads(await self._post(SCORE, body)))
-        except VerificationError as exc:
-            self._stats.failed(exc)
-            raise
-        self._stats.add(result)
-        return result
+        return await self._stats.counted(self._scored(body))
+
+    async def _scored(self, body: bytes) -> BatchResult:
+        return decode_result(orjson.loads(await self._post(SCORE, body)))
 
     def stats(self, *, reset: bool = True) -> dict[str, float]:
         """Like ``Engine.stats``: this client's batches' figures since the last reset (the service's own, over
@@ -160,49 +155,14 @@ class RemoteEngine:
         return response.content
 
 
-class BlockingRemoteEngine:
+class BlockingRemoteEngine(Blocking[RemoteEngine]):
     """:class:`RemoteEngine` for synchronous trainers (``BlockingEngine.connect``); a context manager.
 
     One event loop runs in a background thread for its whole life (as ``BlockingEngine``'s), so
     every call reuses the same connections.
     """
 
+    _opened_as = "with BlockingEngine.connect(url) as eng"
+
     def __init__(self, url: str, **kwargs: Any) -> None:
-        self._engine = RemoteEngine(url, **kwargs)
-        self._stack: ExitStack | None = None
-        self._portal: BlockingPortal | None = None
-
-    def __enter__(self) -> Self:
-        with ExitStack() as stack:
-            self._portal = stack.enter_context(start_blocking_portal(backend="asyncio"))
-            stack.enter_context(self._portal.wrap_async_context_manager(self._engine))
-            self._stack = stack.pop_all()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        stack, self._stack, self._portal = self._stack, None, None
-        if stack is not None:
-            stack.__exit__(exc_type, exc, tb)
-
-    def _open_portal(self) -> BlockingPortal:
-        if self._portal is None:
-            raise RuntimeError("the engine is not open: use 'with BlockingEngine.connect(url) as eng'")
-        return self._portal
-
-    def score(self, items: Iterable[Mapping[str, Any]], *, first_index: int = 0) -> list[float]:
-        """Like :meth:`RemoteEngine.score`, blocking until the batch is scored or has failed."""
-        return self._open_portal().call(functools.partial(self._engine.score, items, first_index=first_index))
-
-    def stats(self, *, reset: bool = True) -> dict[str, float]:
-        """Like :meth:`RemoteEngine.stats`."""
-        stats: dict[str, float] = self._open_portal().call(functools.partial(self._engine.stats, reset=reset))
-        return stats
-
-    def run(self, items: Iterable[Mapping[str, Any]], *, first_index: int = 0) -> BatchResult:
-        """Like :meth:`RemoteEngine.run`."""
-        result: BatchResult = self._open_portal().call(
-            functools.partial(self._engine.run, items, first_index=first_index)
-        )
-        return result
+        super().__init__(RemoteEngine(url, **kwargs))
