@@ -68,7 +68,7 @@ from engine._environments.digest import MANIFEST, Pin, Snapshot, pin_verdict, sn
 from engine._environments.manifest import Environment
 from engine._errors import DigestError, Failure
 from engine._verifiers.plugin.importer import PluginLoadError, forget, load_plugin, said
-from engine._verifiers.plugin.pool import WorkerFailure, WorkerPool, as_dict, default_workers, pairs_of
+from engine._verifiers.plugin.pool import WorkerFailure, WorkerPool, default_workers
 from engine._verifiers.plugin.threads import Abandoned, run_chunk, timed
 from engine._verifiers.plugin.wire import Cost, PluginSpec
 
@@ -317,8 +317,10 @@ class PluginVerifier:
         failure.of_environment = exc.of_environment  # a worker that could not import the plugin
         return failure
 
-    async def _in_process(self, pairs: Sequence[tuple[Mapping[str, Any], Any]]) -> list[float]:
-        """The rewards of ``pairs`` from a worker process, in one round trip."""
+    async def _in_process(self, items: Sequence[Mapping[str, Any]]) -> list[float]:
+        """The rewards of ``items`` (up to the first of another environment) from a worker process, in one
+        round trip. The items are read, and their rewards made, in the worker's thread (``WorkerPool.call``):
+        the event loop's part is the same for any number of them."""
         with anyio.move_on_after(self.limits.timeout) as deadline:
             await self._loaded()
         if deadline.cancelled_caught:
@@ -329,19 +331,19 @@ class PluginVerifier:
         if pool is None:
             raise RuntimeError("this plugin's engine is closed")
         try:
-            rewards, cost = await pool.call(pairs)
+            rewards, cost = await pool.call(items)
         except WorkerFailure as exc:
             raise self._failure(exc) from exc.cause
-        self._measured(cost, len(pairs))
+        except BadItem as exc:  # a task that cannot be read as a dict
+            raise self._fail(exc.reason, exc.position) from exc.__cause__
+        if rewards:
+            self._measured(cost, len(rewards))
         return rewards
 
     async def verify(self, task: Mapping[str, Any], trajectory: Any) -> float:
         if self._process:
-            try:
-                task = as_dict(0, task)
-            except BadItem as exc:
-                raise self._fail(exc.reason) from exc.__cause__
-            return (await self._in_process([(task, trajectory)]))[0]
+            item = {"environment": self.environment.name, "task": task, "trajectory": trajectory}
+            return (await self._in_process([item]))[0]
         try:
             task, trajectory = private_pair(0, task, trajectory)
         except BadItem as exc:
@@ -387,11 +389,7 @@ class PluginVerifier:
 
     async def verify_chunk(self, items: Sequence[Mapping[str, Any]]) -> list[float]:
         if self._process:
-            try:
-                pairs = pairs_of(items, self.environment.name)
-            except BadItem as exc:
-                raise self._fail(exc.reason, exc.position) from exc.__cause__
-            return await self._in_process(pairs) if pairs else []
+            return await self._in_process(items)
         await self._loaded()
         fn = self._fn
         assert fn is not None  # imported

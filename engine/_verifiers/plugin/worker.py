@@ -150,10 +150,14 @@ def _serve(conn: Connection, progress: memoryview[float], spec: PluginSpec) -> N
             return
         try:
             message = ForkingPickler.loads(data)
+            if type(message) is list:  # a chunk: its pairs, pickled a piece at a time
+                pairs: list[Pair] = []
+                for piece in message:
+                    pairs += ForkingPickler.loads(piece)
         except BaseException as exc:  # pickled by the engine, but not unpicklable here (a class of its __main__)
             conn.send(("unpicklable", said(exc)))  # the engine then asks which item it was (a probe)
             continue
         if type(message) is tuple:  # a probe: ("probe", each item of the chunk that failed, pickled alone)
             conn.send(_first_unpicklable(message[1], progress))
         else:
-            conn.send(_serve_chunk(call, message, progress))
+            conn.send(_serve_chunk(call, pairs, progress))
