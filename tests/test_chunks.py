@@ -300,3 +300,20 @@ async def test_a_process_chunks_bad_items_are_named_past_its_first_piece(envs: P
             item_id="row-7003",
         )
         assert await eng.score(items) == [(n % 7) / 7 for n in range(SIZE)]  # its worker still scores
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_a_process_lane_is_chunked_per_worker_not_per_task(envs: Path, workers: int) -> None:
+    """A lane's 64 tasks take chunks at once, but only its workers run them: chunks are sized per worker.
+
+    Sized per task, the last part of each batch went to the workers in ever smaller chunks (~400 round
+    trips here, each costing the engine's process CPU its workers could have used); sized from a
+    worker's share, split finer only at the end, it takes ~90-110 (of which the last 64 items, one each).
+    """
+    name = process_twin(envs, "cheap", workers=workers)
+    items = [item(name, n=n) for n in range(SIZE)]
+    async with engine.Engine(EngineConfig(environments=envs, allow_unpinned=True)) as eng:
+        await eng.score(items[:2_000])  # chunks are sized after this
+        result = await eng.run(items)
+    assert result.rewards == [(n % 7) / 7 for n in range(SIZE)]
+    assert len(result.verifiers[0].latencies) < 200  # one latency per round trip
