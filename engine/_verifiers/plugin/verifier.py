@@ -62,7 +62,7 @@ import anyio.to_thread
 
 from engine._config import Limits
 from engine._core import meters
-from engine._core.contract import BadItem, MalformedItem, as_rewards, is_async, private_pair
+from engine._core.contract import BadItem, MalformedItem, ProcessHint, as_rewards, is_async, private_pair
 from engine._core.threads import in_thread, wait_future
 from engine._environments.digest import MANIFEST, Pin, Snapshot, pin_verdict, snapshot_directory
 from engine._environments.manifest import Environment
@@ -82,6 +82,10 @@ PARALLEL_CHUNK_SECONDS = 0.3  # for waiting calls, run in parallel; a lane's las
 CPU_BOUND = 0.5  # a call whose thread is on a CPU more than this share of its time is CPU-bound
 PROCESS_CHUNK_SECONDS = 0.05  # work per round trip to a worker process
 PROCESS_SPLIT = 4  # a process chunk is at most this fraction of what is left per worker: the end is split finer
+# A CPU-bound thread plugin whose calls take at least this long would gain from worker processes: what a
+# call costs the engine's process on top (pickling its pair, its share of a round trip) is then a small
+# share of it (measured on 2 cores: from ~50 us a call the process executor ran ahead of one thread).
+PROCESS_HINT_CALL = 50e-6
 MAX_CHUNK = 1 << 18  # items: bounds what one chunk holds (its values and rewards, ~2 MiB of pointers each)
 
 
@@ -130,6 +134,7 @@ class PluginVerifier:
         self._chunk = 1  # items per call, adapted to the measured cost of a call
         self._step = 1  # items between a chunk's checks that it is still wanted
         self._spent = (0.0, 0.0)  # process executor: (wall seconds, items) of recent chunks, decaying
+        self._costs = [0.0, 0.0, 0.0]  # thread executor: wall and CPU seconds, and items, of recent calls, decaying
         self._serial = False  # whether chunks run one at a time (cheap calls) or in parallel
         # Chunks of one plugin run one at a time: they are cheap Python calls by construction, and
         # under the GIL a second thread only slows the first down (measured: 1.7M vs 2.1M items/s).
@@ -291,6 +296,9 @@ class PluginVerifier:
         """Size the next chunks, and choose how they run, from what the calls just cost."""
         wall, cpu = cost
         per_call = max(wall / items, 1e-9)
+        if not self._process:  # for process_hint(): the last calls weigh most (the first ones shared the GIL)
+            costs = self._costs
+            costs[0], costs[1], costs[2] = costs[0] / 2 + wall, costs[1] / 2 + cpu, costs[2] / 2 + items
         if self._process:  # each worker has its own interpreter: chunks always run in parallel
             # A call's cost over the last chunks, weighted by their items: the few items a batch ends on
             # (their wall time mostly a worker's wake-up) do not shrink the next batch's chunks 100-fold.
@@ -305,6 +313,23 @@ class PluginVerifier:
         budget = min(budget, self.limits.timeout / 10)
         self._chunk = max(1, min(MAX_CHUNK, int(budget / per_call)))
         self._step = max(1, min(self._chunk, int(STEP_SECONDS / per_call)))
+
+    def process_hint(self) -> ProcessHint | None:
+        """A hint that worker processes would use more cores, if its calls so far say so; else None.
+
+        For a sync thread-executor plugin whose measured calls are CPU-bound (on a CPU more than
+        ``CPU_BOUND`` of their time, the rule that runs them one at a time) and take at least
+        ``PROCESS_HINT_CALL`` each, on a machine where this process may use more than one core. The
+        calls are weighed by their items, halved at each measurement: a batch's first calls, one item
+        each in parallel threads, shared the GIL and look less CPU-bound than the chunks after them.
+        """
+        wall, cpu, items = self._costs
+        cores = default_workers()
+        if self._process or self._is_async or not items or cores < 2:
+            return None
+        if cpu <= CPU_BOUND * wall or wall / items < PROCESS_HINT_CALL:
+            return None
+        return ProcessHint(wall / items, cpu / wall, cores)
 
     def _check_abandoned(self) -> None:
         """Refuse to start a thread call while too many abandoned ones still run."""
@@ -434,3 +459,4 @@ class PluginVerifier:
         if rewards:
             self._measured(cost, len(rewards))
         return rewards
+
