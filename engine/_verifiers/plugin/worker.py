@@ -150,10 +150,11 @@ def _serve(conn: Connection, progress: memoryview[float], spec: PluginSpec) -> N
             return
         try:
             message = ForkingPickler.loads(data)
-            if type(message) is list:  # a chunk: its pairs, pickled a piece at a time
+            if type(message) is list:  # a chunk: its tasks and trajectories, pickled a piece at a time
                 pairs: list[Pair] = []
                 for piece in message:
-                    pairs += ForkingPickler.loads(piece)
+                    tasks, trajectories = ForkingPickler.loads(piece)
+                    pairs += zip(tasks, trajectories, strict=True)
         except BaseException as exc:  # pickled by the engine, but not unpicklable here (a class of its __main__)
             conn.send(("unpicklable", said(exc)))  # the engine then asks which item it was (a probe)
             continue
