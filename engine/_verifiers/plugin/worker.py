@@ -72,7 +72,7 @@ def _serve_chunk(call: _Call, pairs: Sequence[Pair], progress: memoryview[float]
     """Call the plugin on each pair; the reply to send back.
 
     Each call is handed its own copy of its task and trajectory (``private_pair``), as in the
-    engine's threads: unpickled together, the items of a chunk that shared a task share it here too.
+    engine's threads: unpickled together, the items of a piece that shared a task share it here too.
     A value that is not a plain float, int or bool is turned into a reward with its item's position
     and start time in ``progress`` (its ``__float__`` is the plugin's code: it may hang, or end the
     process), so the engine's deadline and a death there name that item.
