@@ -77,7 +77,8 @@ async def worker_ready(spec: PluginSpec, sources: dict[str, bytes]) -> tuple[flo
         started = time.perf_counter()
         await pool.warm()
         took = time.perf_counter() - started
-        (modules, third), _ = await pool.call([({"which": 0}, ""), ({"which": 1}, "")])
+        items = [{"environment": spec.environment, "task": {"which": which}, "trajectory": ""} for which in (0, 1)]
+        (modules, third), _ = await pool.call(items)
     finally:
         await pool.aclose()
     return took, int(modules), int(third)

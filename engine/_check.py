@@ -5,6 +5,8 @@ matches its pin (required for plugins unless ``allow_unpinned``); a plugin impor
 callable, and scores the sample item its manifest may hold (``"example"``: only a call shows a
 plugin that fails in the engine's threads alone); an endpoint's host (or the proxy the
 environment names for it) accepts a TCP connection; a rubric resolves and a judge is configured.
+A thread-executor plugin whose example measured CPU-bound and costly enough gets a hint that
+worker processes would use more cores (:func:`process_hint`; ``engine bench`` says it too).
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ import anyio
 import httpx
 
 from engine._config import EngineConfig
+from engine._core.contract import HintingVerifier, ProcessHint
 from engine._engine import Engine
 from engine._environments.digest import Pin, digest_directory, pin_verdict
 from engine._environments.manifest import Environment, load_environment
 from engine._errors import DigestError, EngineError, ManifestError, VerificationError
 from engine._http.network import Proxies
 
-__all__ = ["CONNECT_TIMEOUT", "EnvironmentCheck", "check_environments"]
+__all__ = ["CONNECT_TIMEOUT", "EnvironmentCheck", "check_environments", "process_hint"]
 
 CONNECT_TIMEOUT = 5.0  # seconds to wait for an endpoint's host to accept a connection
 EXAMPLE_FIELD = "example"  # a manifest's optional sample item, {"task": ..., "trajectory": ...}
@@ -43,6 +46,7 @@ class EnvironmentCheck:
     digest: str
     verifier: str
     digest_now: str | None = None  # the directory's digest, when its pin is missing or stale
+    hint: ProcessHint | None = None  # a thread plugin measured CPU-bound on its example: processes would gain
 
     @property
     def ok(self) -> bool:
@@ -66,6 +70,17 @@ async def _reachable(url: str, proxies: Proxies) -> str:
         return f"cannot connect to {what}{parts.hostname}:{port}: {cause.strerror or cause}"
     await stream.aclose()
     return "ok"
+
+
+def process_hint(engine: Engine, environment: str) -> ProcessHint | None:
+    """Whether environment ``environment``'s plugin, as its calls on ``engine`` measured, would gain from
+    ``"executor": "process"``, and how many cores it would use (``PluginVerifier.process_hint``).
+
+    The engine never picks the process executor by itself: it changes a plugin's isolation (no state
+    shared between items, tasks that must pickle), so it is the manifest's to say; this says when to.
+    """
+    verifier = engine._verifier(environment)
+    return verifier.process_hint() if isinstance(verifier, HintingVerifier) else None
 
 
 def _rubric_verdict(engine: Engine, ref: str) -> str:
@@ -148,7 +163,7 @@ async def check_environments(*, config: EngineConfig) -> list[EnvironmentCheck]:
                 Pin.MISSING: f'no pin; after vetting, pin it: {env.name} = "{digest}"',
                 Pin.NOT_NEEDED: "-",
             }[pinned]
-            verdict = "ok"
+            verdict, hint = "ok", None
             try:
                 if env.verifier.kind == "plugin":
                     if digest_status not in ("ok", "-"):
@@ -156,6 +171,7 @@ async def check_environments(*, config: EngineConfig) -> list[EnvironmentCheck]:
                     else:
                         await engine.load(env.name)
                         verdict = await _example_verdict(engine, env)
+                        hint = process_hint(engine, env.name)
                 elif env.verifier.kind == "endpoint":
                     verdict = await _reachable(env.verifier.ref, proxies)
                 else:
@@ -165,5 +181,5 @@ async def check_environments(*, config: EngineConfig) -> list[EnvironmentCheck]:
             stale = digest_status not in ("ok", "-")
             spec = env.verifier
             now = digest if stale else None
-            checks.append(EnvironmentCheck(env.name, spec.kind, spec.ref, "ok", digest_status, verdict, now))
+            checks.append(EnvironmentCheck(env.name, spec.kind, spec.ref, "ok", digest_status, verdict, now, hint))
     return checks

@@ -441,6 +441,9 @@ def _bench_table(summary: dict[str, Any]) -> None:
         )
     stdout.print(table)
     for v in summary["verifiers"]:
+        if (hint := v["process_hint"]) is not None:
+            stdout.print(f"hint: {v['kind']} {v['verifier']}: {hint['says']}", soft_wrap=True, markup=False)
+    for v in summary["verifiers"]:
         stdout.print(f"latency per item after start-up, {v['kind']} {v['verifier']}:", soft_wrap=True, markup=False)
         stdout.print(_histogram(v["histogram"]))
         usage = v["judge_usage"]
@@ -495,6 +498,9 @@ def check(config_path: Path) -> None:
         mark = Text("yes", style="green") if row.ok else Text("NO", style="bold red")
         table.add_row(*map(Text, cells), mark)
     stdout.print(table)
+    for row in checks:
+        if row.hint is not None:
+            stdout.print(f"hint: {row.environment}: {row.hint.says()}", markup=False, soft_wrap=True)
     pins = [f'{row.environment} = "{row.digest_now}"' for row in checks if row.digest_now]
     if pins:  # whole lines, to copy under [pins] once the code is vetted (the table folds them)
         stdout.print("digests to pin under [pins], after vetting:\n" + "\n".join(pins), markup=False, soft_wrap=True)

@@ -17,10 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 from cli_support import PLUGIN_ENV, RUBRICS, Ran, Workspace, make_workspace, row, rows, write_rows
 from conftest import add_endpoint_env, add_env, add_rubric_env, process_twin
 from servers import Request, Response, Server, score
 
+from engine._verifiers.plugin.pool import default_workers
 from engine.cli import EXIT_OK, EXIT_VERIFICATION
 
 
@@ -287,3 +289,48 @@ def test_latency_histogram_shows_two_modes(tmp_path: Path) -> None:
     assert table.returncode == EXIT_OK, table.stderr
     assert f"latency per item after start-up, endpoint {server.url}/score:" in table.stdout
     assert "█" in table.stdout and " ms" in table.stdout
+
+
+# ~1 ms of pure Python a call: the GIL held throughout, one call at a time in the engine's threads
+SPIN = """\
+def score(task, trajectory):
+    total = 0
+    for i in range(20_000):
+        total += i * i % 7
+    return 1.0
+"""
+
+
+def add_spinner(space: Workspace, name: str = "spin") -> str:
+    add_env(space.envs, name, "plugin", "verify:score")
+    (space.envs / name / "verify.py").write_text(SPIN)
+    return name
+
+
+@pytest.mark.skipif(default_workers() < 2, reason="worker processes gain nothing on one core: no hint")
+def test_bench_says_when_a_cpu_bound_thread_plugin_would_use_every_core(tmp_path: Path) -> None:
+    """The engine does not switch executors by itself; bench says when a thread plugin would gain from processes.
+
+    Not for a cheap plugin (a worker's round trip would be much of its call), one that waits (a sleep),
+    nor one that already runs in processes.
+    """
+    space = make_workspace(tmp_path, PLUGIN_ENV)  # the cheap one
+    spin = add_spinner(space)
+    twin = process_twin(space.envs, spin, workers=1)
+    sleepy = add_sleeper(space, "sleepy", 0.005)
+    items = rows(300) + [dict(r, environment=name) for name in (spin, twin, sleepy) for r in rows(60)]
+    inp = write_rows(space.root / "in.jsonl", items)
+
+    result = space.run("bench", inp, "--config", space.config, "--json")
+    assert result.returncode == EXIT_OK, result.stderr
+    hints = {v["verifier"]: v["process_hint"] for v in orjson.loads(result.stdout)["verifiers"]}
+    hint = hints.pop(f"{spin}/verify:score")
+    assert hints == {f"{PLUGIN_ENV}/verify:score": None, f"{twin}/verify:score": None, f"{sleepy}/verify:score": None}
+    assert hint is not None and hint["cores"] == default_workers()
+    assert hint["cpu_share"] > 0.5 and hint["call_ms"] >= 0.05
+    assert f'"executor": "process" in its manifest\'s verifier would use {default_workers()} cores' in hint["says"]
+
+    table = space.run("bench", inp, "--config", space.config)
+    assert table.returncode == EXIT_OK, table.stderr
+    said = [line for line in table.stdout.splitlines() if line.startswith("hint: ")]
+    assert len(said) == 1 and said[0].startswith(f"hint: plugin {spin}/verify:score: CPU-bound ("), table.stdout

@@ -7,11 +7,14 @@ item-by-item calls would give: rewards in order, and a failure pinned to the rig
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
+from asserts import check_error
 from conftest import item, plugin_module, process_twin
 from polling import eventually
 
@@ -224,3 +227,93 @@ async def test_cpu_bound_calls_run_one_chunk_at_a_time(config: EngineConfig, env
                 break
         else:
             raise AssertionError(f"never one long chunk at a time: chunks per batch {chunks}")
+
+
+class Watched(Mapping[str, Any]):
+    """A task that notes the thread of every read of it in ``readers``, and can refuse to be read."""
+
+    def __init__(self, fields: dict[str, Any], readers: set[int], broken: bool = False) -> None:
+        self._fields, self._readers, self._broken = fields, readers, broken
+
+    def _read(self) -> None:
+        self._readers.add(threading.get_ident())
+        if self._broken:
+            raise OSError("the task's store is gone")
+
+    def __getitem__(self, key: str) -> Any:
+        self._read()
+        return self._fields[key]
+
+    def __iter__(self) -> Iterator[str]:
+        self._read()
+        return iter(self._fields)
+
+    def __len__(self) -> int:
+        self._read()
+        return len(self._fields)
+
+
+async def test_a_process_plugins_items_are_read_off_the_event_loop(envs: Path) -> None:
+    """Every item of a process call is read (and its pair built and pickled) in the worker's thread.
+
+    Before, each of a lane's 64 tasks built its chunk's pairs on the event loop before its first
+    await, which held the loop ~200 ms at the start of every 200k-item batch.
+    """
+    name = process_twin(envs, "cheap", workers=1)
+    readers: set[int] = set()
+    items = [{**item(name, n=n), "task": Watched({"n": n}, readers)} for n in range(SIZE)]
+    async with engine.Engine(EngineConfig(environments=envs, allow_unpinned=True)) as eng:
+        first = await eng.score(items[:2_000])  # one item a call at first, then chunks
+        assert eng._verifier(name).chunk_size(SIZE) > 1
+        rewards = await eng.score(items)
+    assert first == [(n % 7) / 7 for n in range(2_000)]
+    assert rewards == [(n % 7) / 7 for n in range(SIZE)]
+    assert readers  # the tasks were read, each item's
+    assert threading.get_ident() not in readers  # and never on the loop's thread (this test's)
+
+
+async def test_a_process_chunks_bad_items_are_named_past_its_first_piece(envs: Path) -> None:
+    """A chunk's pairs are built and pickled a piece at a time: a failure names the item, not its place in a piece."""
+    name = process_twin(envs, "cheap", workers=1)
+    items = [item(name, f"answer {n}", item_id=f"row-{n}", n=n) for n in range(SIZE)]
+    async with engine.Engine(EngineConfig(environments=envs, allow_unpinned=True)) as eng:
+        await eng.score(items[:2_000])
+        assert eng._verifier(name).chunk_size(SIZE) > 5_000  # the items below are past a chunk's first piece
+        broken = [*items]
+        broken[5_001] = {**items[5_001], "task": Watched({"n": 5_001}, set(), broken=True)}
+        with pytest.raises(VerificationError) as info:
+            await eng.score(broken)
+        check_error(
+            info.value, "verify:score", "cannot read the item's task", kind="plugin", environment=name, index=5_001,
+            item_id="row-5001",
+        )
+        broken = [*items]
+        broken[9_001] = {key: value for key, value in items[9_001].items() if key != "trajectory"}
+        with pytest.raises(ValueError, match=r"item 9001 has no 'trajectory'"):
+            await eng.score(broken)
+        unpicklable = [*items]
+        unpicklable[7_003] = item(name, item_id="row-7003", n=7_003, lock=threading.Lock())
+        with pytest.raises(VerificationError) as info:
+            await eng.score(unpicklable)
+        check_error(
+            info.value, "verify:score", "cannot pass the item", kind="plugin", environment=name, index=7_003,
+            item_id="row-7003",
+        )
+        assert await eng.score(items) == [(n % 7) / 7 for n in range(SIZE)]  # its worker still scores
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_a_process_lane_is_chunked_per_worker_not_per_task(envs: Path, workers: int) -> None:
+    """A lane's 64 tasks take chunks at once, but only its workers run them: chunks are sized per worker.
+
+    Sized per task, the last part of each batch went to the workers in ever smaller chunks (~400 round
+    trips here, each costing the engine's process CPU its workers could have used); sized from a
+    worker's share, split finer only at the end, it takes ~90-110 (of which the last 64 items, one each).
+    """
+    name = process_twin(envs, "cheap", workers=workers)
+    items = [item(name, n=n) for n in range(SIZE)]
+    async with engine.Engine(EngineConfig(environments=envs, allow_unpinned=True)) as eng:
+        await eng.score(items[:2_000])  # chunks are sized after this
+        result = await eng.run(items)
+    assert result.rewards == [(n % 7) / 7 for n in range(SIZE)]
+    assert len(result.verifiers[0].latencies) < 200  # one latency per round trip

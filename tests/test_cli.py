@@ -53,6 +53,7 @@ from engine import digest_directory
 from engine._backfill.checkpoint import state_path
 from engine._backfill.run import open_run
 from engine._backfill.writer import partial_path
+from engine._verifiers.plugin.pool import default_workers
 from engine.cli import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_IO, EXIT_OK, EXIT_VERIFICATION, _Commands, _outcome, cli
 
 JUDGE_SCORE = 4  # what the test judge answers for every item
@@ -870,3 +871,38 @@ def test_the_example_job_on_a_copy_of_examples(tmp_path: Path) -> None:
     assert check_row(check.stdout, "math") == ["math", "plugin", "verify:score", "ok", "ok", "ok", "yes"]  # its example
     helpfulness = check_row(check.stdout, "helpfulness")
     assert helpfulness[-1] == "NO" and squeezed("no [judge]") in squeezed(helpfulness[5])
+
+
+SPIN = """\
+def score(task, trajectory):
+    total = 0
+    for i in range(20_000):
+        total += i * i % 7
+    return 1.0
+"""
+SLEEPY = "import time\n\n\ndef score(task, trajectory):\n    time.sleep(0.005)\n    return 1.0\n"
+
+
+@pytest.mark.skipif(default_workers() < 2, reason="no hint on one core")
+def test_check_says_when_a_cpu_bound_thread_plugin_would_use_every_core(tmp_path: Path) -> None:
+    """A thread plugin whose example measured CPU-bound gets one line: processes would use every core."""
+    space = make_workspace(tmp_path, PLUGIN_ENV)  # a cheap plugin
+    example = {"example": {"task": {"n": 1}, "trajectory": "answer 1"}}
+    manifest = space.envs / PLUGIN_ENV / "manifest.json"
+    manifest.write_bytes(orjson.dumps({**orjson.loads(manifest.read_bytes()), **example}))
+    for name, code, executor in [("spin", SPIN, "thread"), ("spin_process", SPIN, "process"),
+                                 ("sleepy", SLEEPY, "thread")]:
+        add_env(space.envs, name, "plugin", "verify:score", **example)
+        (space.envs / name / "verify.py").write_text(code)
+        if executor == "process":
+            data = orjson.loads((space.envs / name / "manifest.json").read_bytes())
+            data["verifier"].update({"executor": "process", "workers": 1})
+            (space.envs / name / "manifest.json").write_bytes(orjson.dumps(data))
+    result = done(space.run("check", "--config", space.config))
+
+    for name in ("spin", "spin_process", "sleepy", PLUGIN_ENV):
+        assert check_row(result.stdout, name)[-1] == "yes"
+    said = [line for line in result.stdout.splitlines() if line.startswith("hint: ")]
+    cores = default_workers()
+    assert len(said) == 1 and said[0].startswith("hint: spin: CPU-bound ("), result.stdout
+    assert said[0].endswith(f'"executor": "process" in its manifest\'s verifier would use {cores} cores')

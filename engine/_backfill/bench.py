@@ -10,6 +10,8 @@ limit: its own, the engine-wide cap, the judge's) and the verifier itself. Rates
 run (min, median, max over the runs); time sums, latencies, retries and usage are pooled over all
 runs. The file is read and scored as ``engine score`` reads it (:func:`engine._backfill.run.score_chunks`):
 a bad row or a verification error aborts the benchmark, naming the row: a fast zero is not a result.
+A thread-executor plugin whose calls measured CPU-bound and costly enough gets a hint that
+``"executor": "process"`` would use more cores (``engine._check.process_hint``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ import httpx
 
 from engine._backfill.input import Row, open_rows
 from engine._backfill.run import score_chunks
+from engine._check import process_hint
 from engine._config import EngineConfig
+from engine._core.contract import ProcessHint
 from engine._core.report import BatchResult, LatencyHistogram, VerifierTotals
 from engine._engine import Engine
 
@@ -42,12 +46,15 @@ class Measured:
 
     ``active``: its active spans added up (its latencies, less their start-up, are in the run's
     ``VerifierTotals``); ``startup``: the seconds each call that started it up spent so (``meters.starting``);
-    ``spent``: what its calls cost (a judge's requests and tokens).
+    ``spent``: what its calls cost (a judge's requests and tokens); ``plugin_environment``: a plugin's environment (None
+    for other kinds); ``hint``: worker processes would gain it cores (a CPU-bound thread plugin), as of the run's end.
     """
 
     active: float = 0.0
     startup: list[float] = field(default_factory=list)
     spent: Counter[str] = field(default_factory=Counter)
+    plugin_environment: str | None = None
+    hint: ProcessHint | None = None
 
 
 @dataclass
@@ -69,6 +76,8 @@ class BenchRun:
             measured.active += report.active
             measured.startup += report.startup
             measured.spent.update(report.spent)
+            if report.kind == "plugin":
+                measured.plugin_environment = report.provenance.get("environment")
 
 
 async def bench_file(
@@ -89,6 +98,9 @@ async def bench_file(
             with open_rows(input_path) as rows:
                 await score_chunks(engine, rows, batch_size, run.verifiers, run.add)
             run.seconds = perf_counter() - started
+            for measured in run.measured.values():
+                if measured.plugin_environment is not None:
+                    measured.hint = process_hint(engine, measured.plugin_environment)
             runs.append(run)
     return runs
 
@@ -137,6 +149,7 @@ def _verifier(key: str, runs: list[BenchRun]) -> dict[str, Any]:
         "waiting_share": waited / (waited + busy) if waited + busy else 0.0,
         "mean_reward": sum(t.reward_sum for t in totals) / items if items else math.nan,
         "judge_usage": dict(spent),
+        "process_hint": measured[-1].hint.as_dict() if measured and measured[-1].hint is not None else None,
     }
 
 

@@ -13,6 +13,7 @@ import math
 import numbers
 import re
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from decimal import Decimal
 from gc import is_tracked
 from typing import Any, Protocol, TypeGuard, overload, runtime_checkable
@@ -26,8 +27,10 @@ __all__ = [
     "BadItem",
     "BadReward",
     "ChunkedVerifier",
+    "HintingVerifier",
     "Items",
     "MalformedItem",
+    "ProcessHint",
     "Verifier",
     "VerifyFn",
     "as_rewards",
@@ -121,6 +124,38 @@ class ChunkedVerifier(Verifier, Protocol):
         A failure raises :class:`~engine._errors.Failure` whose ``position`` is the failing item's
         place in ``items``, or :class:`MalformedItem` for an item without a task or trajectory.
         """
+        ...
+
+
+@dataclass(frozen=True)
+class ProcessHint:
+    """A thread-executor plugin measured CPU-bound: its calls' cost, and the cores worker processes would use.
+
+    The engine does not switch executors by itself: worker processes change what a plugin may share
+    (no module state across items, tasks that pickle), so it says so instead (``engine bench``, ``engine check``).
+    """
+
+    call_seconds: float
+    cpu_share: float  # of a call's wall time, on a CPU (holding the GIL, for Python code)
+    cores: int
+
+    def says(self) -> str:
+        return (
+            f"CPU-bound ({self.call_seconds * 1e3:.3g} ms a call, {self.cpu_share:.0%} of it on a CPU, one call at a "
+            f'time under the GIL): "executor": "process" in its manifest\'s verifier would use {self.cores} cores'
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"call_ms": self.call_seconds * 1e3, "cpu_share": self.cpu_share, "cores": self.cores,
+                "says": self.says()}
+
+
+@runtime_checkable
+class HintingVerifier(Verifier, Protocol):
+    """A verifier that can say, from its calls so far, that another executor would serve it better (a plugin)."""
+
+    def process_hint(self) -> ProcessHint | None:
+        """Worker processes would use more cores for it (what its calls measured), or None."""
         ...
 
 

@@ -16,18 +16,22 @@ paid for the trainer script's module-level imports (a model library: seconds, an
 MiB), and a script without ``if __name__ == "__main__":`` could not use workers at all. A worker
 imports only its own module (which imports none of the engine's event loop or HTTP stack) and the
 plugin, from the snapshot of the environment's sources the engine vetted: never from the disk, so
-a file changed since the check does not run. It is sent *chunks*, lists of ``(task, trajectory)``
-pairs, one round trip each; a chunk the worker cannot unpickle (a class of the trainer's
+a file changed since the check does not run. It is sent *chunks*, the tasks and trajectories of
+some items, one round trip each; a chunk the worker cannot unpickle (a class of the trainer's
 ``__main__``) is sent again as items pickled one by one, to name the one that fails.
 
 The engine's deadline is per item: when a worker overruns it (it is then killed with SIGKILL) or
 dies, the few bytes of progress it shares with the engine say which item it was running. A killed
 or dead worker is replaced by a fresh one when next needed.
 
-The engine's side of a round trip is blocking code in a thread that belongs to the worker (pickle
-and send the chunk, wait on the pipe and the process's sentinel until the deadline, receive), so a
-large chunk is never pickled on the event loop; a round trip costs ~150 us. When the caller is
-cancelled (its batch aborted), the worker is killed, which ends that round trip at once.
+The engine's side of a round trip is blocking code in a thread that belongs to the worker: read
+the chunk's items (a view of the batch, :func:`encode`) and pickle their tasks and trajectories,
+send, wait on the pipe and the process's sentinel until the deadline, receive and unpickle the
+rewards. Nothing of a chunk's size runs on the event loop (measured before: 64 lanes building
+their pairs there held it ~200 ms at the start of each 200k-item batch), and the items are
+pickled :data:`PIECE` at a time, so no single call of the C pickler holds the GIL from the loop for
+long. A round trip costs ~150 us. When the caller is cancelled (its batch aborted), the worker is
+killed, which ends that round trip at once.
 
 A worker inherits three descriptors: its end of the pipe, the few bytes of progress (a file
 mapped by both), and the read end of a pipe whose write end only the engine's process holds, so
@@ -82,7 +86,7 @@ __all__ = [
     "WorkerPool",
     "as_dict",
     "default_workers",
-    "pairs_of",
+    "encode",
 ]
 
 T = TypeVar("T")
@@ -90,6 +94,7 @@ T = TypeVar("T")
 STARTUP_TIMEOUT = 60.0  # seconds for a worker's interpreter to start, before it imports the plugin
 CLOSE_GRACE = 2.0  # seconds an idle worker has to exit once its pipe is closed, before SIGKILL
 JOIN_POLL = 0.005  # seconds between looks at a worker that should exit, where there are no pidfds
+PIECE = 2048  # items pickled per call of the pickler (~1 ms of GIL held at ~0.5 us an item)
 
 logger = logging.getLogger("engine")
 
@@ -134,13 +139,17 @@ def as_dict(position: int, task: Mapping[str, Any]) -> dict[str, Any]:
         raise BadItem(position, f"cannot read the item's task: {describe(exc)}") from exc
 
 
-def pairs_of(items: Sequence[Mapping[str, Any]], environment: str) -> list[tuple[dict[str, Any], Any]]:
-    """The ``(task, trajectory)`` of each item up to the first of another environment, each task a dict.
+def columns_of(items: Sequence[Mapping[str, Any]], environment: str) -> tuple[list[dict[str, Any]], list[Any]]:
+    """The tasks and the trajectories of items up to the first of another environment, each task a dict.
 
-    Raises :class:`MalformedItem` at the first item that has no task or trajectory, :class:`BadItem`
-    at the first whose task cannot be read as a dict.
+    Two lists of what the items hold, not a ``(task, trajectory)`` tuple per item: nothing new per
+    item for the collector to track (tuples made by the hundred thousand, alive while a chunk is
+    pickled, were promoted to its oldest generation and set off full collections, ~100-200 ms of
+    the event loop's time, every few batches). Raises :class:`MalformedItem` at the first item that
+    has no task or trajectory, :class:`BadItem` at the first whose task cannot be read as a dict.
     """
-    pairs = []
+    tasks: list[dict[str, Any]] = []
+    trajectories: list[Any] = []
     for position, item in enumerate(items):
         try:
             task, trajectory, name = item["task"], item["trajectory"], item["environment"]
@@ -152,8 +161,45 @@ def pairs_of(items: Sequence[Mapping[str, Any]], environment: str) -> list[tuple
             if not isinstance(task, Mapping):
                 raise MalformedItem(position)
             task = as_dict(position, task)
-        pairs.append((task, trajectory))
-    return pairs
+        tasks.append(task)
+        trajectories.append(trajectory)
+    return tasks, trajectories
+
+
+def _shifted(exc: BadItem | MalformedItem, offset: int) -> BadItem | MalformedItem:
+    """``exc``, raised for a piece of a chunk, at its position in the chunk (``offset`` is the piece's)."""
+    if isinstance(exc, MalformedItem):
+        return MalformedItem(exc.position + offset)
+    return BadItem((exc.position or 0) + offset, exc.reason)
+
+
+def encode(items: Sequence[Mapping[str, Any]], environment: str) -> tuple[int, list[bytes]]:
+    """How many of ``items`` a chunk holds (up to the first of another environment), and the pickles
+    of their tasks and trajectories (:func:`columns_of`), :data:`PIECE` items each: what a chunk sends.
+
+    Runs in a worker's thread, never on the event loop: it reads every item (a view of the batch,
+    sliced a piece at a time) and pickles them. Each piece is one call of the C pickler, which holds
+    the GIL until it returns; pieces keep that short. Raises as :func:`columns_of` does, positions
+    in ``items``, and :class:`WorkerFailure` at the first item that cannot be pickled.
+    """
+    count = 0
+    pieces: list[bytes] = []
+    for start in range(0, len(items), PIECE):
+        try:
+            tasks, trajectories = columns_of(items[start : start + PIECE], environment)
+        except (BadItem, MalformedItem) as exc:
+            raise _shifted(exc, start) from exc.__cause__
+        if not tasks:
+            break
+        try:
+            pieces.append(bytes(ForkingPickler.dumps((tasks, trajectories))))
+        except Exception as exc:  # pickling fails before anything is sent: the worker is fine
+            position = start + _unpicklable(list(zip(tasks, trajectories, strict=True)))
+            raise WorkerFailure(f"cannot pass the item to a worker process: {describe(exc)}", position) from exc
+        count += len(tasks)
+        if len(tasks) < PIECE:  # the end of the items, or an item of another environment
+            break
+    return count, pieces
 
 
 # --- the worker processes ---
@@ -494,25 +540,28 @@ class _Worker:
         except Exception as exc:  # the process cannot be started (no memory, no pids left, ...)
             raise self._give_up(f"its worker process failed: {describe(exc)}") from exc
 
-    def call(self, pairs: Sequence[Pair], timeout: float) -> tuple[list[float], Cost]:
-        """Score ``pairs``: each call within ``timeout`` s, or the worker is killed and the item fails."""
+    def call(self, items: Sequence[Mapping[str, Any]], timeout: float) -> tuple[list[float], Cost]:
+        """Score ``items`` up to the first of another environment: each call within ``timeout`` s, or the
+        worker is killed and the item fails. Fewer rewards than items: the next is another environment's.
+
+        Raises :class:`MalformedItem` or :class:`BadItem` for an item that cannot be read (before anything
+        is sent: the worker is fine).
+        """
+        count, pieces = encode(items, self.spec.environment)
+        if not count:
+            return [], (0.0, 0.0)
         try:
             progress = self._progress
-            progress[0], progress[1] = NOWHERE if len(pairs) > 1 else 0, monotonic()
-            try:
-                self.conn.send(pairs)
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # it died while idle, or while reading the chunk: the wait below says how
-            except Exception as exc:  # pickling fails before anything is sent: the worker is fine
-                raise WorkerFailure(
-                    f"cannot pass the item to a worker process: {describe(exc)}", _unpicklable(pairs)
-                ) from exc
+            progress[0], progress[1] = NOWHERE if count > 1 else 0, monotonic()
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # it died: the wait below says how
+                self.conn.send(pieces)
             try:
                 reply = self._receive(lambda: progress[1] + timeout)
             except _Overran:
                 raise self._give_up(f"timed out after {timeout:g} s") from None
-            if reply[0] == "unpicklable":
-                reply = self._probe(pairs, reply[1], timeout)
+            if reply[0] == "unpicklable":  # a failure path: the items are read again, to pickle one by one
+                tasks, trajectories = columns_of(items[:count], self.spec.environment)
+                reply = self._probe(list(zip(tasks, trajectories, strict=True)), reply[1], timeout)
         except WorkerFailure:
             raise
         except Exception as exc:  # the pipe failed in a way a dead worker does not explain
@@ -618,15 +667,17 @@ class WorkerPool:
             worker.busy = False
             self._idle.append(worker)
 
-    async def call(self, pairs: Sequence[Pair]) -> tuple[list[float], Cost]:
-        """The rewards of ``pairs`` and what the calls cost, from one worker in one round trip.
+    async def call(self, items: Sequence[Mapping[str, Any]]) -> tuple[list[float], Cost]:
+        """The rewards of ``items`` (up to the first of another environment) and what the calls cost, from
+        one worker in one round trip. The items are read in the worker's thread (``_Worker.call``): what the
+        event loop does here is the same for one item as for a chunk of 100,000.
 
         Queued for a free worker is waiting (``meters.waiting``), as for any limit: not time in the plugin.
         """
         async with meters.held(self._slots):
             worker = await self._take()
             try:
-                return await self._in_thread(worker, functools.partial(worker.call, pairs, self.timeout))
+                return await self._in_thread(worker, functools.partial(worker.call, items, self.timeout))
             finally:
                 self._give_back(worker)
 

@@ -62,13 +62,13 @@ import anyio.to_thread
 
 from engine._config import Limits
 from engine._core import meters
-from engine._core.contract import BadItem, MalformedItem, as_rewards, is_async, private_pair
+from engine._core.contract import BadItem, MalformedItem, ProcessHint, as_rewards, is_async, private_pair
 from engine._core.threads import KeptThread, in_thread, wait_future
 from engine._environments.digest import MANIFEST, Pin, Snapshot, pin_verdict, snapshot_directory
 from engine._environments.manifest import Environment
 from engine._errors import DigestError, Failure
 from engine._verifiers.plugin.importer import PluginLoadError, forget, load_plugin, said
-from engine._verifiers.plugin.pool import WorkerFailure, WorkerPool, as_dict, default_workers, pairs_of
+from engine._verifiers.plugin.pool import WorkerFailure, WorkerPool, default_workers
 from engine._verifiers.plugin.threads import Abandoned, Turns, run_chunk, timed
 from engine._verifiers.plugin.wire import Cost, PluginSpec
 
@@ -81,6 +81,11 @@ STEP_SECONDS = 0.001  # a chunk's thread checks this often that its caller still
 PARALLEL_CHUNK_SECONDS = 0.3  # for waiting calls, run in parallel; a lane's last chunks are split finer
 CPU_BOUND = 0.5  # a call whose thread is on a CPU more than this share of its time is CPU-bound
 PROCESS_CHUNK_SECONDS = 0.05  # work per round trip to a worker process
+PROCESS_SPLIT = 4  # a process chunk is at most this fraction of what is left per worker: the end is split finer
+# A CPU-bound thread plugin whose calls take at least this long would gain from worker processes: what a
+# call costs the engine's process on top (pickling its pair, its share of a round trip) is then a small
+# share of it (measured on 2 cores: from ~50 us a call the process executor ran ahead of one thread).
+PROCESS_HINT_CALL = 50e-6
 MAX_CHUNK = 1 << 18  # items: bounds what one chunk holds (its values and rewards, ~2 MiB of pointers each)
 
 
@@ -128,6 +133,8 @@ class PluginVerifier:
         self._imported: list[Snapshot] = []  # every snapshot an import was tried from: forgotten at close
         self._chunk = 1  # items per call, adapted to the measured cost of a call
         self._step = 1  # items between a chunk's checks that it is still wanted
+        self._spent = (0.0, 0.0)  # process executor: (wall seconds, items) of recent chunks, decaying
+        self._costs = [0.0, 0.0, 0.0]  # thread executor: wall and CPU seconds, and items, of recent calls, decaying
         self._serial = False  # whether chunks run one at a time (cheap calls) or in parallel
         # Chunks of one plugin run one at a time: they are cheap Python calls by construction, and
         # under the GIL a second thread only slows the first down (measured: 1.7M vs 2.1M items/s).
@@ -271,14 +278,34 @@ class PluginVerifier:
                 await pool.aclose()
 
     def chunk_size(self, share: int) -> int:
-        """Items per call: more than one once calls are measured (the first calls go one at a time)."""
+        """Items per call: more than one once calls are measured (the first calls go one at a time).
+
+        ``share`` is the lane's items left per task, rounded up, and a lane has ``max_concurrency``
+        tasks. A process lane's tasks take their chunks at once but only ``workers`` of them run at a
+        time (the rest wait for a worker holding theirs): its chunks are sized from what is surely
+        left per *worker*, a ``PROCESS_SPLIT``th of it, so they shrink only near the end (and a batch
+        of a few items still goes one item to each worker). Sized per task, as a thread lane's, the
+        last third of a batch went in ever smaller chunks, ~650 round trips for 10,000 items of 1 ms,
+        whose ~0.8 ms each of the engine's own CPU was taken from the workers' cores.
+        """
+        if self._process:
+            assert self.workers is not None  # set for the process executor
+            left = (share - 1) * self.limits.max_concurrency + 1  # at least this many: share was rounded up
+            return max(1, min(self._chunk, left // self.workers // PROCESS_SPLIT))
         return self._chunk if self._serial else min(self._chunk, share)
 
     def _measured(self, cost: Cost, items: int) -> None:
         """Size the next chunks, and choose how they run, from what the calls just cost."""
         wall, cpu = cost
         per_call = max(wall / items, 1e-9)
+        if not self._process:  # for process_hint(): the last calls weigh most (the first ones shared the GIL)
+            costs = self._costs
+            costs[0], costs[1], costs[2] = costs[0] / 2 + wall, costs[1] / 2 + cpu, costs[2] / 2 + items
         if self._process:  # each worker has its own interpreter: chunks always run in parallel
+            # A call's cost over the last chunks, weighted by their items: the few items a batch ends on
+            # (their wall time mostly a worker's wake-up) do not shrink the next batch's chunks 100-fold.
+            self._spent = (self._spent[0] / 2 + wall, self._spent[1] / 2 + items)
+            per_call = max(self._spent[0] / self._spent[1], 1e-9)
             budget = PROCESS_CHUNK_SECONDS
         else:
             # Cheap calls, and calls that keep a CPU busy (holding the GIL, as Python code does), gain
@@ -288,6 +315,23 @@ class PluginVerifier:
         budget = min(budget, self.limits.timeout / 10)
         self._chunk = max(1, min(MAX_CHUNK, int(budget / per_call)))
         self._step = max(1, min(self._chunk, int(STEP_SECONDS / per_call)))
+
+    def process_hint(self) -> ProcessHint | None:
+        """A hint that worker processes would use more cores, if its calls so far say so; else None.
+
+        For a sync thread-executor plugin whose measured calls are CPU-bound (on a CPU more than
+        ``CPU_BOUND`` of their time, the rule that runs them one at a time) and take at least
+        ``PROCESS_HINT_CALL`` each, on a machine where this process may use more than one core. The
+        calls are weighed by their items, halved at each measurement: a batch's first calls, one item
+        each in parallel threads, shared the GIL and look less CPU-bound than the chunks after them.
+        """
+        wall, cpu, items = self._costs
+        cores = default_workers()
+        if self._process or self._is_async or not items or cores < 2:
+            return None
+        if cpu <= CPU_BOUND * wall or wall / items < PROCESS_HINT_CALL:
+            return None
+        return ProcessHint(wall / items, cpu / wall, cores)
 
     def _check_abandoned(self) -> None:
         """Refuse to start a thread call while too many abandoned ones still run."""
@@ -319,8 +363,10 @@ class PluginVerifier:
         failure.of_environment = exc.of_environment  # a worker that could not import the plugin
         return failure
 
-    async def _in_process(self, pairs: Sequence[tuple[Mapping[str, Any], Any]]) -> list[float]:
-        """The rewards of ``pairs`` from a worker process, in one round trip."""
+    async def _in_process(self, items: Sequence[Mapping[str, Any]]) -> list[float]:
+        """The rewards of ``items`` (up to the first of another environment) from a worker process, in one
+        round trip. The items are read, and their rewards made, in the worker's thread (``WorkerPool.call``):
+        the event loop's part is the same for any number of them."""
         with anyio.move_on_after(self.limits.timeout) as deadline:
             await self._loaded()
         if deadline.cancelled_caught:
@@ -331,19 +377,19 @@ class PluginVerifier:
         if pool is None:
             raise RuntimeError("this plugin's engine is closed")
         try:
-            rewards, cost = await pool.call(pairs)
+            rewards, cost = await pool.call(items)
         except WorkerFailure as exc:
             raise self._failure(exc) from exc.cause
-        self._measured(cost, len(pairs))
+        except BadItem as exc:  # a task that cannot be read as a dict
+            raise self._fail(exc.reason, exc.position) from exc.__cause__
+        if rewards:
+            self._measured(cost, len(rewards))
         return rewards
 
     async def verify(self, task: Mapping[str, Any], trajectory: Any) -> float:
         if self._process:
-            try:
-                task = as_dict(0, task)
-            except BadItem as exc:
-                raise self._fail(exc.reason) from exc.__cause__
-            return (await self._in_process([(task, trajectory)]))[0]
+            item = {"environment": self.environment.name, "task": task, "trajectory": trajectory}
+            return (await self._in_process([item]))[0]
         try:
             task, trajectory = private_pair(0, task, trajectory)
         except BadItem as exc:
@@ -391,11 +437,7 @@ class PluginVerifier:
 
     async def verify_chunk(self, items: Sequence[Mapping[str, Any]]) -> list[float]:
         if self._process:
-            try:
-                pairs = pairs_of(items, self.environment.name)
-            except BadItem as exc:
-                raise self._fail(exc.reason, exc.position) from exc.__cause__
-            return await self._in_process(pairs) if pairs else []
+            return await self._in_process(items)
         await self._loaded()
         fn = self._fn
         assert fn is not None  # imported
@@ -421,3 +463,4 @@ class PluginVerifier:
         if rewards:
             self._measured(cost, len(rewards))
         return rewards
+

@@ -17,10 +17,12 @@ Then, on the socket pair, engine ``->`` worker and back:
 1. ``("started",)`` once the interpreter runs; the engine sends the sources it vetted (a dict,
    relative path -> bytes), which the worker imports the plugin from; the worker answers
    ``("ready",)`` or ``("failed", reason, (type name, what it says, traceback) or None)``.
-2. Then chunks: a list of ``(task, trajectory)`` pairs. The answer is ``("done", rewards, (wall,
-   cpu))``, the rewards already finite floats; ``("raised", position, type name, what it says,
-   traceback)``: a plugin's exception, as text (it need not be picklable); ``("bad", position,
-   reason)``: an item that cannot be copied, or a value that is not a reward; or
+2. Then chunks: a list of pickles, each of ``(tasks, trajectories)``, two lists of some of the
+   chunk's items, in order (pickled a piece at a time so the engine's pickler never holds its GIL
+   long; columns, not a tuple per item, so the engine makes nothing per item to collect). The answer
+   is ``("done", rewards, (wall, cpu))``, the rewards already finite floats; ``("raised", position,
+   type name, what it says, traceback)``: a plugin's exception, as text (it need not be picklable);
+   ``("bad", position, reason)``: an item that cannot be copied, or a value that is not a reward; or
    ``("unpicklable", reason)``: a chunk the worker cannot unpickle (a class of the trainer's
    ``__main__``), after which the engine sends ``("probe", [each pair pickled alone])`` and the
    worker answers ``("bad", position, reason)`` naming the first that does not unpickle, or

@@ -72,7 +72,7 @@ def _serve_chunk(call: _Call, pairs: Sequence[Pair], progress: memoryview[float]
     """Call the plugin on each pair; the reply to send back.
 
     Each call is handed its own copy of its task and trajectory (``private_pair``), as in the
-    engine's threads: unpickled together, the items of a chunk that shared a task share it here too.
+    engine's threads: unpickled together, the items of a piece that shared a task share it here too.
     A value that is not a plain float, int or bool is turned into a reward with its item's position
     and start time in ``progress`` (its ``__float__`` is the plugin's code: it may hang, or end the
     process), so the engine's deadline and a death there name that item.
@@ -150,10 +150,15 @@ def _serve(conn: Connection, progress: memoryview[float], spec: PluginSpec) -> N
             return
         try:
             message = ForkingPickler.loads(data)
+            if type(message) is list:  # a chunk: its tasks and trajectories, pickled a piece at a time
+                pairs: list[Pair] = []
+                for piece in message:
+                    tasks, trajectories = ForkingPickler.loads(piece)
+                    pairs += zip(tasks, trajectories, strict=True)
         except BaseException as exc:  # pickled by the engine, but not unpicklable here (a class of its __main__)
             conn.send(("unpicklable", said(exc)))  # the engine then asks which item it was (a probe)
             continue
         if type(message) is tuple:  # a probe: ("probe", each item of the chunk that failed, pickled alone)
             conn.send(_first_unpicklable(message[1], progress))
         else:
-            conn.send(_serve_chunk(call, message, progress))
+            conn.send(_serve_chunk(call, pairs, progress))
