@@ -36,6 +36,26 @@ def test_adapters_import_only_the_public_engine_and_no_trainer() -> None:
         assert {name.split(".")[0] for name in names} & TRAINERS == set(), path.name
 
 
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def test_adapters_use_no_private_name_of_another_module() -> None:
+    """Public API only, of the standard library too: a private name (``threading._register_atexit``, say)
+    may change or go in any release."""
+    for path in sorted(ADAPTERS.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        nodes = list(ast.walk(tree))
+        modules = {alias.asname or alias.name.split(".")[0]
+                   for node in nodes if isinstance(node, ast.Import) for alias in node.names}
+        used = {f"{node.value.id}.{node.attr}" for node in nodes if isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name) and node.value.id in modules and is_private(node.attr)}
+        used |= {f"{node.module}.{alias.name}" for node in nodes if isinstance(node, ast.ImportFrom)
+                 and node.level == 0 and not (node.module or "").startswith("engine.adapters")
+                 for alias in node.names if is_private(alias.name)}
+        assert used == set(), (path.name, used)
+
+
 def test_importing_every_adapter_imports_no_trainer_and_starts_nothing() -> None:
     probe = (
         "import sys, threading\n"
