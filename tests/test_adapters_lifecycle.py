@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from adapter_support import LoopThread
 from cli_support import child_env
-from conftest import add_endpoint_env
+from conftest import add_endpoint_env, add_env, process_twin
 from polling import wait_until
 from servers import Server
 
@@ -47,6 +47,57 @@ def test_a_script_exits_by_itself_with_its_engines_closed(engine_toml: Path, tmp
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["[0.25]", "[0.75]", "child 0"]
     assert done.stderr == ""
+
+
+FAREWELL = """
+import atexit, os
+
+def _closed() -> None:  # runs when the worker's interpreter ends by itself: its engine closed its pipe
+    with open({marker!r}, "a") as out:
+        out.write(f"{{os.getpid()}}\\n")
+
+atexit.register(_closed)
+
+def score(task, trajectory):
+    with open({scored!r}, "a") as out:
+        out.write(f"{{os.getpid()}}\\n")
+    return 0.5
+"""
+
+CLOSING = """
+import asyncio, sys, threading
+from engine.adapters.trl import AsyncEngineReward, EngineReward
+
+config = sys.argv[1]
+sync = EngineReward(config, environment="farewell_process")  # on the adapters' own loop
+print(sync(prompts=["p"], completions=["c"]))
+loop = asyncio.new_event_loop()  # TRL's: a loop for ever in a daemon thread, never closed
+threading.Thread(target=loop.run_forever, daemon=True).start()
+reward = AsyncEngineReward(config, environment="farewell_process")
+print(asyncio.run_coroutine_threadsafe(reward(prompts=["p"], completions=["c"]), loop).result(60))
+# no close: at exit the adapters close both engines, and each closes its plugin's worker process
+"""
+
+
+def test_at_exit_the_engines_close_their_worker_processes(envs: Path, engine_toml: Path, tmp_path: Path) -> None:
+    """Closed, not killed: each worker's own exit hook runs, which a worker killed by the plugin pool's
+    exit hook, or by its watchdog once the script is gone, never runs. A loop in a thread the
+    interpreter joins before its exit hooks would hang the exit instead."""
+    marker, scored = tmp_path / "closed.txt", tmp_path / "scored.txt"
+    add_env(envs, "farewell", "plugin", "verify:score")
+    (envs / "farewell" / "verify.py").write_text(FAREWELL.format(marker=str(marker), scored=str(scored)))
+    process_twin(envs, "farewell")  # farewell_process, which the script uses
+    script = tmp_path / "train.py"
+    script.write_text(CLOSING)
+    command = [sys.executable, str(script), str(engine_toml)]
+    done = subprocess.run(command, env=child_env(None), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["[0.5]", "[0.5]"]
+    assert done.stderr == ""
+    workers = set(scored.read_text().split())
+    assert len(workers) >= 2  # one per engine: the adapters' loop's and the trainer loop's
+    assert marker.is_file(), "no worker was closed: they were killed"
+    assert set(marker.read_text().split()) == workers
 
 
 def test_each_event_loop_gets_its_own_engine(engine_toml: Path) -> None:

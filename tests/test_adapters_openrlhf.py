@@ -84,6 +84,17 @@ def test_without_an_environment_it_says_which_variable(reward_func: Any, monkeyp
         reward_func(["q"], ["q"], ["l"])
 
 
+def test_without_an_environment_it_names_the_sample_whose_label_needs_one(
+    reward_func: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As ``engine serve``'s /get_reward does: the two share one mapping of OpenRLHF's samples."""
+    monkeypatch.delenv("ENGINE_ENVIRONMENT")
+    labels = [{"environment": "arith", "task": {"reference": "1"}}, "2"]  # an item, then a reference
+    with pytest.raises(ValueError, match=r"^sample 1: its label is not an item .*ENGINE_ENVIRONMENT is not set"):
+        reward_func(["p 1", "p 2"], ["p ", "p "], labels)
+    assert reward_func(["p 1"], ["p "], labels[:1])["rewards"] == [1.0]  # an item needs no environment
+
+
 def test_a_label_that_is_an_item_names_its_environment_task_and_id(reward_func: Any) -> None:
     import orjson
 

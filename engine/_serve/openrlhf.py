@@ -1,19 +1,16 @@
 """``POST /get_reward``: OpenRLHF's remote reward protocol, turned into a batch of items and back.
 
 OpenRLHF (``--reward.remote_url``) posts ``{"query": [...], "prompts": [...], "labels": [...]}``, one
-entry per sample, and reads ``{"rewards": [...], "scores": [...], "extra_logs": {...}}``. A query is
-the prompt followed by the response: the trajectory is the query with its prompt taken off the front
-(the whole query when it does not start with it). A label that is a JSON object, or a string holding
-one, is the item (``environment``, ``task``, optional ``id``); any other label is the task's
-``reference``, in the environment the service was started with (``--environment``), the prompt as
-the task's ``prompt`` (what a rubric grades).
+entry per sample, and reads ``{"rewards": [...], "scores": [...], "extra_logs": {...}}``. The samples
+map to items as the OpenRLHF adapter's do (``engine._openrlhf``); a label that is not an item is
+scored in the environment the service was started with (``--environment``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import orjson
+from engine._openrlhf import items
 
 __all__ = ["answer", "items_from"]
 
@@ -27,46 +24,10 @@ def items_from(body: Any, environment: str | None) -> list[dict[str, Any]]:
         raise ValueError("'query' must be a list of strings (prompt + response)")
     prompts = body.get("prompts", [""] * len(queries))
     labels = body.get("labels", [None] * len(queries))
-    if not isinstance(prompts, list) or not isinstance(labels, list) or not len(prompts) == len(labels) == len(
-        queries
-    ):
-        raise ValueError(
-            f"'query', 'prompts' and 'labels' must be lists of one length, got {len(queries)} queries, "
-            f"{_length(prompts)} prompts and {_length(labels)} labels"
-        )
-    return [_item(i, query, prompt, label, environment) for i, (query, prompt, label) in
-            enumerate(zip(queries, prompts, labels, strict=True))]
-
-
-def _length(value: Any) -> str:
-    return str(len(value)) if isinstance(value, list) else f"not a list ({type(value).__name__})"
-
-
-def _item(index: int, query: Any, prompt: Any, label: Any, environment: str | None) -> dict[str, Any]:
-    if not isinstance(query, str) or not isinstance(prompt, str):
-        raise TypeError(f"sample {index}: a query and its prompt must be strings")
-    trajectory = query[len(prompt) :] if query.startswith(prompt) else query
-    item = _as_item(label)
-    if item is not None:
-        return {**item, "trajectory": trajectory}
-    if environment is None:
-        raise ValueError(
-            f"sample {index}: its label is not an item (a JSON object with 'environment' and 'task'), and the "
-            "service was started without --environment to score such labels in"
-        )
-    return {"environment": environment, "task": {"prompt": prompt, "reference": label}, "trajectory": trajectory}
-
-
-def _as_item(label: Any) -> dict[str, Any] | None:
-    """The item a label stands for (its ``environment``, ``task`` and ``id``), or None for a reference."""
-    if isinstance(label, str) and label.lstrip().startswith("{"):
-        try:
-            label = orjson.loads(label)
-        except orjson.JSONDecodeError:
-            return None  # a reference that happens to start with a brace
-    if not isinstance(label, dict):
-        return None
-    return {key: label[key] for key in ("environment", "task", "id") if key in label}
+    for name, value in (("prompts", prompts), ("labels", labels)):
+        if not isinstance(value, list):
+            raise ValueError(f"'{name}' must be a list, one per query, not {type(value).__name__}")
+    return items(queries, prompts, labels, environment, "the service was started without --environment")
 
 
 def answer(rewards: list[float]) -> dict[str, Any]:

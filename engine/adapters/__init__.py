@@ -10,7 +10,8 @@ One module per trainer, each a thin mapping from the trainer's call convention t
 
 Each opens one engine per process (per event loop where the trainer calls it from one), lazily, and
 closes it at exit; a failed verification is raised, never turned into a number. The adapters use
-only ``engine``'s public names, and import no trainer: none is needed to import them.
+only ``engine``'s public names (the OpenRLHF one also ``engine._openrlhf``, the mapping of samples it
+shares with ``engine serve``), and import no trainer: none is needed to import them.
 """
 
 from __future__ import annotations

@@ -7,31 +7,35 @@ that first needs it, once per loop and source (concurrent first calls share the 
 
 * when that loop shuts down its async generators (``asyncio.run`` and ``asyncio.Runner`` do, as they
   close it): each loop's engines are held by an async generator, which asyncio closes then;
-* else at exit, before the interpreter waits for its threads (``threading._register_atexit``, which
-  runs before ``concurrent.futures`` joins its workers; a plain ``atexit`` hook would run after, and a
-  loop thread that never ends would hang the exit first): a loop still running in another thread (TRL's
-  daemon-thread loop) closes them there, a loop that is stopped but not closed runs their closing
+* else at exit (a plain ``atexit`` hook, registered once the engine's own modules are imported, so
+  that it runs before theirs): a loop still running in another thread (TRL's daemon-thread loop, or
+  the adapters' own) closes them there, a loop that is stopped but not closed runs their closing
   itself, a closed loop's are left to the process's end.
 
 Synchronous adapters call through one process-wide loop in a background thread (an anyio blocking
-portal), started on first use. A forked child forgets its parent's loops and engines and opens its own.
+portal), started on first use, in a daemon thread of the adapters' own: the interpreter joins every
+thread that is not a daemon before it runs ``atexit`` hooks, so a loop in one would hang the exit
+before the hook that ends it ran (older anyio releases' ``start_blocking_portal`` use a pool's
+thread, not a daemon). A forked child forgets its parent's loops and engines and opens its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import concurrent.futures
 import functools
 import logging
 import os
 import threading
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from anyio.from_thread import BlockingPortal, start_blocking_portal
+import anyio
+from anyio.from_thread import BlockingPortal
 
 import engine
 
@@ -226,7 +230,7 @@ async def _keeper(entry: _LoopEngines) -> AsyncIterator[None]:
 
 _LOCK = threading.Lock()
 _ENTRIES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopEngines] = weakref.WeakKeyDictionary()
-_PORTAL: tuple[BlockingPortal, AbstractContextManager[BlockingPortal]] | None = None
+_PORTAL: _Background | None = None
 _PID = os.getpid()
 _EXIT_REGISTERED = False
 _INHERITED: list[Any] = []  # what a forked child's parent had opened
@@ -235,23 +239,24 @@ _LAST: tuple[asyncio.AbstractEventLoop, Source, _LoopEngines, Coalescer] | None 
 
 def _this_process() -> None:
     """Forget what a parent process opened (under ``_LOCK``): its loops do not run in a forked child."""
-    global _PID, _PORTAL, _ENTRIES, _EXIT_REGISTERED, _LAST
+    global _PID, _PORTAL, _ENTRIES, _LAST
     if os.getpid() != _PID:
-        # kept, never collected: the portal's manager, collected, would stop a loop thread that is not here
+        # kept, never collected: nothing of theirs runs here (the exit hook is inherited: atexit's are)
         _INHERITED.append((_PORTAL, _ENTRIES))
-        _PID, _PORTAL, _ENTRIES, _EXIT_REGISTERED = os.getpid(), None, weakref.WeakKeyDictionary(), False
-        _LAST = None
+        _PID, _PORTAL, _ENTRIES, _LAST = os.getpid(), None, weakref.WeakKeyDictionary(), None
 
 
 def _register_exit() -> None:
-    """Close every engine at exit, before the interpreter waits for its threads (under ``_LOCK``)."""
+    """Close every engine at exit (under ``_LOCK``).
+
+    ``atexit`` runs the hooks registered last first, and the engine's modules register theirs as they
+    are imported (the plugin workers' pool kills the workers still running): they are imported first,
+    so that the engines close their workers before that hook kills them.
+    """
     global _EXIT_REGISTERED
     if not _EXIT_REGISTERED:
-        register: Callable[[Callable[[], None]], None] = threading._register_atexit  # type: ignore[attr-defined]
-        try:
-            register(close_engines)
-        except RuntimeError:  # the interpreter is shutting down already
-            return
+        getattr(engine, "Engine")  # noqa: B009  # the public face imports the engine's modules lazily
+        atexit.register(close_engines)
         _EXIT_REGISTERED = True
 
 
@@ -296,16 +301,48 @@ def coalescer(source: Source) -> Coalescer:
     return found
 
 
+class _Background:
+    """The synchronous adapters' event loop: an anyio blocking portal in a daemon thread of our own, which
+    still runs when ``atexit`` hooks run (the interpreter joins every other thread before them)."""
+
+    def __init__(self) -> None:
+        ready: concurrent.futures.Future[BlockingPortal] = concurrent.futures.Future()
+        self.thread = threading.Thread(target=self._run, args=(ready,), name="engine-adapters-loop", daemon=True)
+        self.thread.start()
+        self.portal = ready.result()
+
+    @staticmethod
+    def _run(ready: concurrent.futures.Future[BlockingPortal]) -> None:
+        async def host() -> None:
+            async with BlockingPortal() as portal:
+                ready.set_result(portal)
+                await portal.sleep_until_stopped()
+
+        try:
+            anyio.run(host, backend="asyncio")
+        except BaseException as exc:
+            if ready.done():
+                raise
+            ready.set_exception(exc)  # the loop never started: the caller waiting for it hears why
+
+    def stop(self) -> None:
+        """Let the calls under way finish, stop the loop, and wait (a while) for its thread to end."""
+        try:
+            self.portal.call(self.portal.stop)
+        except RuntimeError:  # stopped already
+            return
+        self.thread.join(CLOSE_TIMEOUT)
+
+
 def in_background(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
     """``await fn(*args)`` on the process's background loop, from synchronous code, blocking until done."""
     global _PORTAL
     with _LOCK:
         _this_process()
         if _PORTAL is None:
-            manager = start_blocking_portal(backend="asyncio")
-            _PORTAL = (manager.__enter__(), manager)
             _register_exit()
-        portal = _PORTAL[0]
+            _PORTAL = _Background()
+        portal = _PORTAL.portal
     return portal.call(fn, *args)
 
 
@@ -342,7 +379,7 @@ def close_engines() -> None:
             raise RuntimeError("close_engines() is called from synchronous code, not from the loop it would close")
         _close(loop, entry)
     if portal is not None:
-        portal[1].__exit__(None, None, None)
+        portal.stop()
 
 
 class Coalescer:

@@ -14,46 +14,16 @@ are scored on one background loop, the concurrent ones gathered into engine batc
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
-import orjson
-
-from engine.adapters._runtime import coalescer, environment_from, in_background, source_of
+# The one mapping of OpenRLHF's samples, which `engine serve`'s /get_reward uses too: a private module, the
+# adapters' only import of one (tests/test_adapters_structure.py allows exactly this one; it says why).
+from engine._openrlhf import items
+from engine.adapters._runtime import ENV_ENVIRONMENT, coalescer, in_background, source_of
 
 __all__ = ["reward_func"]
-
-
-def _as_item(label: Any) -> dict[str, Any] | None:
-    """The item a label stands for (its ``environment``, ``task`` and ``id``), or None for a reference."""
-    if isinstance(label, str) and label.lstrip().startswith("{"):
-        try:
-            label = orjson.loads(label)
-        except orjson.JSONDecodeError:
-            return None  # a reference that happens to start with a brace
-    if not isinstance(label, dict):
-        return None
-    return {key: label[key] for key in ("environment", "task", "id") if key in label}
-
-
-def items(queries: Sequence[str], prompts: Sequence[Any], labels: Sequence[Any] | None) -> list[dict[str, Any]]:
-    """The engine items of OpenRLHF's arguments (see the module's docstring)."""
-    if len(prompts) != len(queries) or (labels is not None and len(labels) != len(queries)):
-        raise ValueError(
-            f"queries, prompts and labels differ in length: {len(queries)}, {len(prompts)}, {len(labels or [])}"
-        )
-    out = []
-    for position, (query, prompt) in enumerate(zip(queries, prompts, strict=True)):
-        if not isinstance(query, str) or not isinstance(prompt, str):
-            raise TypeError(f"sample {position}: a query and its prompt must be strings")
-        response = query[len(prompt) :] if query.startswith(prompt) else query
-        label = labels[position] if labels is not None else None
-        item = _as_item(label)
-        if item is None:
-            environment = environment_from(None, "give each label as an item (a JSON object with environment and task)")
-            item = {"environment": environment, "task": {"prompt": prompt, "reference": label}}
-        out.append({**item, "trajectory": response})
-    return out
 
 
 async def _score(batch: list[dict[str, Any]]) -> list[float]:
@@ -64,7 +34,9 @@ def reward_func(
     queries: Sequence[str], prompts: Sequence[Any], labels: Sequence[Any] | None = None, **kw: Any
 ) -> dict[str, Any]:
     """OpenRLHF's reward function: one reward per query, in order, or a raised error."""
-    rewards = in_background(_score, items(queries, prompts, labels))
+    environment = os.environ.get(ENV_ENVIRONMENT) or None  # read at each call, as the engine's variables are
+    batch = items(queries, prompts, labels, environment, f"{ENV_ENVIRONMENT} is not set")
+    rewards = in_background(_score, batch)
     if len(rewards) != len(queries):
         raise RuntimeError(f"{len(rewards)} rewards for {len(queries)} queries")
     return {"rewards": rewards, "scores": list(rewards), "extra_logs": {}}
