@@ -7,14 +7,12 @@ so every ``score`` call reuses the same connection pool, threads and imported pl
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self
+from typing import Any, Self
 
 from engine._config import EngineConfig, load_config
 from engine._core.portal import Blocking
 from engine._engine import Engine
-
-if TYPE_CHECKING:
-    from engine._serve.client import BlockingRemoteEngine
+from engine._remote.client import BlockingRemoteEngine
 
 __all__ = ["BlockingEngine"]
 
@@ -32,8 +30,6 @@ class BlockingEngine(Blocking[Engine]):
     @staticmethod
     def connect(url: str, *, token: str | None = None, **kwargs: Any) -> BlockingRemoteEngine:
         """The engine served by ``engine serve`` at ``url``, used as this class is (see ``Engine.connect``)."""
-        from engine._serve.client import BlockingRemoteEngine
-
         return BlockingRemoteEngine(url, token=token, **kwargs)
 
     @property

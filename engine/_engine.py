@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self
+from typing import Any, Self
 
 import anyio
 import httpx
@@ -33,10 +33,8 @@ from engine._http.network import Proxies, Routes, ssl_context
 from engine._http.retry import Sleep
 from engine._http.transport import PoolTransport
 from engine._registry import Registry, Shared
+from engine._remote.client import RemoteEngine
 from engine._verifiers.rubric.judge import Judge
-
-if TYPE_CHECKING:
-    from engine._serve.client import RemoteEngine
 
 __all__ = ["Engine"]
 
@@ -92,8 +90,6 @@ class Engine:
         shares its verifiers' limits. ``token`` is the service's bearer token (``--token-env``).
         ``kwargs``: ``retry_budget`` (seconds a saturated service is asked again), ``sleep``, ``transport``.
         """
-        from engine._serve.client import RemoteEngine  # lazily: the client is above this module
-
         return RemoteEngine(url, token=token, **kwargs)
 
     async def __aenter__(self) -> Self:

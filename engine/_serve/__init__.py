@@ -1,7 +1,6 @@
-"""``engine serve``: one engine for a whole training job, over HTTP, and the client that talks to it.
+"""``engine serve``: one engine for a whole training job, over HTTP.
 
-``wire`` is the format both sides share; ``client`` is what ``Engine.connect`` returns (it imports
-nothing above ``engine._core``); ``limits``, ``metrics``, ``openrlhf``, ``app`` and ``server`` are
-the service's (they sit above ``engine._engine``, beside the CLI). Nothing is imported here: the
-client must not pull in the server's dependencies.
+``limits``, ``metrics``, ``openrlhf``, ``app`` and ``server`` are the service's; they sit above
+``engine._engine``, beside the CLI. The client that talks to it, and the JSON both sides speak, are
+``engine._remote``'s, below the engine (``Engine.connect`` returns its client).
 """

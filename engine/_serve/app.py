@@ -1,7 +1,7 @@
 """The service's ASGI application: a few routes, written straight on ASGI (no framework).
 
 ``POST /v1/score`` scores ``{"items": [...], "first_index": n}`` as ``Engine.run`` would and
-answers its result (``engine._serve.wire``); ``POST /get_reward`` is OpenRLHF's protocol
+answers its result (``engine._remote.wire``); ``POST /get_reward`` is OpenRLHF's protocol
 (``engine._serve.openrlhf``); ``GET /healthz`` and ``GET /metrics``. Every request carries the
 bearer token when the service has one (401 otherwise).
 
@@ -28,10 +28,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine._core.report import BatchResult
 from engine._errors import VerificationError
+from engine._remote.wire import INTERNAL, JSON, encode_error, encode_result, error_status
 from engine._serve import openrlhf
 from engine._serve.limits import Admission, ServeConfig
 from engine._serve.metrics import Metrics
-from engine._serve.wire import INTERNAL, JSON, encode_error, encode_result, error_status
 
 __all__ = ["App", "Scorer"]
 

@@ -8,7 +8,7 @@ not JSON (a task holding a set, bytes, an object): ``TypeError`` before anything
 that is saturated (503) is asked again after its ``Retry-After``, within ``retry_budget`` seconds;
 anything else that is not an answer is ``ServiceError``.
 
-Imports nothing above ``engine._core``: ``engine._engine`` imports it lazily, in ``connect``.
+Imports nothing above ``engine._core`` (and ``engine._http``'s retry policy): ``engine._engine`` sits above it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from engine._core.report import BatchResult
 from engine._core.stats import Stats
 from engine._errors import ServiceError
 from engine._http.retry import Sleep, backoff, parse_retry_after
-from engine._serve.wire import decode_error, decode_result
+from engine._remote.wire import decode_error, decode_result
 
 __all__ = ["CONNECT_TIMEOUT", "RETRY_BUDGET", "BlockingRemoteEngine", "RemoteEngine"]
 
