@@ -7,6 +7,8 @@ item-by-item calls would give: rewards in order, and a failure pinned to the rig
 
 from __future__ import annotations
 
+import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -224,3 +226,33 @@ async def test_cpu_bound_calls_run_one_chunk_at_a_time(config: EngineConfig, env
                 break
         else:
             raise AssertionError(f"never one long chunk at a time: chunks per batch {chunks}")
+
+
+# --- the plugin's kept thread ---
+
+async def test_a_chunk_that_waited_while_the_engine_closed_leaves_no_thread(envs: Path) -> None:
+    # A batch waiting for the chunk lock while the engine closes runs its chunk once the lock is free:
+    # on the plugin's kept thread, which closing had already let go, a new thread was kept for ever.
+    shutil.copytree(envs / "cheap", envs / "closing")  # its threads' name is this test's alone
+    config = EngineConfig(environments=envs, allow_unpinned=True)
+    results: dict[str, list[float]] = {}
+
+    def chunk_threads() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name == "engine-chunk-closing"]
+
+    async with anyio.create_task_group() as tg, engine.Engine(config) as eng:
+        assert len(await eng.score([item("closing", "x", n=n) for n in range(2_000)])) == 2_000  # chunks now
+        verifier = eng._verifier("closing")
+        assert isinstance(verifier, PluginVerifier)
+        module = plugin_module(envs, "closing", "verify.py")
+
+        async def score(name: str, items: list[dict[str, Any]]) -> None:
+            results[name] = await eng.score(items)
+
+        tg.start_soon(score, "first", [item("closing", "x", n=0, mode="hang", seconds=0.5), item("closing", n=1)])
+        await eventually(lambda: module.running, message="the first chunk never started")
+        tg.start_soon(score, "second", [item("closing", "x", n=n) for n in range(3)])
+        await eventually(lambda: verifier._chunk_lock.statistics().tasks_waiting, message="nothing waited")
+    # closed, the second batch still waiting for the first's chunk; the task group then waits for both
+    assert results == {"first": [1.0, 1 / 7], "second": [0.0, 1 / 7, 2 / 7]}
+    await eventually(lambda: not chunk_threads(), message=f"threads left: {chunk_threads()}")
