@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 from conftest import item, plugin_module, process_twin
 from polling import eventually
@@ -228,7 +230,49 @@ async def test_cpu_bound_calls_run_one_chunk_at_a_time(config: EngineConfig, env
             raise AssertionError(f"never one long chunk at a time: chunks per batch {chunks}")
 
 
-# --- the plugin's kept thread ---
+# --- a chunk's timeout is its own time: not the chunks before it, nor its turns with a busy loop ---
+
+
+async def test_chunks_queued_behind_each_other_do_not_time_out(envs: Path) -> None:
+    # Each chunk holds a tenth of the timeout in calls, and a lane's workers each take one: dozens wait
+    # for the chunk lock at once. Counted from when they were taken, the later ones timed out (a cheap
+    # plugin failing a batch), though none ran for more than a tenth of the timeout.
+    config = EngineConfig(environments=envs, allow_unpinned=True, refs={KEY: Limits(timeout=0.2)})
+    async with engine.Engine(config) as eng:
+        await warm(eng)
+        verifier = eng._verifier("cheap")
+        assert isinstance(verifier, PluginVerifier)
+        size = 20 * verifier._chunk  # chunks of a tenth of the timeout: twice the timeout in calls, in all
+        result = await eng.run([item("cheap", "x", n=n) for n in range(size)])
+    assert result.rewards == [(n % 7) / 7 for n in range(size)]
+    assert result.verifiers[0].peak_in_flight >= 12  # more chunks waited their turn at once than fit in the timeout
+
+
+async def test_a_chunk_beside_a_loop_that_is_never_idle_ends_within_its_timeout(envs: Path) -> None:
+    # A trainer's own work on the engine's loop (here: 3 ms of it, that lets go of the GIL, every pass)
+    # never leaves a pass idle, so each turn the chunk asks for lasts the longest turn (10 ms), after
+    # each ~1 ms step: a chunk of a tenth of its timeout in calls took longer than the timeout in all.
+    config = EngineConfig(environments=envs, allow_unpinned=True, refs={KEY: Limits(timeout=0.3)})
+    trainer_done = False
+
+    async def trainer() -> None:
+        while not trainer_done:
+            time.sleep(0.003)  # the point: sync work holding the loop
+            await anyio.lowlevel.checkpoint()
+
+    async with engine.Engine(config) as eng, anyio.create_task_group() as tg:
+        await warm(eng)
+        verifier = eng._verifier("cheap")
+        assert isinstance(verifier, PluginVerifier)
+        size = verifier._chunk  # one chunk: nothing queues for the chunk lock
+        tg.start_soon(trainer)
+        try:
+            result = await eng.run([item("cheap", "x", n=n) for n in range(size)])
+        finally:
+            trainer_done = True
+    assert result.rewards == [(n % 7) / 7 for n in range(size)]
+    assert len(result.verifiers[0].latencies) == 1  # one chunk
+
 
 async def test_a_chunk_that_waited_while_the_engine_closed_leaves_no_thread(envs: Path) -> None:
     # A batch waiting for the chunk lock while the engine closes runs its chunk once the lock is free:
