@@ -300,3 +300,35 @@ async def test_a_chunk_that_waited_while_the_engine_closed_leaves_no_thread(envs
     # closed, the second batch still waiting for the first's chunk; the task group then waits for both
     assert results == {"first": [1.0, 1 / 7], "second": [0.0, 1 / 7, 2 / 7]}
     await eventually(lambda: not chunk_threads(), message=f"threads left: {chunk_threads()}")
+
+
+async def test_a_chunk_hanging_on_the_kept_thread_holds_up_no_later_batch(envs: Path) -> None:
+    shutil.copytree(envs / "cheap", envs / "hanging")  # its threads' name is this test's alone
+    key = "hanging/verify:score"
+    config = EngineConfig(environments=envs, allow_unpinned=True, refs={key: Limits(timeout=0.3, max_abandoned=1)})
+    release = 2.0  # seconds the hanging calls sleep: well past the timeout
+
+    def chunk_threads() -> int:
+        return sum(t.name == "engine-chunk-hanging" for t in threading.enumerate())
+
+    def hanging() -> list[dict[str, Any]]:
+        return [item("hanging", "x", n=0, mode="hang", seconds=release), *[item("hanging", n=n) for n in range(1, 50)]]
+
+    expected = [(n % 7) / 7 for n in range(100)]
+    async with engine.Engine(config) as eng:
+        assert len(await eng.score([item("hanging", "x", n=n) for n in range(2_000)])) == 2_000  # chunks now
+        verifier = eng._verifier("hanging")
+        assert isinstance(verifier, PluginVerifier)
+        for abandoned in (1, 2):
+            with pytest.raises(VerificationError) as info:
+                await eng.score(hanging())
+            assert (info.value.index, info.value.reason) == (0, "timed out after 0.3 s")
+            assert verifier._abandoned.count == abandoned
+            if abandoned == 1:  # the next batch runs at once, on a thread of its own
+                assert await eng.score([item("hanging", n=n) for n in range(100)]) == expected
+                assert chunk_threads() == 2
+        with pytest.raises(VerificationError, match=r"2 of its calls .* \(max_abandoned=1\)"):
+            await eng.score([item("hanging", n=n) for n in range(100)])
+        await eventually(lambda: verifier._abandoned.count == 0, message="the hung calls never counted as ended")
+        assert await eng.score([item("hanging", n=n) for n in range(100)]) == expected
+        await eventually(lambda: chunk_threads() == 1, message="the hung chunks' threads did not end")
