@@ -7,12 +7,15 @@ item-by-item calls would give: rewards in order, and a failure pinned to the rig
 
 from __future__ import annotations
 
+import shutil
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 from asserts import check_error
 from conftest import item, plugin_module, process_twin
@@ -317,3 +320,107 @@ async def test_a_process_lane_is_chunked_per_worker_not_per_task(envs: Path, wor
         result = await eng.run(items)
     assert result.rewards == [(n % 7) / 7 for n in range(SIZE)]
     assert len(result.verifiers[0].latencies) < 200  # one latency per round trip
+
+
+# --- a chunk's timeout is its own time: not the chunks before it, nor its turns with a busy loop ---
+
+
+async def test_chunks_queued_behind_each_other_do_not_time_out(envs: Path) -> None:
+    # Each chunk holds a tenth of the timeout in calls, and a lane's workers each take one: dozens wait
+    # for the chunk lock at once. Counted from when they were taken, the later ones timed out (a cheap
+    # plugin failing a batch), though none ran for more than a tenth of the timeout.
+    config = EngineConfig(environments=envs, allow_unpinned=True, refs={KEY: Limits(timeout=0.2)})
+    async with engine.Engine(config) as eng:
+        await warm(eng)
+        verifier = eng._verifier("cheap")
+        assert isinstance(verifier, PluginVerifier)
+        size = 20 * verifier._chunk  # chunks of a tenth of the timeout: twice the timeout in calls, in all
+        result = await eng.run([item("cheap", "x", n=n) for n in range(size)])
+    assert result.rewards == [(n % 7) / 7 for n in range(size)]
+    assert result.verifiers[0].peak_in_flight >= 12  # more chunks waited their turn at once than fit in the timeout
+
+
+async def test_a_chunk_beside_a_loop_that_is_never_idle_ends_within_its_timeout(envs: Path) -> None:
+    # A trainer's own work on the engine's loop (here: 3 ms of it, that lets go of the GIL, every pass)
+    # never leaves a pass idle, so each turn the chunk asks for lasts the longest turn (10 ms), after
+    # each ~1 ms step: a chunk of a tenth of its timeout in calls took longer than the timeout in all.
+    config = EngineConfig(environments=envs, allow_unpinned=True, refs={KEY: Limits(timeout=0.3)})
+    trainer_done = False
+
+    async def trainer() -> None:
+        while not trainer_done:
+            time.sleep(0.003)  # the point: sync work holding the loop
+            await anyio.lowlevel.checkpoint()
+
+    async with engine.Engine(config) as eng, anyio.create_task_group() as tg:
+        await warm(eng)
+        verifier = eng._verifier("cheap")
+        assert isinstance(verifier, PluginVerifier)
+        size = verifier._chunk  # one chunk: nothing queues for the chunk lock
+        tg.start_soon(trainer)
+        try:
+            result = await eng.run([item("cheap", "x", n=n) for n in range(size)])
+        finally:
+            trainer_done = True
+    assert result.rewards == [(n % 7) / 7 for n in range(size)]
+    assert len(result.verifiers[0].latencies) == 1  # one chunk
+
+
+async def test_a_chunk_that_waited_while_the_engine_closed_leaves_no_thread(envs: Path) -> None:
+    # A batch waiting for the chunk lock while the engine closes runs its chunk once the lock is free:
+    # on the plugin's kept thread, which closing had already let go, a new thread was kept for ever.
+    shutil.copytree(envs / "cheap", envs / "closing")  # its threads' name is this test's alone
+    config = EngineConfig(environments=envs, allow_unpinned=True)
+    results: dict[str, list[float]] = {}
+
+    def chunk_threads() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name == "engine-chunk-closing"]
+
+    async with anyio.create_task_group() as tg, engine.Engine(config) as eng:
+        assert len(await eng.score([item("closing", "x", n=n) for n in range(2_000)])) == 2_000  # chunks now
+        verifier = eng._verifier("closing")
+        assert isinstance(verifier, PluginVerifier)
+        module = plugin_module(envs, "closing", "verify.py")
+
+        async def score(name: str, items: list[dict[str, Any]]) -> None:
+            results[name] = await eng.score(items)
+
+        tg.start_soon(score, "first", [item("closing", "x", n=0, mode="hang", seconds=0.5), item("closing", n=1)])
+        await eventually(lambda: module.running, message="the first chunk never started")
+        tg.start_soon(score, "second", [item("closing", "x", n=n) for n in range(3)])
+        await eventually(lambda: verifier._chunk_lock.statistics().tasks_waiting, message="nothing waited")
+    # closed, the second batch still waiting for the first's chunk; the task group then waits for both
+    assert results == {"first": [1.0, 1 / 7], "second": [0.0, 1 / 7, 2 / 7]}
+    await eventually(lambda: not chunk_threads(), message=f"threads left: {chunk_threads()}")
+
+
+async def test_a_chunk_hanging_on_the_kept_thread_holds_up_no_later_batch(envs: Path) -> None:
+    shutil.copytree(envs / "cheap", envs / "hanging")  # its threads' name is this test's alone
+    key = "hanging/verify:score"
+    config = EngineConfig(environments=envs, allow_unpinned=True, refs={key: Limits(timeout=0.3, max_abandoned=1)})
+    release = 2.0  # seconds the hanging calls sleep: well past the timeout
+
+    def chunk_threads() -> int:
+        return sum(t.name == "engine-chunk-hanging" for t in threading.enumerate())
+
+    def hanging() -> list[dict[str, Any]]:
+        return [item("hanging", "x", n=0, mode="hang", seconds=release), *[item("hanging", n=n) for n in range(1, 50)]]
+
+    expected = [(n % 7) / 7 for n in range(100)]
+    async with engine.Engine(config) as eng:
+        assert len(await eng.score([item("hanging", "x", n=n) for n in range(2_000)])) == 2_000  # chunks now
+        verifier = eng._verifier("hanging")
+        assert isinstance(verifier, PluginVerifier)
+        for abandoned in (1, 2):
+            with pytest.raises(VerificationError) as info:
+                await eng.score(hanging())
+            assert (info.value.index, info.value.reason) == (0, "timed out after 0.3 s")
+            assert verifier._abandoned.count == abandoned
+            if abandoned == 1:  # the next batch runs at once, on a thread of its own
+                assert await eng.score([item("hanging", n=n) for n in range(100)]) == expected
+                assert chunk_threads() == 2
+        with pytest.raises(VerificationError, match=r"2 of its calls .* \(max_abandoned=1\)"):
+            await eng.score([item("hanging", n=n) for n in range(100)])
+        await eventually(lambda: verifier._abandoned.count == 0, message="the hung calls never counted as ended")
+        assert await eng.score([item("hanging", n=n) for n in range(100)]) == expected
+        await eventually(lambda: chunk_threads() == 1, message="the hung chunks' threads did not end")

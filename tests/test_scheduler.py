@@ -331,3 +331,12 @@ async def test_a_malformed_item_in_a_later_slice_is_named() -> None:
     items[scheduler.GROUP_SLICE + 1] = {"task": {}, "trajectory": "t"}
     with pytest.raises(ValueError, match=f"item {scheduler.GROUP_SLICE + 1 + 10}"):
         await scheduler._group(items, range(len(items)), 10)
+
+
+async def test_an_environment_not_equal_to_itself_is_named_among_a_few() -> None:
+    # A few environments in a slice are picked out by ==: an item whose environment is not equal to
+    # itself (nan) was in no group, and the grouping failed with an IndexError instead of naming it.
+    items: list[Any] = _named(["a", "b", "a", "b"])
+    items[2]["environment"] = float("nan")
+    with pytest.raises(ValueError, match=r"^item 12: 'environment' must be an environment's directory name, got nan"):
+        await scheduler._group(items, range(len(items)), 10)

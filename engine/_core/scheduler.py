@@ -167,7 +167,7 @@ async def _group(items: list[Any], positions: Sequence[int], first: int) -> dict
             kinds = dict.fromkeys(names)
             if len(kinds) == 1:
                 groups[names[0]].extend(part)
-            elif len(kinds) <= _FEW:
+            elif len(kinds) <= _FEW and all(type(name) is str for name in kinds):  # by ==: names only (not nan)
                 for name in kinds:
                     groups[name].extend(compress(part, map(eq, names, repeat(name))))
             else:

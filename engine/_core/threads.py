@@ -62,20 +62,32 @@ class KeptThread:
         self._name = name
         self._jobs: queue.SimpleQueue[_Job] | None = None
         self._last: concurrent.futures.Future[Any] | None = None
+        self._closed = False
 
     def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
-        """Run ``fn`` on the thread once what it runs now is done (on a new thread if that is still running)."""
+        """Run ``fn`` on the thread once what it runs now is done (on a new thread if that is still running).
+
+        After :meth:`close` (a batch that waited its turn while the engine closed) ``fn`` still runs,
+        on a thread that ends after it: nobody would close a thread kept from then on.
+        """
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         if self._jobs is None or (self._last is not None and not self._last.done()):
-            self.close()  # a thread still busy with work nobody waits for ends after it
+            self._retire()  # a thread still busy with work nobody waits for ends after it
             self._jobs = queue.SimpleQueue()
             threading.Thread(target=_serve, args=(self._jobs,), name=self._name, daemon=True).start()
         self._last = future
         self._jobs.put((fn, future))
+        if self._closed:
+            self._retire()
         return future
 
     def close(self) -> None:
-        """Let the thread end once it has run what it was given."""
+        """Let the thread end once it has run what it was given; a later piece gets a thread of its own."""
+        self._closed = True
+        self._retire()
+
+    def _retire(self) -> None:
+        """Let the current thread end once it has run what it was given."""
         jobs, self._jobs, self._last = self._jobs, None, None
         if jobs is not None:
             jobs.put(None)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from gc import is_tracked
@@ -51,16 +52,24 @@ class Turns:
     each pass of the loop, until a pass ran nothing else (``IDLE_PASS``), or ``longest`` has gone
     by. The chunk waits ``longest`` at most, so a loop held by other code (or not running) delays
     it no more than that a step. While turns come back slowly (``slow``: the loop had work) they go
-    on; a chunk whose turns come back at once stops asking after ``TURN_STEPS`` of them.
+    on; a chunk whose turns come back at once stops asking after ``TURN_STEPS`` of them. A chunk
+    waits ``patience`` seconds in all at most, then runs on without turns: a loop never idle would
+    make each ~1 ms step wait ``longest``, and the chunk (sized to a tenth of its timeout in calls)
+    outlast its timeout, a cheap plugin timing out.
     """
 
-    __slots__ = ("_asked", "_asks", "_busy", "_left", "_longest", "_loop", "_pass", "_slow", "_turn")
+    __slots__ = ("_asked", "_asks", "_busy", "_left", "_longest", "_loop", "_pass", "_patience", "_slow", "_turn")
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, *, longest: float = LONGEST_TURN, slow: float = BUSY_TURN
+        self,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        longest: float = LONGEST_TURN,
+        slow: float = BUSY_TURN,
+        patience: float = math.inf,
     ) -> None:
         self._loop = loop
-        self._longest, self._slow = longest, slow
+        self._longest, self._slow, self._patience = longest, slow, patience
         self._turn = threading.Event()
         self._left = TURN_STEPS  # a chunk starts taking turns: the loop may have work waiting already
         self._busy = False  # whether the last turn found the loop with work
@@ -79,6 +88,8 @@ class Turns:
 
     def between(self, lost: float) -> float:
         """In the chunk's thread, between steps: let the loop go first if it has been busy; the seconds waited."""
+        if self._patience <= 0:
+            return 0.0
         if lost > SHARED or self._busy:
             self._left = TURN_STEPS
         elif self._left:
@@ -94,9 +105,10 @@ class Turns:
         except RuntimeError:  # the loop is closed: there is nobody to take turns with
             self._left = 0
             return 0.0
-        self._turn.wait(self._longest)
+        self._turn.wait(min(self._longest, self._patience))
         waited = perf_counter() - started
         self._busy = waited > self._slow
+        self._patience -= waited
         return waited
 
 

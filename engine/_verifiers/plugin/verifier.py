@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -78,6 +79,7 @@ T = TypeVar("T")
 CHEAP_CALL = 100e-6  # seconds: calls cheaper than this run in chunks one at a time, on one thread
 SERIAL_CHUNK_SECONDS = 0.25  # work per hop for cheap calls: the hop and the chunk's setup cost ~1%
 STEP_SECONDS = 0.001  # a chunk's thread checks this often that its caller still waits, and takes turns with the loop
+TURN_SHARE = 0.25  # of the timeout, the most a serial chunk waits in all for turns with the loop
 PARALLEL_CHUNK_SECONDS = 0.3  # for waiting calls, run in parallel; a lane's last chunks are split finer
 CPU_BOUND = 0.5  # a call whose thread is on a CPU more than this share of its time is CPU-bound
 PROCESS_CHUNK_SECONDS = 0.05  # work per round trip to a worker process
@@ -416,21 +418,26 @@ class PluginVerifier:
         raise failure
 
     async def _run(
-        self, fn: Callable[..., Any], items: Sequence[Mapping[str, Any]], out: list[Any], converting: list[int]
+        self,
+        fn: Callable[..., Any],
+        items: Sequence[Mapping[str, Any]],
+        out: list[Any],
+        converting: list[int],
+        serial: bool,
     ) -> tuple[list[float], Cost]:
         call = self._abandoned.call()
-        # serial chunks keep a CPU busy under the GIL: they take turns with the loop; parallel ones mostly wait
-        turns = Turns(asyncio.get_running_loop()) if self._serial else None
+        # serial chunks keep a CPU busy under the GIL: they take turns with the loop; parallel ones mostly wait.
+        # Their calls are a tenth of the timeout at most; their turns, a quarter: they end well within it.
+        turns = Turns(asyncio.get_running_loop(), patience=self.limits.timeout * TURN_SHARE) if serial else None
         runner = functools.partial(
             call.run, run_chunk, fn, items, out, self.environment.name, self._step, call.wanted, converting, turns
         )
         try:
-            if self._serial:
-                async with self._chunk_lock:
-                    # A thread of the plugin's own, not anyio's pool: measured, a chunk of cheap calls ran
-                    # ~2x slower on the pool's threads once 64 of them existed (GIL hand-offs). It is kept
-                    # between chunks: a thread's start (~150 us) was two thirds of a one-item batch.
-                    return await wait_future(self._serial_thread.submit(runner))
+            if serial:
+                # A thread of the plugin's own, not anyio's pool: measured, a chunk of cheap calls ran
+                # ~2x slower on the pool's threads once 64 of them existed (GIL hand-offs). It is kept
+                # between chunks: a thread's start (~150 us) was two thirds of a one-item batch.
+                return await wait_future(self._serial_thread.submit(runner))
             return await anyio.to_thread.run_sync(runner, abandon_on_cancel=True, limiter=self._threads)
         finally:
             call.give_up()
@@ -444,17 +451,21 @@ class PluginVerifier:
         self._check_abandoned()
         out: list[Any] = []
         converting = [-1]  # the value being made a reward, once every call has returned
-        with anyio.move_on_after(self.limits.timeout) as deadline:
-            try:
-                rewards, cost = await self._run(fn, items, out, converting)
-            except MalformedItem:
-                raise
-            except BadItem as exc:
-                raise self._fail(exc.reason, exc.position) from None
-            except BaseException as exc:  # the call at len(out) raised: SystemExit or any other, but ours
-                if _ours(exc):
+        serial = self._serial
+        # A serial chunk's timeout starts once it runs: the chunks queued before it (each up to a tenth of
+        # the timeout in calls, and a quarter in turns) are not its time, and a lane may queue dozens.
+        async with self._chunk_lock if serial else contextlib.nullcontext():
+            with anyio.move_on_after(self.limits.timeout) as deadline:
+                try:
+                    rewards, cost = await self._run(fn, items, out, converting, serial)
+                except MalformedItem:
                     raise
-                raise self._fail(f"raised {said(exc)}", len(out)) from exc
+                except BadItem as exc:
+                    raise self._fail(exc.reason, exc.position) from None
+                except BaseException as exc:  # the call at len(out) raised: SystemExit or any other, but ours
+                    if _ours(exc):
+                        raise
+                    raise self._fail(f"raised {said(exc)}", len(out)) from exc
         if deadline.cancelled_caught:
             # the call running at the deadline: the one after the last that returned, as the loop reads it now
             # (a loop that comes late may find a later one; one that finds every call returned blames the last)
