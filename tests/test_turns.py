@@ -1,8 +1,9 @@
 """A chunk of cheap calls and the event loop take turns at the GIL: the loop's ready work goes first.
 
 ``Turns`` is exercised with a real event loop running in a thread of its own, as the engine's
-loop runs beside a chunk's thread; the loop is kept busy by a chain of callbacks, each a pass
-of the loop long enough (it sleeps) not to look idle.
+loop runs beside a chunk's thread; the loop is kept busy by a chain of callbacks, each a pass of
+the loop that spends CPU time (holding the GIL, as Python code does) or that sleeps (letting go of
+it, as numpy or a tokenizer does).
 """
 
 from __future__ import annotations
@@ -10,13 +11,20 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from engine._verifiers.plugin.threads import SHARED, TURN_STEPS, Turns
 
 PASS = 0.002  # seconds each callback of a busy chain holds the loop: well past an idle pass
+
+
+def spend(seconds: float) -> None:
+    """Keep this thread on a CPU (and the GIL) for ``seconds`` of its own CPU time."""
+    until = time.thread_time() + seconds
+    while time.thread_time() < until:
+        pass
 
 
 @pytest.fixture
@@ -30,12 +38,14 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
     loop.close()
 
 
-def busy_chain(loop: asyncio.AbstractEventLoop, passes: int | None, log: list[str]) -> threading.Event:
+def busy_chain(
+    loop: asyncio.AbstractEventLoop, passes: int | None, log: list[str], work: Callable[[float], None] = spend
+) -> threading.Event:
     """Keep ``loop`` busy for ``passes`` passes (or until the returned event is set), one callback a pass."""
     stop = threading.Event()
 
     def step(left: int | None) -> None:
-        time.sleep(PASS)
+        work(PASS)
         if left == 1 or stop.is_set():
             log.append("chain done")
             return
@@ -54,6 +64,17 @@ def test_a_busy_loop_finishes_its_work_before_the_chunk_goes_on(loop: asyncio.Ab
     assert log == ["chain done", "turn"]
 
 
+def test_a_loop_that_waits_without_the_gil_gives_turns_at_once_and_they_stop(loop: asyncio.AbstractEventLoop) -> None:
+    log: list[str] = []
+    stop = busy_chain(loop, None, log, work=time.sleep)  # busy, but not holding the GIL: nothing to wait for
+    turns = Turns(loop, longest=60.0)
+    try:
+        assert [asks(turns) for _ in range(3)] == [True, False, False]  # the first turn found it idle
+        assert log == []  # and was given while the loop still slept through its passes
+    finally:
+        stop.set()
+
+
 def test_a_loop_busy_for_longer_than_the_longest_turn_still_gives_one(loop: asyncio.AbstractEventLoop) -> None:
     log: list[str] = []
     stop = busy_chain(loop, None, log)
@@ -70,11 +91,22 @@ def asks(turns: Turns, lost: float = 0.0) -> bool:
     return turns.between(lost) > 0
 
 
-def test_a_chunk_starts_by_taking_turns_and_stops_once_they_come_at_once(loop: asyncio.AbstractEventLoop) -> None:
-    turns = Turns(loop, longest=60.0, slow=60.0)  # every turn counts as quick: the loop had nothing of its own
-    # a loop whose work waits for the GIL shows no time lost to it: the first turns are asked anyway
-    assert [asks(turns) for _ in range(TURN_STEPS + 1)] == [True] * TURN_STEPS + [False]
-    assert not asks(turns)
+def test_a_chunk_starts_by_taking_a_turn_and_stops_once_one_finds_the_loop_idle(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    turns = Turns(loop, longest=60.0, slow=60.0)  # every turn counts as idle: the loop had nothing of its own
+    # a loop whose work waits for the GIL shows no time lost to it: the first turn is asked anyway
+    assert [asks(turns) for _ in range(3)] == [True, False, False]
+
+
+def test_a_turn_not_given_keeps_the_count_of_turns(loop: asyncio.AbstractEventLoop) -> None:
+    log: list[str] = []
+    stop = busy_chain(loop, None, log)  # never idle: no turn is given within the longest wait
+    turns = Turns(loop, longest=0.005, slow=60.0)
+    try:
+        assert [asks(turns) for _ in range(TURN_STEPS + 1)] == [True] * TURN_STEPS + [False]
+    finally:
+        stop.set()
 
 
 def test_a_turn_the_loop_was_slow_to_give_keeps_the_turns_going(loop: asyncio.AbstractEventLoop) -> None:
@@ -87,7 +119,7 @@ def test_time_lost_to_others_starts_turns_again(loop: asyncio.AbstractEventLoop)
     while asks(turns):
         pass
     assert asks(turns, lost=2 * SHARED)
-    assert asks(turns)  # and they go on
+    assert not asks(turns)  # the loop was idle when it gave that turn: none until a step loses time again
 
 
 

@@ -35,30 +35,48 @@ from engine._verifiers.plugin.wire import Cost
 __all__ = ["Abandoned", "ThreadCall", "Turns", "run_chunk", "timed"]
 
 T = TypeVar("T")
-SHARED = 0.05e-3  # seconds others held the GIL (or the CPU) during one step: the loop has work, so turns begin
-BUSY_TURN = 0.5e-3  # a turn that took longer came from a loop with work of its own: turns go on
-IDLE_PASS = 0.1e-3  # a pass of the loop this short ran nothing but the turn's callback: the loop is idle
+SHARED = 0.2e-3  # seconds others held the GIL (or the CPU) during one step: the loop has work, so turns begin
+BUSY_TURN = 0.5e-3  # seconds of the loop's own CPU time during a turn: it has work, and turns go on
+IDLE_PASS = 0.1e-3  # a pass of the loop that used this little CPU time ran nothing but the turn's callback
 LONGEST_TURN = 0.01  # seconds a chunk waits at most for the loop to be idle: a busy loop never starves it
-TURN_STEPS = 20  # steps a chunk keeps taking turns after it last found the GIL shared
+TURN_STEPS = 20  # steps a chunk takes turns (unless one finds the loop idle) after it last found the GIL shared
 
 
 class Turns:
     """A chunk's turns with the event loop it was started from (see the module's docstring).
 
     Between two steps the chunk's thread calls :meth:`between` with the time its last step lost to
-    others. Past ``SHARED``, and for ``TURN_STEPS`` steps after (and its first ``TURN_STEPS``: a
-    loop whose work waits for the GIL shows none lost, as it gets none), it asks the loop for a
-    turn and waits for it. The loop gives it once it is idle: a callback that calls itself again
-    each pass of the loop, until a pass ran nothing else (``IDLE_PASS``), or ``longest`` has gone
-    by. The chunk waits ``longest`` at most, so a loop held by other code (or not running) delays
-    it no more than that a step. While turns come back slowly (``slow``: the loop had work) they go
-    on; a chunk whose turns come back at once stops asking after ``TURN_STEPS`` of them. A chunk
-    waits ``patience`` seconds in all at most, then runs on without turns: a loop never idle would
-    make each ~1 ms step wait ``longest``, and the chunk (sized to a tenth of its timeout in calls)
-    outlast its timeout, a cheap plugin timing out.
+    others (wall time less its CPU time: the GIL held by another thread, or the CPU taken by another
+    process). Past ``SHARED``, and for ``TURN_STEPS`` steps after (and its first ``TURN_STEPS``: a
+    loop whose work waits for the GIL shows none lost, as it gets none), it asks the loop for a turn
+    and waits for it. The loop gives it once a pass of it has used next to no CPU (``IDLE_PASS`` of
+    the loop thread's CPU time): a callback that calls itself again each pass until then, or until
+    ``longest`` has gone by. A pass that waits without the GIL (a trainer's numpy or tokenizer work,
+    a sleep) is idle by that measure: the chunk does not hold up such a loop, so it does not wait
+    for it. The chunk waits ``longest`` at most, so a loop held by other code (or not running) delays
+    it no more than that a step. While the loop spends CPU time of its own (``slow``) during the
+    turns they go on; a turn that finds the loop idle ends them, until a step loses time again.
+
+    A chunk waits ``patience`` seconds in all at most, then runs on without turns: a loop never idle
+    would make each ~1 ms step wait ``longest``, and the chunk (sized to a tenth of its timeout in
+    calls) outlast its timeout, a cheap plugin timing out.
     """
 
-    __slots__ = ("_asked", "_asks", "_busy", "_left", "_longest", "_loop", "_pass", "_patience", "_slow", "_turn")
+    __slots__ = (
+        "_asked",
+        "_asks",
+        "_busy",
+        "_cpu",
+        "_first",
+        "_held",
+        "_idle",
+        "_left",
+        "_longest",
+        "_loop",
+        "_patience",
+        "_slow",
+        "_turn",
+    )
 
     def __init__(
         self,
@@ -74,17 +92,26 @@ class Turns:
         self._left = TURN_STEPS  # a chunk starts taking turns: the loop may have work waiting already
         self._busy = False  # whether the last turn found the loop with work
         self._asks = 0  # turns asked for: a callback for an earlier one (the chunk went on without it) stops
-        self._asked = self._pass = 0.0  # when the turn was asked for; when the loop last passed the callback
+        self._asked = 0.0  # when the turn was asked for
+        # the loop thread's CPU time when the callback first ran for this turn, and at its last pass (None:
+        # not yet); and the loop's CPU time between the first pass and the turn given
+        self._first: float | None = None
+        self._cpu = 0.0
+        self._held = 0.0
+        self._idle = False  # whether the turn was given by an idle pass (not by the longest wait)
 
     def _ask(self, turn: int) -> None:  # on the loop, once a pass
         if turn != self._asks:
             return
-        now = perf_counter()
-        if (self._pass and now - self._pass < IDLE_PASS) or now - self._asked > self._longest:
+        cpu = thread_time()
+        if self._first is None:
+            self._first = cpu
+        elif (idle := cpu - self._cpu < IDLE_PASS) or perf_counter() - self._asked > self._longest:
+            self._held, self._idle = cpu - self._first, idle
             self._turn.set()
-        else:
-            self._pass = now
-            self._loop.call_soon(self._ask, turn)
+            return
+        self._cpu = cpu
+        self._loop.call_soon(self._ask, turn)
 
     def between(self, lost: float) -> float:
         """In the chunk's thread, between steps: let the loop go first if it has been busy; the seconds waited."""
@@ -96,18 +123,22 @@ class Turns:
             self._left -= 1
         else:
             return 0.0
+        self._asks += 1  # first: a callback of the last turn still running stops before it can give this one
         started = self._asked = perf_counter()
-        self._pass = 0.0
+        self._first, self._held, self._idle = None, 0.0, False
         self._turn.clear()
-        self._asks += 1
         try:
             self._loop.call_soon_threadsafe(self._ask, self._asks)
         except RuntimeError:  # the loop is closed: there is nobody to take turns with
             self._left = 0
             return 0.0
-        self._turn.wait(min(self._longest, self._patience))
+        given = self._turn.wait(min(self._longest, self._patience))
         waited = perf_counter() - started
-        self._busy = waited > self._slow
+        # the loop spent CPU time of its own while the chunk waited: it has work, and turns go on. A turn
+        # not given (a loop held by other code, or not running) says nothing: time lost in steps will.
+        self._busy = given and self._held >= self._slow
+        if given and self._idle and not self._busy:  # the loop had nothing of its own: no turns until it has
+            self._left = 0
         self._patience -= waited
         return waited
 
