@@ -424,3 +424,31 @@ async def test_a_chunk_hanging_on_the_kept_thread_holds_up_no_later_batch(envs: 
         await eventually(lambda: verifier._abandoned.count == 0, message="the hung calls never counted as ended")
         assert await eng.score([item("hanging", n=n) for n in range(100)]) == expected
         await eventually(lambda: chunk_threads() == 1, message="the hung chunks' threads did not end")
+
+
+async def test_a_chunk_in_line_behind_one_that_hangs_is_refused_once_that_one_is_abandoned(envs: Path) -> None:
+    shutil.copytree(envs / "cheap", envs / "hanging")
+    config = EngineConfig(
+        environments=envs, allow_unpinned=True, refs={"hanging/verify:score": Limits(timeout=0.5, max_abandoned=0)}
+    )
+    async with engine.Engine(config) as eng:
+        assert len(await eng.score([item("hanging", "x", n=n) for n in range(2_000)])) == 2_000  # chunks now
+        verifier = eng._verifier("hanging")
+        assert isinstance(verifier, PluginVerifier)
+        outcomes: dict[str, BaseException | list[float]] = {}
+
+        async def score(name: str, items: list[dict[str, Any]]) -> None:
+            try:
+                outcomes[name] = await eng.score(items)
+            except VerificationError as exc:
+                outcomes[name] = exc
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(score, "hangs", [item("hanging", "x", n=0, mode="hang", seconds=3.0)])
+            await eventually(lambda: verifier._chunk_lock.value == 0, message="the hanging chunk never started")
+            tg.start_soon(score, "in line", [item("hanging", n=n) for n in range(1, 50)])
+    hangs, in_line = outcomes["hangs"], outcomes["in line"]
+    assert isinstance(hangs, VerificationError) and hangs.reason == "timed out after 0.5 s"
+    # it waited for the plugin's thread while the first hung, and was not started once that one was abandoned
+    assert isinstance(in_line, VerificationError)
+    assert "refusing to start more until they finish (max_abandoned=0)" in in_line.reason

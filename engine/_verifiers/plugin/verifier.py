@@ -448,13 +448,13 @@ class PluginVerifier:
         await self._loaded()
         fn = self._fn
         assert fn is not None  # imported
-        self._check_abandoned()
         out: list[Any] = []
         converting = [-1]  # the value being made a reward, once every call has returned
         serial = self._serial
         # A serial chunk's timeout starts once it runs: the chunks queued before it (each up to a tenth of
         # the timeout in calls, and a quarter in turns) are not its time, and a lane may queue dozens.
         async with self._chunk_lock if serial else contextlib.nullcontext():
+            self._check_abandoned()  # here: the chunk before it in line may have just been abandoned
             with anyio.move_on_after(self.limits.timeout) as deadline:
                 try:
                     rewards, cost = await self._run(fn, items, out, converting, serial)
