@@ -112,7 +112,11 @@ class Verifier(Protocol):
 
 @runtime_checkable
 class ChunkedVerifier(Verifier, Protocol):
-    """A verifier that can score several items in one call (a sync plugin: one thread hop a chunk)."""
+    """A verifier that can score several items in one call (a sync plugin: one thread hop a chunk).
+
+    Whether a verifier is one is asked once per class (:func:`is_chunked`): ``verify_chunk`` is a
+    method of its class, never set on an instance.
+    """
 
     async def verify_chunk(self, items: Sequence[Mapping[str, Any]]) -> list[float]:
         """The rewards of whole items (mappings with ``environment``, ``task``, ``trajectory``), in order.

@@ -85,7 +85,8 @@ class VerifierReport:
         stands for: what a running histogram adds per batch (``Engine.stats``, ``engine serve``'s metrics).
 
         Adding every latency of a 200,000-call batch held the event loop ~100 ms at the batch's end;
-        a stride sample of 4,096 puts a percentile within a few tenths of a percent of its rank.
+        a stride sample of 4,096 puts a percentile within a few tenths of a percent of its rank. The
+        weights add up to about the items, not exactly: read counts from ``items``, not from them.
         """
         latencies, weights = self.latencies, self.latency_items or [1] * len(self.latencies)
         stride = -(-len(latencies) // LATENCY_SAMPLE)
