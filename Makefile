@@ -29,6 +29,10 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_endpoint.py
 	$(BIN)/python benchmarks/bench_abort.py
 	$(BIN)/python benchmarks/bench_backfill.py
+	$(BIN)/python benchmarks/bench_loop.py
+	$(BIN)/python benchmarks/bench_cores.py
+	$(BIN)/python benchmarks/bench_serve.py
+	$(BIN)/python benchmarks/bench_adapters.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache
