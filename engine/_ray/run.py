@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -32,7 +34,7 @@ import orjson
 from engine._backfill.checkpoint import hold_lock
 from engine._config import EngineConfig
 from engine._core.report import LatencyHistogram, VerifierTotals
-from engine._errors import EngineError, OutputError, ResumeError
+from engine._errors import ConfigError, EngineError, OutputError, ResumeError
 from engine._ray.actor import BlockScorer, Carried, blocks_to_do, split_limits
 from engine._ray.plan import (
     DEFAULT_BLOCK_ROWS,
@@ -62,7 +64,10 @@ __all__ = [
 
 DEFAULT_ACTORS = 2
 DEFAULT_ACTOR_CPUS = 1.0  # one core per actor: a plugin's Python runs under its actor's GIL
-NO_PROGRESS_TIMEOUT = 600.0  # seconds without a block done before Ray Data fails the job (its default: 30 min)
+# seconds without a block done before Ray Data fails the job (its default: 30 min);
+# RAY_DATA_EXECUTION_NO_PROGRESS_TIMEOUT_S overrides it, as it does Ray's own default
+NO_PROGRESS_TIMEOUT = 600.0
+NO_PROGRESS_VARIABLE = "RAY_DATA_EXECUTION_NO_PROGRESS_TIMEOUT_S"
 SUCCESS_FORMAT = "engine-ray-success/1"
 
 Progress = Callable[[int], None]  # told how many rows are done, after each block
@@ -85,18 +90,30 @@ class RaySummary:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-def configure_data(no_progress_timeout: float = NO_PROGRESS_TIMEOUT) -> None:
+def no_progress_timeout() -> float:
+    """:data:`NO_PROGRESS_TIMEOUT`, or the seconds ``RAY_DATA_EXECUTION_NO_PROGRESS_TIMEOUT_S`` says."""
+    value = os.environ.get(NO_PROGRESS_VARIABLE)
+    try:
+        return float(value) if value else NO_PROGRESS_TIMEOUT
+    except ValueError:
+        raise ConfigError(f"{NO_PROGRESS_VARIABLE} must be a number of seconds, got {value!r}") from None
+
+
+def configure_data(timeout: float | None = None) -> None:
     """Set Ray Data's options a backfill relies on, in this driver's current ``DataContext``.
 
     Never drop a block (``max_errored_blocks = 0``), never retry one that raised, fail a job that
-    makes no progress for ``no_progress_timeout`` seconds, and draw no progress bars (the CLI draws its own).
+    makes no progress, or cannot start its actors, for ``timeout`` seconds (default:
+    :func:`no_progress_timeout`), and draw no progress bars (the CLI draws its own).
     """
     import ray.data
 
+    timeout = no_progress_timeout() if timeout is None else timeout
     ctx = ray.data.DataContext.get_current()
     ctx.max_errored_blocks = 0
     ctx.actor_task_retry_on_errors = False
-    ctx.execution_no_progress_timeout_s = no_progress_timeout
+    ctx.execution_no_progress_timeout_s = timeout
+    ctx.wait_for_min_actors_s = max(1, math.ceil(timeout))
     ctx.enable_progress_bars = False
     ctx.raise_original_map_exception = True
 
@@ -179,7 +196,7 @@ def backfill(
     address: str | None = None,
     actor_cpus: float = DEFAULT_ACTOR_CPUS,
     block_rows: int = DEFAULT_BLOCK_ROWS,
-    no_progress_timeout: float = NO_PROGRESS_TIMEOUT,
+    no_progress_timeout: float | None = None,
     progress: Progress | None = None,
 ) -> RaySummary:
     """Score every row of ``input_spec`` into Parquet parts in ``outdir`` on Ray; see the module docstring.
@@ -234,7 +251,7 @@ def _score_blocks(
     token: str | None,
     address: str | None,
     actor_cpus: float,
-    no_progress_timeout: float,
+    no_progress_timeout: float | None,
     progress: Progress | None,
 ) -> None:
     import ray
