@@ -44,7 +44,7 @@ def score_dataset(
     """
     import ray.data
 
-    from engine._ray.actor import split_limits
+    from engine._ray.actor import absolute, split_limits
     from engine._ray.dataset import RowScorer
 
     if actors < 1:
@@ -52,7 +52,7 @@ def score_dataset(
     if config is None and url is None:
         raise ValueError("a config is needed unless every actor scores through an engine serve (url)")
     configure_data()
-    per_actor = split_limits(config, actors) if config is not None and url is None else config
+    per_actor = None if config is None else absolute(split_limits(config, actors) if url is None else config)
     return dataset.map_batches(
         RowScorer,
         batch_size=batch_size,

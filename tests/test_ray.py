@@ -160,7 +160,9 @@ def test_a_second_run_after_success_changes_nothing(space: Workspace, cluster: s
     log = space.root / "calls.log"
     source = write_rows(space.root / "in.jsonl", rows(2_000, log=str(log)))
     outdir = space.root / "out"
-    assert space.score(source, outdir, "--ray", "--chunk-size", "500").returncode == 0
+    # relative paths, the config's environments too: actors do not share the driver's working directory
+    first = space.run("score", "in.jsonl", "-o", "out", "--config", "engine.toml", "--ray", "--chunk-size", "500")
+    assert first.returncode == 0, first.stderr
     files = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in outdir.iterdir()}
     assert len(committed(outdir)) == 4
 

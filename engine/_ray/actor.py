@@ -42,7 +42,7 @@ from engine._engine import Engine
 from engine._errors import EngineError, InputError, VerificationError
 from engine._ray.plan import Block, Plan, part_name, tmp_dir
 
-__all__ = ["BlockScorer", "Carried", "split_limits"]
+__all__ = ["BlockScorer", "Carried", "absolute", "split_limits"]
 
 
 def split_limits(config: EngineConfig, actors: int) -> EngineConfig:
@@ -64,6 +64,13 @@ def split_limits(config: EngineConfig, actors: int) -> EngineConfig:
         judge = replace(judge, max_concurrency=math.ceil(judge.max_concurrency / actors), max_rate=rate)
     refs = {key: split(limits) for key, limits in config.refs.items()}
     return replace(config, defaults=split(config.defaults), refs=refs, judge=judge)
+
+
+def absolute(config: EngineConfig) -> EngineConfig:
+    """``config`` with its directories and files as absolute paths: an actor's working directory is not the driver's."""
+    bundle = config.ca_bundle.resolve() if config.ca_bundle is not None else None
+    return replace(config, environments=config.environments.resolve(), rubrics=config.rubrics.resolve(),
+                   ca_bundle=bundle)
 
 
 def _rebuild(cls: type[EngineError], args: tuple[Any, ...], state: dict[str, Any]) -> Carried:

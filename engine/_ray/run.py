@@ -35,7 +35,7 @@ from engine._backfill.checkpoint import hold_lock
 from engine._config import EngineConfig
 from engine._core.report import LatencyHistogram, VerifierTotals
 from engine._errors import ConfigError, EngineError, OutputError, ResumeError
-from engine._ray.actor import BlockScorer, Carried, blocks_to_do, split_limits
+from engine._ray.actor import BlockScorer, Carried, absolute, blocks_to_do, split_limits
 from engine._ray.plan import (
     DEFAULT_BLOCK_ROWS,
     Block,
@@ -264,7 +264,7 @@ def _score_blocks(
     try:
         summary.seconds["ray_start"] = time.monotonic() - began
         configure_data(no_progress_timeout)
-        per_actor = split_limits(config, actors) if config is not None and url is None else config
+        per_actor = None if config is None else absolute(split_limits(config, actors) if url is None else config)
         items = [{"block": orjson.dumps([path, astuple(block)]).decode()} for path, block in todo]
         dataset = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
             BlockScorer,
