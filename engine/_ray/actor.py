@@ -3,9 +3,9 @@
 An actor reads its block's rows itself, with the single-machine reader's checks
 (:mod:`engine._backfill.input`), scores them as one batch whose ``first_index`` is the block's first
 row in the whole input (a ``VerificationError`` names that row, and a note its file and line), and
-commits the block: the records go to a spool in ``OUTDIR/_tmp``, become Parquet with the
-single-machine output's columns and types (:func:`engine._backfill.parquet.spool_to_parquet`), are
-fsynced, and are renamed to the block's part file. A part is there whole or not at all; scoring a
+commits the block: its records become a Parquet file in ``OUTDIR/_tmp`` with the single-machine
+output's columns and types (:func:`engine._backfill.parquet.output_schema`), fsynced, then renamed
+to the block's part file. A part is there whole or not at all; scoring a
 block again replaces it with the same rows.
 
 **Limits.** Each verifier's ``max_concurrency`` and ``max_rate`` in a config are meant for the whole
@@ -20,7 +20,7 @@ import contextlib
 import math
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import ExitStack
 from dataclasses import replace
 from functools import partial
@@ -34,7 +34,7 @@ from anyio.from_thread import start_blocking_portal
 
 from engine._backfill.files import file_format, fsync
 from engine._backfill.input import BATCH_ROWS, FIELDS, Row, RowReader
-from engine._backfill.parquet import spool_to_parquet, verifier_problem
+from engine._backfill.parquet import PARQUET_BATCH_ROWS, ids_kind, output_batch, output_schema, verifier_problem
 from engine._backfill.run import _refuse_unknown_environments
 from engine._config import EngineConfig, Limits
 from engine._core.report import BatchResult, VerifierTotals, add_reports
@@ -130,37 +130,51 @@ def _rows_of(path: Path, block: Block) -> tuple[RowReader, list[Row]]:
     return reader, rows
 
 
-def _spool(path: Path, rows: list[Row], result: BatchResult, reader: RowReader) -> None:
-    """The records of a scored block as JSON Lines, as ``engine score`` spools them (checked as it checks them)."""
-    with path.open("wb") as f:
-        for position, (row, reward) in enumerate(zip(rows, result.rewards, strict=True)):
+def _verifiers(rows: list[Row], result: BatchResult) -> list[Mapping[str, Any]]:
+    """Each row's ``verifier`` record, as ``engine score`` writes it, checked once per verifier and environment."""
+    made: dict[tuple[int, str], Mapping[str, Any]] = {}
+    verifiers = []
+    for position, (row, verifier_of) in enumerate(zip(rows, result.verifier_of, strict=True)):
+        verifier = made.get((verifier_of, row.environment))
+        if verifier is None:
             verifier = {**result.provenance(position), "environment": row.environment}
             problem = verifier_problem(verifier)
             if problem is not None:
                 raise TypeError(f"the verifier of id {row.id!r} cannot be written to Parquet: {problem}")
+            made[verifier_of, row.environment] = verifier
+        verifiers.append(verifier)
+    return verifiers
+
+
+def _table(rows: list[Row], result: BatchResult, reader: RowReader) -> pa.Table:
+    """The records of a scored block, with the single-machine Parquet output's schema for their ids."""
+    ids = [row.id for row in rows]
+    for row in rows:
+        if not isinstance(row.id, str | int | None):  # a float, a list, an object: JSON text, if JSON can hold it
             try:
-                f.write(orjson.dumps({"id": row.id, "reward": float(reward), "verifier": verifier}) + b"\n")
+                orjson.dumps(row.id)
             except orjson.JSONEncodeError as exc:
                 raise InputError(
                     reader.path, f"'id' cannot be written to the output: {exc}", unit=reader.unit, number=row.number
                 ) from None
+    schema = output_schema(ids_kind(ids))
+    rewards = [float(reward) for reward in result.rewards]
+    return pa.Table.from_batches([output_batch(schema, ids, rewards, _verifiers(rows, result))])
 
 
 def commit(outdir: Path, block: Block, rows: list[Row], result: BatchResult, reader: RowReader) -> None:
-    """Write ``block``'s part file whole: spool, Parquet, fsync, rename into place, fsync the directory."""
+    """Write ``block``'s part file whole: a temporary file, fsync, rename into place, fsync the directory."""
     scratch = tmp_dir(outdir)
     scratch.mkdir(exist_ok=True)
-    name = f"{part_name(block)}.{uuid.uuid4().hex}"  # two attempts at one block never share a file
-    spool, target = scratch / f"{name}.jsonl", scratch / f"{name}.parquet"
+    table = _table(rows, result, reader)
+    target = scratch / f"{part_name(block)}.{uuid.uuid4().hex}"  # two attempts at one block never share a file
     try:
-        _spool(spool, rows, result, reader)
-        spool_to_parquet(spool, target)
+        pq.write_table(table, target, row_group_size=PARQUET_BATCH_ROWS)
         fsync(target)
         os.replace(target, outdir / part_name(block))
         fsync(outdir)
     finally:
-        for leftover in (spool, target):
-            leftover.unlink(missing_ok=True)
+        target.unlink(missing_ok=True)
 
 
 class BlockScorer:
