@@ -16,12 +16,20 @@ from typing import TYPE_CHECKING, Any
 
 from engine._config import EngineConfig
 from engine._ray.plan import DEFAULT_BLOCK_ROWS
-from engine._ray.run import DEFAULT_ACTOR_CPUS, DEFAULT_ACTORS, RaySummary, backfill, configure_data
+from engine._ray.run import DEFAULT_ACTOR_CPUS, DEFAULT_ACTORS, RaySummary, backfill, check_data_options, engine_error
 
 if TYPE_CHECKING:
     import ray.data
 
-__all__ = ["DEFAULT_ACTORS", "DEFAULT_ACTOR_CPUS", "DEFAULT_BLOCK_ROWS", "RaySummary", "backfill", "score_dataset"]
+__all__ = [
+    "DEFAULT_ACTORS",
+    "DEFAULT_ACTOR_CPUS",
+    "DEFAULT_BLOCK_ROWS",
+    "RaySummary",
+    "backfill",
+    "engine_error",
+    "score_dataset",
+]
 
 
 def score_dataset(
@@ -38,9 +46,11 @@ def score_dataset(
     """``dataset`` (columns ``id``, ``environment``, ``task``, ``trajectory``, and any others) with ``reward`` and
     ``verifier`` columns added, scored lazily by ``actors`` actors, ``batch_size`` rows per engine batch.
 
-    Sets this driver's Ray Data options the guarantees rely on (``max_errored_blocks = 0``, no retry
-    of a batch that raised). An engine error reaches the consumer of the dataset inside Ray's
-    wrapping; :func:`engine._ray.run.engine_error` finds it there. ``ray_remote_args`` go to ``map_batches``.
+    ``ValueError`` if this driver's Ray Data options break the guarantees (``max_errored_blocks``
+    above 0 drops rows; ``actor_task_retry_on_errors`` retries verification errors). An engine
+    error reaches the consumer of the dataset inside Ray's wrapping; :func:`engine_error` finds it
+    there. A bad row's ``InputError`` names its row within its batch. ``ray_remote_args`` go to
+    ``map_batches``.
     """
     import ray.data
 
@@ -51,7 +61,7 @@ def score_dataset(
         raise ValueError(f"actors must be >= 1, got {actors}")
     if config is None and url is None:
         raise ValueError("a config is needed unless every actor scores through an engine serve (url)")
-    configure_data()
+    check_data_options()
     per_actor = None if config is None else absolute(split_limits(config, actors) if url is None else config)
     return dataset.map_batches(
         RowScorer,

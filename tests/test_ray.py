@@ -40,7 +40,8 @@ from engine import VerificationError
 from engine._backfill.parquet import read_records
 from engine._ray.actor import split_limits
 from engine._ray.plan import committed, make_plan, resolve_inputs
-from engine._ray.run import NO_PROGRESS_VARIABLE, backfill, engine_error
+from engine._ray.run import NO_PROGRESS_VARIABLE
+from engine.ray import backfill, engine_error, score_dataset
 
 pytestmark = pytest.mark.timeout(180)  # Ray actors start in seconds, more on a loaded 2-core machine
 
@@ -257,8 +258,6 @@ def test_score_dataset_adds_reward_and_verifier_and_a_failure_fails_the_dataset(
     expected = single(space, source)
     dataset = ray.data.from_items(rows(1_000))
 
-    from engine.ray import score_dataset
-
     scored = score_dataset(dataset, config, actors=2, actor_cpus=0.5, batch_size=250).take_all()
 
     got = {r["id"]: (r["reward"], {k: v for k, v in r["verifier"].items() if v is not None}) for r in scored}
@@ -269,6 +268,13 @@ def test_score_dataset_adds_reward_and_verifier_and_a_failure_fails_the_dataset(
         score_dataset(ray.data.from_items(bad), config, actors=2, actor_cpus=0.5, batch_size=250).take_all()
     error = engine_error(raised.value)
     assert isinstance(error, VerificationError) and error.item_id == "row-00321", raised.value
+    context = ray.data.DataContext.get_current()
+    context.max_errored_blocks = 1  # would drop the block of a failing row: refused
+    try:
+        with pytest.raises(ValueError, match="max_errored_blocks"):
+            score_dataset(ray.data.from_items(bad), config)
+    finally:
+        context.max_errored_blocks = 0
 
 
 def free_port() -> int:

@@ -24,7 +24,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import astuple, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,7 +58,8 @@ __all__ = [
     "NO_PROGRESS_TIMEOUT",
     "RaySummary",
     "backfill",
-    "configure_data",
+    "check_data_options",
+    "data_options",
     "engine_error",
 ]
 
@@ -99,8 +100,10 @@ def no_progress_timeout() -> float:
         raise ConfigError(f"{NO_PROGRESS_VARIABLE} must be a number of seconds, got {value!r}") from None
 
 
-def configure_data(timeout: float | None = None) -> None:
-    """Set Ray Data's options a backfill relies on, in this driver's current ``DataContext``.
+@contextlib.contextmanager
+def data_options(timeout: float | None = None) -> Iterator[None]:
+    """Set Ray Data's options a backfill relies on in this driver's ``DataContext`` while the block runs, then put
+    back what they were (the library changes nothing in its host process for good).
 
     Never drop a block (``max_errored_blocks = 0``), never retry one that raised, fail a job that
     makes no progress, or cannot start its actors, for ``timeout`` seconds (default:
@@ -110,12 +113,36 @@ def configure_data(timeout: float | None = None) -> None:
 
     timeout = no_progress_timeout() if timeout is None else timeout
     ctx = ray.data.DataContext.get_current()
-    ctx.max_errored_blocks = 0
-    ctx.actor_task_retry_on_errors = False
-    ctx.execution_no_progress_timeout_s = timeout
-    ctx.wait_for_min_actors_s = max(1, math.ceil(timeout))
-    ctx.enable_progress_bars = False
-    ctx.raise_original_map_exception = True
+    wanted = {
+        "max_errored_blocks": 0,
+        "actor_task_retry_on_errors": False,
+        "execution_no_progress_timeout_s": timeout,
+        "wait_for_min_actors_s": max(1, math.ceil(timeout)),
+        "enable_progress_bars": False,
+        "raise_original_map_exception": True,
+    }
+    before = {name: getattr(ctx, name) for name in wanted}
+    try:
+        for name, value in wanted.items():
+            setattr(ctx, name, value)
+        yield
+    finally:
+        for name, value in before.items():
+            setattr(ctx, name, value)
+
+
+def check_data_options() -> None:
+    """Refuse Ray Data options under which a dataset would drop rows or retry verification errors (``ValueError``)."""
+    import ray.data
+
+    ctx = ray.data.DataContext.get_current()
+    if ctx.max_errored_blocks != 0:
+        raise ValueError(
+            f"DataContext.max_errored_blocks is {ctx.max_errored_blocks}: Ray Data would drop the rows of a block "
+            "whose verifier failed, silently; set it to 0"
+        )
+    if ctx.actor_task_retry_on_errors is not False:
+        raise ValueError("DataContext.actor_task_retry_on_errors is set: a verification error must not be retried")
 
 
 def engine_error(exc: BaseException) -> EngineError | None:
@@ -240,6 +267,12 @@ def backfill(
         return summary
 
 
+def rows_of(dataset: Any, timeout: float | None) -> Iterator[dict[str, Any]]:
+    """The rows of ``dataset``, executed under :func:`data_options`."""
+    with data_options(timeout):
+        yield from dataset.iter_rows()
+
+
 def _score_blocks(
     todo: list[tuple[str, Block]],
     outdir: Path,
@@ -263,7 +296,6 @@ def _score_blocks(
         ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
     try:
         summary.seconds["ray_start"] = time.monotonic() - began
-        configure_data(no_progress_timeout)
         per_actor = None if config is None else absolute(split_limits(config, actors) if url is None else config)
         items = [{"block": orjson.dumps([path, astuple(block)]).decode()} for path, block in todo]
         dataset = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
@@ -281,7 +313,7 @@ def _score_blocks(
         done = summary.resumed_at
         scoring = time.monotonic()
         try:
-            for row in dataset.iter_rows():
+            for row in rows_of(dataset, no_progress_timeout):
                 _merge(summary.verifiers, orjson.loads(row["totals"]))
                 done += int(row["rows"])
                 if progress is not None:
