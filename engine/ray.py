@@ -46,8 +46,9 @@ def score_dataset(
     """``dataset`` (columns ``id``, ``environment``, ``task``, ``trajectory``, and any others) with ``reward`` and
     ``verifier`` columns added, scored lazily by ``actors`` actors, ``batch_size`` rows per engine batch.
 
-    ``ValueError`` if this driver's Ray Data options break the guarantees (``max_errored_blocks``
-    above 0 drops rows; ``actor_task_retry_on_errors`` retries verification errors). An engine
+    ``ValueError`` if the dataset's Ray Data options break the guarantees (``max_errored_blocks``
+    above 0 drops rows; ``actor_task_retry_on_errors`` retries verification errors); its
+    ``raise_original_map_exception`` is set, so that the engine's error is not flattened to text. An engine
     error reaches the consumer of the dataset inside Ray's wrapping; :func:`engine_error` finds it
     there. A bad row's ``InputError`` names its row within its batch. ``ray_remote_args`` go to
     ``map_batches``.
@@ -61,7 +62,7 @@ def score_dataset(
         raise ValueError(f"actors must be >= 1, got {actors}")
     if config is None and url is None:
         raise ValueError("a config is needed unless every actor scores through an engine serve (url)")
-    check_data_options()
+    check_data_options(dataset.context)  # the dataset's own copy of the driver's DataContext
     per_actor = None if config is None else absolute(split_limits(config, actors) if url is None else config)
     return dataset.map_batches(
         RowScorer,

@@ -241,7 +241,12 @@ def test_an_actor_killed_mid_block_is_restarted_and_its_block_scored_again(space
     source = write_rows(space.root / "in.jsonl", items)
     outdir = space.root / "out"
 
+    options = ("enable_progress_bars", "execution_no_progress_timeout_s", "raise_original_map_exception")
+    before = {name: getattr(ray.data.DataContext.get_current(), name) for name in options}
+
     summary = backfill(source, outdir, engine.load_config(space.config), actors=2, actor_cpus=0.5, block_rows=500)
+
+    assert {name: getattr(ray.data.DataContext.get_current(), name) for name in options} == before  # the driver's
 
     assert marker.exists()  # the actor did die
     assert summary.rows == 2_000 and not summary.already_complete
@@ -268,13 +273,10 @@ def test_score_dataset_adds_reward_and_verifier_and_a_failure_fails_the_dataset(
         score_dataset(ray.data.from_items(bad), config, actors=2, actor_cpus=0.5, batch_size=250).take_all()
     error = engine_error(raised.value)
     assert isinstance(error, VerificationError) and error.item_id == "row-00321", raised.value
-    context = ray.data.DataContext.get_current()
-    context.max_errored_blocks = 1  # would drop the block of a failing row: refused
-    try:
-        with pytest.raises(ValueError, match="max_errored_blocks"):
-            score_dataset(ray.data.from_items(bad), config)
-    finally:
-        context.max_errored_blocks = 0
+    dropping = ray.data.from_items(bad)
+    dropping.context.max_errored_blocks = 1  # would drop the block of a failing row: refused
+    with pytest.raises(ValueError, match="max_errored_blocks"):
+        score_dataset(dropping, config)
 
 
 def free_port() -> int:

@@ -24,7 +24,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import astuple, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,8 +59,8 @@ __all__ = [
     "RaySummary",
     "backfill",
     "check_data_options",
-    "data_options",
     "engine_error",
+    "set_data_options",
 ]
 
 DEFAULT_ACTORS = 2
@@ -100,49 +100,35 @@ def no_progress_timeout() -> float:
         raise ConfigError(f"{NO_PROGRESS_VARIABLE} must be a number of seconds, got {value!r}") from None
 
 
-@contextlib.contextmanager
-def data_options(timeout: float | None = None) -> Iterator[None]:
-    """Set Ray Data's options a backfill relies on in this driver's ``DataContext`` while the block runs, then put
-    back what they were (the library changes nothing in its host process for good).
+def set_data_options(context: Any, timeout: float | None = None) -> None:
+    """Set the Ray Data options a backfill relies on in ``context``, a dataset's own ``DataContext``.
 
-    Never drop a block (``max_errored_blocks = 0``), never retry one that raised, fail a job that
+    Ray copies the driver's context into each dataset it makes, so this changes nothing else in
+    the driver. Never drop a block (``max_errored_blocks = 0``), never retry one that raised, raise
+    an actor's exception itself (so the engine's error reaches the driver whole), fail a job that
     makes no progress, or cannot start its actors, for ``timeout`` seconds (default:
     :func:`no_progress_timeout`), and draw no progress bars (the CLI draws its own).
     """
-    import ray.data
-
     timeout = no_progress_timeout() if timeout is None else timeout
-    ctx = ray.data.DataContext.get_current()
-    wanted = {
-        "max_errored_blocks": 0,
-        "actor_task_retry_on_errors": False,
-        "execution_no_progress_timeout_s": timeout,
-        "wait_for_min_actors_s": max(1, math.ceil(timeout)),
-        "enable_progress_bars": False,
-        "raise_original_map_exception": True,
-    }
-    before = {name: getattr(ctx, name) for name in wanted}
-    try:
-        for name, value in wanted.items():
-            setattr(ctx, name, value)
-        yield
-    finally:
-        for name, value in before.items():
-            setattr(ctx, name, value)
+    context.max_errored_blocks = 0
+    context.actor_task_retry_on_errors = False
+    context.raise_original_map_exception = True
+    context.execution_no_progress_timeout_s = timeout
+    context.wait_for_min_actors_s = max(1, math.ceil(timeout))
+    context.enable_progress_bars = False
 
 
-def check_data_options() -> None:
-    """Refuse Ray Data options under which a dataset would drop rows or retry verification errors (``ValueError``)."""
-    import ray.data
-
-    ctx = ray.data.DataContext.get_current()
-    if ctx.max_errored_blocks != 0:
+def check_data_options(context: Any) -> None:
+    """Refuse a dataset's Ray Data options under which rows would be dropped or verification errors retried
+    (``ValueError``); make an actor's exception reach the consumer itself, not as its text."""
+    if context.max_errored_blocks != 0:
         raise ValueError(
-            f"DataContext.max_errored_blocks is {ctx.max_errored_blocks}: Ray Data would drop the rows of a block "
-            "whose verifier failed, silently; set it to 0"
+            f"DataContext.max_errored_blocks is {context.max_errored_blocks}: Ray Data would drop the rows of a "
+            "block whose verifier failed, silently; set it to 0"
         )
-    if ctx.actor_task_retry_on_errors is not False:
+    if context.actor_task_retry_on_errors is not False:
         raise ValueError("DataContext.actor_task_retry_on_errors is set: a verification error must not be retried")
+    context.raise_original_map_exception = True
 
 
 def engine_error(exc: BaseException) -> EngineError | None:
@@ -267,12 +253,6 @@ def backfill(
         return summary
 
 
-def rows_of(dataset: Any, timeout: float | None) -> Iterator[dict[str, Any]]:
-    """The rows of ``dataset``, executed under :func:`data_options`."""
-    with data_options(timeout):
-        yield from dataset.iter_rows()
-
-
 def _score_blocks(
     todo: list[tuple[str, Block]],
     outdir: Path,
@@ -298,7 +278,9 @@ def _score_blocks(
         summary.seconds["ray_start"] = time.monotonic() - began
         per_actor = None if config is None else absolute(split_limits(config, actors) if url is None else config)
         items = [{"block": orjson.dumps([path, astuple(block)]).decode()} for path, block in todo]
-        dataset = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+        blocks = ray.data.from_items(items, override_num_blocks=len(items))
+        set_data_options(blocks.context, no_progress_timeout)  # shared by the map below, and by nothing else
+        dataset = blocks.map_batches(
             BlockScorer,
             batch_size=1,
             compute=ray.data.ActorPoolStrategy(size=actors),
@@ -313,7 +295,7 @@ def _score_blocks(
         done = summary.resumed_at
         scoring = time.monotonic()
         try:
-            for row in rows_of(dataset, no_progress_timeout):
+            for row in dataset.iter_rows():
                 _merge(summary.verifiers, orjson.loads(row["totals"]))
                 done += int(row["rows"])
                 if progress is not None:
