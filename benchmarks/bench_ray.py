@@ -176,6 +176,7 @@ def main() -> None:
     parser.add_argument("--rows-cpu", type=int, default=20_000)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--no-checkpoint", action="store_true", help="skip Ray Data's CheckpointConfig")
+    parser.add_argument("--only-cpu", action="store_true", help="the CPU-bound rows alone (no cheap rows, overheads)")
     args = parser.parse_args()
     print(f"bench_ray: {machine()}")
     with tempfile.TemporaryDirectory(prefix="bench-ray-") as tmp:
@@ -185,7 +186,7 @@ def main() -> None:
         write_env(work / "envs", "cpu", "plugin", "verify:score", {"verify.py": CPU.format(loops=loops)})
         (work / "engine.toml").write_text('environments = "envs"\nallow_unpinned = true\n')
         cheap, cpu = work / "cheap.parquet", work / "cpu.parquet"
-        write_rows(cheap, args.rows_cheap, "exact")
+        write_rows(cheap, 0 if args.only_cpu else args.rows_cheap, "exact")
         write_rows(cpu, args.rows_cpu, "cpu")
         small = work / "small.parquet"
         write_rows(small, 200_000, "exact")
@@ -199,8 +200,9 @@ def main() -> None:
         address = ray.get_runtime_context().gcs_address
         try:
             results = []
-            for name, source, rows, block_rows in (("cheap plugin", cheap, args.rows_cheap, 8192),
-                                                   ("CPU-bound plugin, ~1 ms", cpu, args.rows_cpu, 1024)):
+            runs = [("cheap plugin", cheap, args.rows_cheap, 8192),
+                    ("CPU-bound plugin, ~1 ms", cpu, args.rows_cpu, 1024)]
+            for name, source, rows, block_rows in runs[1:] if args.only_cpu else runs:
                 singles, rays, scoring = [], [], []
                 for _ in range(args.repeat):
                     singles.append(single(source, work))
@@ -213,6 +215,8 @@ def main() -> None:
             print(table("rows/s, median of runs: single-machine `engine score` vs --ray with 2 actors (wall: joining "
                         "Ray, starting actors included; scoring: from the map's start to its last block)",
                         ["rows", "count", "single", "--ray wall", "--ray scoring", "wall ratio"], results))
+            if args.only_cpu:
+                return
 
             fine = [on_ray(small, work, address, 1024) for _ in range(args.repeat)]
             coarse = [on_ray(small, work, address, 32768) for _ in range(args.repeat)]
