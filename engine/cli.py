@@ -52,6 +52,7 @@ from engine._config import load_config
 from engine._environments.digest import digest_directory
 from engine._environments.manifest import RUBRIC_REF
 from engine._errors import EngineError, ResumeError, RubricError, VerificationError, WriteError
+from engine._ray.plan import DEFAULT_BLOCK_ROWS
 from engine._serve import limits as _limits
 from engine._verifiers.rubric.registry import RubricRegistry
 
@@ -342,15 +343,34 @@ def _summary_table(summary: RunSummary) -> Table:
 
 
 @cli.command()
-@click.argument("input_path", metavar="INPUT", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
-              help="Rewards file: .jsonl or .parquet. Written only when complete.")
+@click.argument("input_path", metavar="INPUT", type=click.Path(path_type=Path))
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True,
+              help="Rewards file: .jsonl or .parquet. Written only when complete. With --ray: a directory.")
 @config_option
 @click.option("--resume", is_flag=True, help="Continue an interrupted or failed run from its last checkpoint.")
-@click.option("--chunk-size", type=click.IntRange(min=1), default=DEFAULT_CHUNK_SIZE, show_default=True,
-              help="Rows per batch and per checkpoint (at most this many are scored again on resume).")
-def score(input_path: Path, output: Path, config_path: Path, resume: bool, chunk_size: int) -> None:
+@click.option("--chunk-size", type=click.IntRange(min=1), default=None,
+              help=f"Rows per batch and per checkpoint (at most this many are scored again on resume) "
+              f"[default: {DEFAULT_CHUNK_SIZE}; with --ray, rows per block: {DEFAULT_BLOCK_ROWS}].")
+@click.option("--ray", "on_ray", is_flag=True,
+              help="Score on Ray Data: INPUT a file, directory or glob; OUTPUT a directory of Parquet parts.")
+@click.option("--address", default=None, help="With --ray: the Ray cluster (default: RAY_ADDRESS, else a local Ray).")
+@click.option("--actors", type=click.IntRange(min=1), default=None,
+              help="With --ray: actors, one engine each; each verifier's limits are split over them [default: 2].")
+@click.option("--url", default=None, help="With --ray: every actor scores through this `engine serve` instead.")
+@click.option("--token-env", metavar="NAME", default=None, help="With --url: variable holding the service's token.")
+def score(input_path: Path, output: Path, config_path: Path, resume: bool, chunk_size: int | None, on_ray: bool,
+          address: str | None, actors: int | None, url: str | None, token_env: str | None) -> None:
     """Backfill rewards for a file of stored trajectories (JSON Lines or Parquet)."""
+    ray_only = {"--address": address, "--actors": actors, "--url": url, "--token-env": token_env}
+    if on_ray:
+        _score_on_ray(input_path, output, config_path, resume, chunk_size or DEFAULT_BLOCK_ROWS, address, actors, url,
+                      token_env)
+        return
+    chunk_size = chunk_size or DEFAULT_CHUNK_SIZE
+    if given := [name for name, value in ray_only.items() if value is not None]:
+        _fail(EXIT_BAD_INPUT, f"{', '.join(given)} go(es) with --ray")
+    if output.is_dir():
+        _fail(EXIT_BAD_INPUT, f"{output} is a directory: the output is a .jsonl or .parquet file (a directory: --ray)")
     try:
         config = load_config(config_path)
         cleanup_only = resume and _only_cleanup_left(output)  # the input is neither needed nor read then
@@ -391,6 +411,34 @@ def score(input_path: Path, output: Path, config_path: Path, resume: bool, chunk
         stdout.print("repeated ids: none")
     resumed = f" (resumed at row {summary.resumed_at:,})" if summary.resumed_at and not summary.already_finished else ""
     stdout.print(f"{summary.rows:,} rewards written to {summary.output}{resumed}", soft_wrap=True)
+
+
+def _score_on_ray(input_path: Path, output: Path, config_path: Path, resume: bool, block_rows: int,
+                  address: str | None, actors: int | None, url: str | None, token_env: str | None) -> None:
+    """``engine score --ray``: :func:`engine._ray.run.backfill`, with the single-machine command's errors and exits."""
+    from engine._ray.run import DEFAULT_ACTORS, backfill  # Ray itself is imported only once a run starts
+
+    token = None
+    if token_env is not None:
+        token = os.environ.get(token_env)
+        if not token:
+            _fail(EXIT_BAD_INPUT, f"--token-env {token_env}: the variable is not set or empty")
+    config = load_config(config_path) if url is None or config_path.is_file() else None
+    kept = f"parts committed so far are kept in {output}: run the same command with --resume to continue"
+    try:
+        with _progress(None) as progress:
+            summary = backfill(input_path, output, config, resume=resume, actors=actors or DEFAULT_ACTORS, url=url,
+                               token=token, address=address, block_rows=block_rows, progress=progress)
+    except KeyboardInterrupt:
+        _interrupted(f"; {kept}")
+    except WriteError as exc:
+        _fail(EXIT_IO, f"{exc}; {kept}")
+    if summary.already_complete:
+        stdout.print(f"{output} is already complete ({summary.rows:,} rows): nothing to do", soft_wrap=True)
+        return
+    stdout.print(_summary_table(RunSummary(output, summary.rows, summary.resumed_at, summary.verifiers)))
+    resumed = f" (resumed at {summary.resumed_at:,} rows committed)" if summary.resumed_at else ""
+    stdout.print(f"{summary.rows:,} rewards written to {output} in {summary.blocks:,} parts{resumed}", soft_wrap=True)
 
 
 @cli.command()

@@ -3,8 +3,9 @@
 A user imports from ``engine`` and nothing else; a name added to or dropped from ``__all__``, an
 error class left out of it, or a module reachable without a leading underscore fails here first.
 The modules with a public name are ``engine.cli``, the ``engine`` command's (``engine.__main__``
-imports it under its Ctrl-C handling): a command line, not a Python API, and not in ``__all__``; and
-``engine.adapters``, the trainer adapters, which a trainer's config names by their module path.
+imports it under its Ctrl-C handling): a command line, not a Python API, and not in ``__all__``;
+``engine.adapters``, the trainer adapters, which a trainer's config names by their module path; and
+``engine.ray``, the API that needs the ``ray`` extra (``import engine`` never imports Ray).
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ PUBLIC = [
     "load_environment",
     "read_rewards",
 ]
-# the engine command's modules (``engine.__main__`` is never imported here), and the trainer adapters
-PUBLIC_MODULES = {"cli", "__main__", "adapters"}
+# the engine command's modules (``engine.__main__`` is never imported here), the trainer adapters, and engine.ray:
+# the API that needs the ray extra, a module of its own so that ``import engine`` never imports Ray
+PUBLIC_MODULES = {"cli", "__main__", "adapters", "ray"}
 
 
 def submodule_names() -> list[str]:
@@ -132,8 +134,8 @@ def test_no_module_is_public_but_the_commands() -> None:
         assert first.startswith("_") or first in PUBLIC_MODULES, name
     all_modules()
     exposed = {name for name in dir(engine) if not name.startswith("_") and inspect.ismodule(getattr(engine, name))}
-    # a submodule, once imported, is an attribute of its package: cli and adapters alone
-    assert exposed <= {"cli", "adapters"}, exposed
+    # a submodule, once imported, is an attribute of its package: these alone
+    assert exposed <= {"cli", "adapters", "ray"}, exposed
 
 
 PROBE = """

@@ -17,7 +17,7 @@ byte-identical to an uninterrupted run's (given the same pyarrow).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from itertools import islice
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
@@ -26,7 +26,16 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-__all__ = ["PARQUET_BATCH_ROWS", "VERIFIER_TYPE", "read_records", "spool_to_parquet", "verifier_problem"]
+__all__ = [
+    "PARQUET_BATCH_ROWS",
+    "VERIFIER_TYPE",
+    "ids_kind",
+    "output_batch",
+    "output_schema",
+    "read_records",
+    "spool_to_parquet",
+    "verifier_problem",
+]
 
 PARQUET_BATCH_ROWS = 16_384  # records per row group when the spool becomes Parquet (~36 MiB less peak than 65,536)
 SPOOL_PARSE_ROWS = 8_192  # records parsed at a time then (measured: peak RSS at 1M rows 261 -> 152 MiB)
@@ -92,6 +101,40 @@ def _batches(f: BinaryIO) -> Iterator[list[dict[str, Any]]]:
         yield [orjson.loads(line) for line in lines]
 
 
+def ids_kind(ids: Iterable[Any]) -> IdKind:
+    """What the ``id`` column of records with these ids holds (see the module docstring)."""
+    kind: IdKind = "null"
+    for row_id in ids:
+        kind = _merge(kind, _id_kind(row_id))
+    return kind
+
+
+def output_schema(kind: IdKind) -> pa.Schema:
+    """The output's schema when its ids are of ``kind`` (:func:`ids_kind`), whether one file or parts."""
+    id_type = pa.int64() if kind == "int" else pa.string()
+    json_columns = "id" if kind == "json" else ""
+    return pa.schema(
+        [
+            pa.field("id", id_type),
+            pa.field("reward", pa.float64(), nullable=False),
+            pa.field("verifier", VERIFIER_TYPE, nullable=False),
+        ],
+        metadata={JSON_COLUMNS_KEY: json_columns.encode()},
+    )
+
+
+def output_batch(schema: pa.Schema, ids: list[Any], rewards: list[float], verifiers: list[Any]) -> pa.RecordBatch:
+    """Records as a batch of :func:`output_schema`'s ``schema`` (ids written as JSON text where it says so)."""
+    if (schema.metadata or {}).get(JSON_COLUMNS_KEY) == b"id":
+        ids = [None if i is None else orjson.dumps(i).decode() for i in ids]
+    columns = [
+        pa.array(ids, type=schema.field("id").type),
+        pa.array(rewards, type=pa.float64()),
+        pa.array(verifiers, type=VERIFIER_TYPE),
+    ]
+    return pa.record_batch(columns, schema=schema)
+
+
 def spool_to_parquet(spool: Path, target: Path) -> None:
     """Convert the JSON Lines spool to a Parquet file, streaming; two passes, the first picks the ``id`` type.
 
@@ -109,27 +152,11 @@ def spool_to_parquet(spool: Path, target: Path) -> None:
                 if problem is not None:
                     line = number * SPOOL_PARSE_ROWS + offset + 1
                     raise ValueError(f"{spool}, line {line}: the verifier cannot be written to Parquet: {problem}")
-    id_type = pa.int64() if kind == "int" else pa.string()
-    json_columns = "id" if kind == "json" else ""
-    schema = pa.schema(
-        [
-            pa.field("id", id_type),
-            pa.field("reward", pa.float64(), nullable=False),
-            pa.field("verifier", VERIFIER_TYPE, nullable=False),
-        ],
-        metadata={JSON_COLUMNS_KEY: json_columns.encode()},
-    )
+    schema = output_schema(kind)
 
     def arrow(batch: list[dict[str, Any]]) -> pa.RecordBatch:
-        ids = [r["id"] for r in batch]
-        if kind == "json":
-            ids = [None if i is None else orjson.dumps(i).decode() for i in ids]
-        columns = [
-            pa.array(ids, type=id_type),
-            pa.array([r["reward"] for r in batch], type=pa.float64()),
-            pa.array([r["verifier"] for r in batch], type=VERIFIER_TYPE),
-        ]
-        return pa.record_batch(columns, schema=schema)
+        return output_batch(schema, [r["id"] for r in batch], [r["reward"] for r in batch],
+                            [r["verifier"] for r in batch])
 
     with spool.open("rb") as f, pq.ParquetWriter(target, schema) as writer:
         group: list[pa.RecordBatch] = []

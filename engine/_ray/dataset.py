@@ -1,0 +1,59 @@
+"""``engine.ray.score_dataset``: a Ray Dataset of rollouts in, the same rows with ``reward`` and ``verifier`` out."""
+
+from __future__ import annotations
+
+import contextlib
+from contextlib import ExitStack
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+from anyio.from_thread import start_blocking_portal
+
+from engine._backfill.input import FIELDS, RowReader
+from engine._backfill.parquet import VERIFIER_TYPE
+from engine._config import EngineConfig
+from engine._core.report import BatchResult
+from engine._engine import Engine
+from engine._errors import EngineError
+from engine._ray.actor import Carried
+
+__all__ = ["DATASET_NAME", "RowScorer"]
+
+DATASET_NAME = Path("dataset.parquet")  # how a bad row's errors name the dataset (rows as Parquet's are read)
+
+
+class RowScorer:
+    """A Ray Data callable class: one engine per actor; each batch of rows is one engine batch.
+
+    Rows are read as ``engine score`` reads a Parquet file's (``task`` or ``trajectory`` may be JSON
+    text); a bad row is an ``InputError`` naming its row in the batch. The columns ``reward``
+    (float64) and ``verifier`` (the single-machine output's struct) are added.
+    """
+
+    def __init__(self, config: EngineConfig | None, url: str | None, token: str | None) -> None:
+        self._stack = ExitStack()
+        portal = self._stack.enter_context(start_blocking_portal(backend="asyncio"))
+        engine: Any = Engine.connect(url, token=token) if url is not None else Engine(config)  # type: ignore[attr-defined,unused-ignore]
+        self._engine = engine
+        self._stack.enter_context(portal.wrap_async_context_manager(engine))
+        self._portal = portal
+        self._reader = RowReader.done(DATASET_NAME, 0)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self._stack.close()
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        try:
+            columns = [batch.column(name).to_pylist() for name in FIELDS]
+            rows = [self._reader._decode(n, values) for n, values in enumerate(zip(*columns, strict=True), 1)]
+            result: BatchResult = self._portal.call(partial(self._engine.run, [row.as_item() for row in rows]))
+        except EngineError as exc:
+            raise Carried(exc) from None
+        verifiers = [
+            {**result.provenance(position), "environment": row.environment} for position, row in enumerate(rows)
+        ]
+        batch = batch.append_column("reward", pa.array(result.rewards, type=pa.float64()))
+        return batch.append_column("verifier", pa.array(verifiers, type=VERIFIER_TYPE))

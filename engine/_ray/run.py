@@ -1,0 +1,312 @@
+"""The driver of a Ray backfill: plan, skip what is committed, map the rest over an actor pool, mark completion.
+
+``engine score INPUT -o OUTDIR --ray`` calls :func:`backfill`. Every block whose part file is
+missing is sent, as a one-row item, through ``Dataset.map_batches`` over a pool of actors, each
+holding one engine (:class:`engine._ray.actor.BlockScorer`). Ray Data retries a block whose actor
+died (OOM, a segfaulting plugin: the actor is restarted) and never one that raised: a verification
+error or a bad row aborts the job (``max_errored_blocks`` stays 0, so no block is ever dropped).
+
+**Exactly once.** A block's rows are committed as one part file named by its row range, renamed
+into place whole (:func:`engine._ray.actor.commit`); a block scored twice (a retry, a resume)
+replaces its part with the same rows. So whatever stops the job (driver killed, actor or node
+lost, an abort), ``--resume`` scores only the blocks without a part, and ``_SUCCESS`` is written
+only when every planned block's part is there. A run after success finds ``_SUCCESS`` and the same
+plan and does nothing.
+
+Ray is imported here only when a backfill runs: ``import engine`` never imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import astuple, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from engine._backfill.checkpoint import hold_lock
+from engine._config import EngineConfig
+from engine._core.report import LatencyHistogram, VerifierTotals
+from engine._errors import ConfigError, EngineError, OutputError, ResumeError
+from engine._ray.actor import BlockScorer, Carried, absolute, blocks_to_do, split_limits
+from engine._ray.plan import (
+    DEFAULT_BLOCK_ROWS,
+    Block,
+    Plan,
+    check_outdir,
+    committed,
+    load_plan,
+    make_plan,
+    part_name,
+    plan_path,
+    resolve_inputs,
+    save_json,
+    success_path,
+    tmp_dir,
+)
+
+__all__ = [
+    "DEFAULT_ACTORS",
+    "DEFAULT_ACTOR_CPUS",
+    "NO_PROGRESS_TIMEOUT",
+    "RaySummary",
+    "backfill",
+    "check_data_options",
+    "engine_error",
+    "set_data_options",
+]
+
+DEFAULT_ACTORS = 2
+DEFAULT_ACTOR_CPUS = 1.0  # one core per actor: a plugin's Python runs under its actor's GIL
+# seconds without a block done before Ray Data fails the job (its default: 30 min);
+# RAY_DATA_EXECUTION_NO_PROGRESS_TIMEOUT_S overrides it, as it does Ray's own default
+NO_PROGRESS_TIMEOUT = 600.0
+NO_PROGRESS_VARIABLE = "RAY_DATA_EXECUTION_NO_PROGRESS_TIMEOUT_S"
+SUCCESS_FORMAT = "engine-ray-success/1"
+
+Progress = Callable[[int], None]  # told how many rows are done, after each block
+
+
+@dataclass
+class RaySummary:
+    """What :func:`backfill` did: rows in the output, rows committed before this run, this run's verifier totals.
+
+    ``already_complete``: the output was complete before this run, which did nothing. ``seconds``:
+    time to start (or join) Ray, and to score the blocks.
+    """
+
+    output: Path
+    rows: int
+    resumed_at: int
+    blocks: int
+    verifiers: dict[str, VerifierTotals]
+    already_complete: bool = False
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def no_progress_timeout() -> float:
+    """:data:`NO_PROGRESS_TIMEOUT`, or the seconds ``RAY_DATA_EXECUTION_NO_PROGRESS_TIMEOUT_S`` says."""
+    value = os.environ.get(NO_PROGRESS_VARIABLE)
+    try:
+        return float(value) if value else NO_PROGRESS_TIMEOUT
+    except ValueError:
+        raise ConfigError(f"{NO_PROGRESS_VARIABLE} must be a number of seconds, got {value!r}") from None
+
+
+def set_data_options(context: Any, timeout: float | None = None) -> None:
+    """Set the Ray Data options a backfill relies on in ``context``, a dataset's own ``DataContext``.
+
+    Ray copies the driver's context into each dataset it makes, so this changes nothing else in
+    the driver. Never drop a block (``max_errored_blocks = 0``), never retry one that raised, raise
+    an actor's exception itself (so the engine's error reaches the driver whole), fail a job that
+    makes no progress, or cannot start its actors, for ``timeout`` seconds (default:
+    :func:`no_progress_timeout`), and draw no progress bars (the CLI draws its own).
+    """
+    timeout = no_progress_timeout() if timeout is None else timeout
+    context.max_errored_blocks = 0
+    context.actor_task_retry_on_errors = False
+    context.raise_original_map_exception = True
+    context.execution_no_progress_timeout_s = timeout
+    context.wait_for_min_actors_s = max(1, math.ceil(timeout))
+    context.enable_progress_bars = False
+
+
+def check_data_options(context: Any) -> None:
+    """Refuse a dataset's Ray Data options under which rows would be dropped or verification errors retried
+    (``ValueError``); make an actor's exception reach the consumer itself, not as its text."""
+    if context.max_errored_blocks != 0:
+        raise ValueError(
+            f"DataContext.max_errored_blocks is {context.max_errored_blocks}: Ray Data would drop the rows of a "
+            "block whose verifier failed, silently; set it to 0"
+        )
+    if context.actor_task_retry_on_errors is not False:
+        raise ValueError("DataContext.actor_task_retry_on_errors is set: a verification error must not be retried")
+    context.raise_original_map_exception = True
+
+
+def engine_error(exc: BaseException) -> EngineError | None:
+    """The engine's own error an actor raised, out of whatever Ray wrapped it in; None if there is none."""
+    seen: set[int] = set()
+    stack: list[BaseException] = [exc]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, Carried):
+            return current.error
+        if isinstance(current, EngineError):
+            return current
+        for linked in (current.__cause__, current.__context__, getattr(current, "cause", None)):
+            if isinstance(linked, BaseException):
+                stack.append(linked)
+    return None
+
+
+def _merge(totals: dict[str, VerifierTotals], more: dict[str, Any]) -> None:
+    for key, data in more.items():
+        add = VerifierTotals.from_json(data)
+        total = totals.setdefault(key, VerifierTotals(add.kind, add.ref))
+        total.items += add.items
+        total.reward_sum += add.reward_sum
+        total.retries += add.retries
+        total.waited += add.waited
+        total.busy += add.busy
+        total.peak_in_flight = max(total.peak_in_flight, add.peak_in_flight)
+        counts = dict(total.latency.counts)
+        for bucket, count in add.latency.counts.items():
+            counts[bucket] = counts.get(bucket, 0) + count
+        total.latency = LatencyHistogram(counts)
+
+
+def _prepare(outdir: Path, plan: Plan, resume: bool) -> bool:
+    """Check ``outdir`` against ``plan``; True if it already holds the complete output (nothing to do)."""
+    saved = load_plan(outdir)
+    same = saved is not None and saved.to_json() == plan.to_json()
+    if success_path(outdir).exists():
+        if same:
+            return True
+        raise OutputError(
+            f"{outdir} holds the complete output of another input (or of this input before it changed): "
+            "choose another directory, or delete it to score again"
+        )
+    if saved is None:
+        if resume:
+            raise ResumeError(f"no interrupted run to resume: {plan_path(outdir)} does not exist; run without --resume")
+        if committed(outdir):
+            raise OutputError(f"{outdir} holds part files but no plan: choose another directory, or delete it")
+        save_json(plan_path(outdir), plan.to_json())
+        return False
+    if not resume:
+        raise ResumeError(
+            f"an interrupted run exists for {outdir} ({plan_path(outdir)}): use --resume to continue it, "
+            f"or delete {outdir} to start over"
+        )
+    if not same:
+        raise ResumeError(
+            f"the input changed since the run started (its files, sizes, times or rows differ from "
+            f"{plan_path(outdir)}): resume with that input, or delete {outdir} to start over"
+        )
+    return False
+
+
+def backfill(
+    input_spec: str | Path,
+    outdir: str | Path,
+    config: EngineConfig | None,
+    *,
+    resume: bool = False,
+    actors: int = DEFAULT_ACTORS,
+    url: str | None = None,
+    token: str | None = None,
+    address: str | None = None,
+    actor_cpus: float = DEFAULT_ACTOR_CPUS,
+    block_rows: int = DEFAULT_BLOCK_ROWS,
+    no_progress_timeout: float | None = None,
+    progress: Progress | None = None,
+) -> RaySummary:
+    """Score every row of ``input_spec`` into Parquet parts in ``outdir`` on Ray; see the module docstring.
+
+    ``config`` is split over the ``actors`` (:func:`engine._ray.actor.split_limits`) unless ``url``
+    names an ``engine serve`` every actor scores through. Ray is joined if this process already
+    runs it, else started or reached at ``address`` (``ray.init``; None: ``RAY_ADDRESS`` or a
+    local Ray), and shut down at the end if it was started here.
+
+    Raises ``VerificationError`` (its notes name the input file and line), ``InputError``,
+    ``OutputError`` or ``ResumeError``, as ``engine score`` does.
+    """
+    if actors < 1:
+        raise ValueError(f"actors must be >= 1, got {actors}")
+    if config is None and url is None:
+        raise ValueError("a config is needed unless every actor scores through an engine serve (url)")
+    outdir = Path(outdir)
+    plan = make_plan(resolve_inputs(input_spec), block_rows)
+    check_outdir(outdir)
+    try:
+        outdir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot create {outdir}: {exc}") from exc
+    with hold_lock(outdir / "_run"):
+        if _prepare(outdir, plan, resume):
+            return RaySummary(outdir, plan.rows, plan.rows, len(plan.blocks), {}, already_complete=True)
+        shutil.rmtree(tmp_dir(outdir), ignore_errors=True)  # parts a stopped run was writing
+        todo = list(blocks_to_do(plan, committed(outdir)))
+        done = plan.rows - sum(block.rows for _, block in todo)
+        summary = RaySummary(outdir, plan.rows, done, len(plan.blocks), {})
+        if progress is not None:
+            progress(done)
+        if todo:
+            _score_blocks(todo, outdir, config, summary, actors=actors, url=url, token=token, address=address,
+                          actor_cpus=actor_cpus, no_progress_timeout=no_progress_timeout, progress=progress)
+        missing = [part_name(block) for block in plan.blocks if part_name(block) not in committed(outdir)]
+        if missing:  # Ray said every block was done: a part missing now is a bug, never a complete output
+            raise RuntimeError(f"{len(missing)} part file(s) missing after every block was scored: {missing[:3]}")
+        shutil.rmtree(tmp_dir(outdir), ignore_errors=True)
+        save_json(success_path(outdir), {"format": SUCCESS_FORMAT, "rows": plan.rows, "parts": len(plan.blocks)})
+        return summary
+
+
+def _score_blocks(
+    todo: list[tuple[str, Block]],
+    outdir: Path,
+    config: EngineConfig | None,
+    summary: RaySummary,
+    *,
+    actors: int,
+    url: str | None,
+    token: str | None,
+    address: str | None,
+    actor_cpus: float,
+    no_progress_timeout: float | None,
+    progress: Progress | None,
+) -> None:
+    import ray
+    import ray.data
+
+    began = time.monotonic()
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
+    try:
+        summary.seconds["ray_start"] = time.monotonic() - began
+        per_actor = None if config is None else absolute(split_limits(config, actors) if url is None else config)
+        items = [{"block": orjson.dumps([path, astuple(block)]).decode()} for path, block in todo]
+        blocks = ray.data.from_items(items, override_num_blocks=len(items))
+        set_data_options(blocks.context, no_progress_timeout)  # shared by the map below, and by nothing else
+        dataset = blocks.map_batches(
+            BlockScorer,
+            batch_size=1,
+            compute=ray.data.ActorPoolStrategy(size=actors),
+            num_cpus=actor_cpus,
+            fn_constructor_kwargs={
+                "outdir": str(outdir.resolve()),
+                "config": per_actor,
+                "url": url,
+                "token": token,
+            },
+        )
+        done = summary.resumed_at
+        scoring = time.monotonic()
+        try:
+            for row in dataset.iter_rows():
+                _merge(summary.verifiers, orjson.loads(row["totals"]))
+                done += int(row["rows"])
+                if progress is not None:
+                    progress(done)
+        except Exception as exc:
+            error = engine_error(exc)
+            if error is None:
+                raise
+            raise error from None
+        summary.seconds["scoring"] = time.monotonic() - scoring
+    finally:
+        if started_here:
+            with contextlib.suppress(Exception):
+                ray.shutdown()

@@ -1,0 +1,371 @@
+"""``engine score --ray`` and ``engine.ray``: backfills on a real local Ray, against the single-machine output.
+
+One local Ray serves the whole module (starting one costs seconds): 8 logical CPUs on whatever
+cores the machine has, so that actors and Ray Data's own tasks never wait for each other (on 2
+cores, 1-CPU actors alone would take every CPU: ray issue 44687), the dashboard off, and Ray
+Data's no-progress timeout short, so that a hang fails its test instead of waiting 30 minutes.
+The CLI runs in-process (it joins that Ray) except where the process is the point: a driver
+killed with SIGKILL runs as ``python -m engine`` in a subprocess that connects to it by address.
+
+Every output is compared by id with the single-machine ``engine score`` of the same rows: the same
+rows, each exactly once, with the same rewards and provenance.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import warnings
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import ray
+import ray.data
+from cli_support import Workspace, child_env, engine_command, records, write_rows
+from polling import wait_until
+
+import engine
+from engine import VerificationError
+from engine._backfill.parquet import read_records
+from engine._ray.actor import split_limits
+from engine._ray.plan import committed, make_plan, resolve_inputs
+from engine._ray.run import NO_PROGRESS_VARIABLE
+from engine.ray import backfill, engine_error, score_dataset
+
+pytestmark = pytest.mark.timeout(180)  # Ray actors start in seconds, more on a loaded 2-core machine
+
+HANG_TIMEOUT = "120"  # seconds without progress before Ray Data fails a job: a hang fails the test, not CI
+ENV = "rayplug"
+PLUGIN = '''
+import os, signal, time
+
+
+def score(task, trajectory):
+    n = task["n"]
+    log = task.get("log")
+    if log:
+        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, f"{n}\\n".encode())  # one O_APPEND write: lines never interleave
+        finally:
+            os.close(fd)
+    if task.get("sleep"):
+        time.sleep(task["sleep"])
+    fixed = task.get("fail_unless")
+    if fixed is not None and not os.path.exists(fixed):
+        raise RuntimeError(f"row {n} fails until {fixed} exists")
+    marker = task.get("die_once")
+    if marker is not None and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)  # the actor (the plugin runs in its threads) dies mid-block
+    return (n * 37 % 101) / 100 + len(str(trajectory)) / 1000
+'''
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[str]:
+    """A local Ray for this module's tests; its address, for drivers in other processes."""
+    before = os.environ.get(NO_PROGRESS_VARIABLE)
+    os.environ[NO_PROGRESS_VARIABLE] = HANG_TIMEOUT  # read by the drivers here and, inherited, in subprocesses
+    ray.init(num_cpus=8, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
+    with warnings.catch_warnings():  # Ray 2.60's DataContext warns about its own deprecated defaults as it is built
+        warnings.simplefilter("ignore", DeprecationWarning)
+        ray.data.DataContext.get_current()
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+        if before is None:
+            os.environ.pop(NO_PROGRESS_VARIABLE, None)
+        else:
+            os.environ[NO_PROGRESS_VARIABLE] = before
+
+
+@pytest.fixture
+def space(tmp_path: Path) -> Workspace:
+    """A workspace whose one environment's plugin logs, sleeps, fails or kills its process as a row's task says."""
+    work = Workspace(tmp_path)
+    (work.envs / ENV).mkdir(parents=True)
+    (work.envs / ENV / "verify.py").write_text(PLUGIN)
+    manifest = {"kind": "environment", "verifier": {"kind": "plugin", "ref": "verify:score"}}
+    (work.envs / ENV / "manifest.json").write_bytes(orjson.dumps(manifest))
+    work.write_config()
+    return work
+
+
+def rows(count: int, first: int = 0, **task: Any) -> list[dict[str, Any]]:
+    return [
+        {"id": f"row-{n:05d}", "environment": ENV, "task": {"n": n, **task}, "trajectory": f"answer {n}"}
+        for n in range(first, first + count)
+    ]
+
+
+def by_id(outdir: Path) -> dict[Any, tuple[float, Any]]:
+    """Every record of a --ray output directory by id; fails if an id is there twice."""
+    seen: dict[Any, tuple[float, Any]] = {}
+    for part in sorted(outdir.glob("part-*.parquet")):
+        for row_id, reward, verifier in read_records(part):
+            assert row_id not in seen, f"id {row_id!r} is in the output twice"
+            seen[row_id] = (reward, verifier)
+    return seen
+
+
+def single(space: Workspace, *inputs: Path) -> dict[Any, tuple[float, Any]]:
+    """The single-machine ``engine score`` output of ``inputs``, by id."""
+    expected: dict[Any, tuple[float, Any]] = {}
+    for number, path in enumerate(inputs):
+        out = space.root / f"single-{number}.parquet"
+        ran = space.score(path, out)
+        assert ran.returncode == 0, ran.stderr
+        expected.update((r.id, (r.reward, r.verifier)) for r in records(out))
+    return expected
+
+
+def logged(log: Path) -> Counter[int]:
+    return Counter(int(line) for line in log.read_text().split()) if log.exists() else Counter()
+
+
+def test_a_directory_scored_on_ray_equals_the_single_machine_output_row_for_row(space: Workspace, cluster: str) -> None:
+    indir = space.root / "in"
+    indir.mkdir()
+    jsonl = write_rows(indir / "a.jsonl", rows(12_000))
+    parquet = indir / "b.parquet"
+    table = pa.table({key: [r[key] if key != "task" else orjson.dumps(r["task"]).decode() for r in rows(8_000, 12_000)]
+                      for key in ("id", "environment", "task", "trajectory")})
+    pq.write_table(table, parquet, row_group_size=1_000)
+    outdir = space.root / "out"
+
+    ran = space.score(indir, outdir, "--ray", "--actors", "2")
+
+    assert ran.returncode == 0, ran.stderr
+    got = by_id(outdir)
+    assert len(got) == 20_000
+    assert got == single(space, jsonl, parquet)
+    assert (outdir / "_SUCCESS").is_file()
+    assert pq.read_schema(next(outdir.glob("part-*.parquet"))).names == ["id", "reward", "verifier"]
+    assert pq.read_table(outdir).num_rows == 20_000  # the directory reads as one table: no stray file in it
+
+
+def test_a_second_run_after_success_changes_nothing(space: Workspace, cluster: str) -> None:
+    log = space.root / "calls.log"
+    source = write_rows(space.root / "in.jsonl", rows(2_000, log=str(log)))
+    outdir = space.root / "out"
+    # relative paths, the config's environments too: actors do not share the driver's working directory
+    first = space.run("score", "in.jsonl", "-o", "out", "--config", "engine.toml", "--ray", "--chunk-size", "500")
+    assert first.returncode == 0, first.stderr
+    files = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in outdir.iterdir()}
+    assert len(committed(outdir)) == 4
+
+    again = space.score(source, outdir, "--ray", "--chunk-size", "500")
+    resumed = space.score(source, outdir, "--ray", "--chunk-size", "500", "--resume")
+
+    assert again.returncode == 0 and resumed.returncode == 0, again.stderr + resumed.stderr
+    assert "already complete" in again.stdout and "already complete" in resumed.stdout
+    assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in outdir.iterdir()} == files
+    assert logged(log) == Counter(range(2_000))  # every row scored once, by the first run alone
+
+
+def test_a_failing_row_aborts_with_exit_1_naming_its_id_and_resume_finishes(space: Workspace, cluster: str) -> None:
+    fixed = space.root / "fixed"
+    items = rows(3_000)
+    items[1_234]["task"]["fail_unless"] = str(fixed)
+    source = write_rows(space.root / "in.jsonl", items)
+    outdir = space.root / "out"
+
+    ran = space.score(source, outdir, "--ray", "--chunk-size", "500")
+
+    assert ran.returncode == 1, ran.stderr
+    assert "plugin verifier 'verify:score'" in ran.stderr and "id 'row-01234'" in ran.stderr
+    assert f"input: {source}, line 1235" in ran.stderr
+    assert not (outdir / "_SUCCESS").exists()
+    assert "part-000000001000-000000001500.parquet" not in committed(outdir)  # its block was never committed
+    assert "row-01234" not in by_id(outdir)  # never a zero in its place
+
+    fixed.touch()
+    resumed = space.score(source, outdir, "--ray", "--chunk-size", "500", "--resume")
+
+    assert resumed.returncode == 0, resumed.stderr
+    assert by_id(outdir) == single(space, source)
+    assert (outdir / "_SUCCESS").is_file()
+
+
+def test_the_driver_killed_mid_run_then_resume_gives_every_row_exactly_once(space: Workspace, cluster: str) -> None:
+    log = space.root / "calls.log"
+    source = write_rows(space.root / "in.jsonl", rows(4_000, log=str(log), sleep=0.002))
+    outdir = space.root / "out"
+    command = engine_command("score", source, "-o", outdir, "--config", space.config, "--ray", "--chunk-size", "200",
+                             "--address", cluster)
+    driver = subprocess.Popen(command, cwd=space.root, env=child_env(None), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: len(committed(outdir)) >= 2 or driver.poll() is not None, 120, "no block was committed")
+        assert driver.poll() is None, driver.communicate()[1]
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=30)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait(timeout=30)
+        assert driver.stderr is not None
+        driver.stderr.close()
+    assert driver.returncode == -signal.SIGKILL
+    assert not (outdir / "_SUCCESS").exists()
+    before = committed(outdir)
+    assert 2 <= len(before) < 20
+
+    resumed = space.score(source, outdir, "--ray", "--chunk-size", "200", "--resume")
+
+    assert resumed.returncode == 0, resumed.stderr
+    assert by_id(outdir) == single(space, source)  # every row exactly once, as one machine scores it
+    calls = logged(log)
+    for name in before:  # a block committed before the kill was not scored again
+        start, stop = (int(n) for n in name.removeprefix("part-").removesuffix(".parquet").split("-"))
+        assert all(calls[n] == 2 for n in range(start, stop)), name  # once on Ray, once by `single`
+
+
+def test_an_actor_killed_mid_block_is_restarted_and_its_block_scored_again(space: Workspace, cluster: str) -> None:
+    log, marker = space.root / "calls.log", space.root / "died"
+    items = rows(2_000, log=str(log))
+    items[700]["task"]["die_once"] = str(marker)
+    source = write_rows(space.root / "in.jsonl", items)
+    outdir = space.root / "out"
+
+    options = ("enable_progress_bars", "execution_no_progress_timeout_s", "raise_original_map_exception")
+    before = {name: getattr(ray.data.DataContext.get_current(), name) for name in options}
+
+    summary = backfill(source, outdir, engine.load_config(space.config), actors=2, actor_cpus=0.5, block_rows=500)
+
+    assert {name: getattr(ray.data.DataContext.get_current(), name) for name in options} == before  # the driver's
+
+    assert marker.exists()  # the actor did die
+    assert summary.rows == 2_000 and not summary.already_complete
+    calls = logged(log)
+    assert calls[700] == 2  # its block was retried on a new actor (the row's call that killed it, then again)
+    assert by_id(outdir) == single(space, source)
+
+
+def test_score_dataset_adds_reward_and_verifier_and_a_failure_fails_the_dataset(
+    space: Workspace, cluster: str
+) -> None:
+    config = engine.load_config(space.config)
+    source = write_rows(space.root / "in.jsonl", rows(1_000))
+    expected = single(space, source)
+    dataset = ray.data.from_items(rows(1_000))
+
+    scored = score_dataset(dataset, config, actors=2, actor_cpus=0.5, batch_size=250).take_all()
+
+    got = {r["id"]: (r["reward"], {k: v for k, v in r["verifier"].items() if v is not None}) for r in scored}
+    assert got == expected
+    bad = rows(1_000)
+    bad[321]["task"]["fail_unless"] = str(space.root / "never")
+    with pytest.raises(Exception) as raised:
+        score_dataset(ray.data.from_items(bad), config, actors=2, actor_cpus=0.5, batch_size=250).take_all()
+    error = engine_error(raised.value)
+    assert isinstance(error, VerificationError) and error.item_id == "row-00321", raised.value
+    dropping = ray.data.from_items(bad)
+    dropping.context.max_errored_blocks = 1  # would drop the block of a failing row: refused
+    with pytest.raises(ValueError, match="max_errored_blocks"):
+        score_dataset(dropping, config)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.mark.skipif(not hasattr(engine.Engine, "connect"), reason="needs Engine.connect (issue 14)")
+def test_every_actor_scores_through_one_engine_serve_with_url(space: Workspace, cluster: str) -> None:
+    port = free_port()
+    service = subprocess.Popen(engine_command("serve", "--config", space.config, "--port", str(port)), cwd=space.root,
+                               env=child_env(None), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        assert service.poll() is None, service.communicate()[1]
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return True
+        except OSError:
+            return False
+
+    try:
+        wait_until(up, 60, "engine serve never listened")
+        source = write_rows(space.root / "in.jsonl", rows(1_000))
+        outdir = space.root / "out"
+        ran = space.run("score", source, "-o", outdir, "--ray", "--url", url, "--chunk-size", "250")
+        assert ran.returncode == 0, ran.stderr
+        assert by_id(outdir) == single(space, source)
+    finally:
+        service.send_signal(signal.SIGTERM)
+        try:
+            service.wait(timeout=30)
+        finally:
+            if service.poll() is None:
+                service.kill()
+                service.wait(timeout=30)
+            assert service.stderr is not None
+            service.stderr.close()
+
+
+# No Ray below: what imports it, how limits are split, and what an input names.
+
+
+def test_neither_the_engine_nor_its_command_imports_ray() -> None:
+    probe = (
+        "import sys, engine, engine.cli, engine.ray\n"
+        "[getattr(engine, name) for name in engine.__all__]\n"
+        "print('ray' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], env=child_env(None), capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
+
+
+def test_each_actor_gets_its_share_of_every_verifiers_limits() -> None:
+    limits = engine.Limits(max_concurrency=5, max_rate=10.0)
+    judge = engine.JudgeConfig(base_url="http://127.0.0.1:1/v1", model="m", max_concurrency=7, max_rate=3.0)
+    config = engine.EngineConfig(defaults=limits, refs={"e/verify:score": engine.Limits(max_concurrency=1)},
+                                 judge=judge)
+
+    shared = split_limits(config, 3)
+
+    assert (shared.defaults.max_concurrency, shared.defaults.max_rate) == (2, 10.0 / 3)
+    assert (shared.refs["e/verify:score"].max_concurrency, shared.refs["e/verify:score"].max_rate) == (1, None)
+    assert shared.judge is not None
+    assert (shared.judge.max_concurrency, shared.judge.max_rate) == (math.ceil(7 / 3), 1.0)
+    assert shared.defaults.timeout == limits.timeout  # nothing else changes
+    assert split_limits(config, 1) == config
+
+
+def test_an_input_is_a_file_a_directory_or_a_glob_and_blocks_name_their_lines(tmp_path: Path) -> None:
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    first = write_rows(tmp_path / "d" / "a.jsonl", rows(5))
+    second = write_rows(tmp_path / "d" / "sub" / "b.jsonl", rows(3))
+    hidden = write_rows(tmp_path / "d" / "_hidden.jsonl", rows(1))
+    (tmp_path / "d" / "notes.txt").write_text("not an input")
+    assert resolve_inputs(tmp_path / "d") == [first, second]  # as Parquet readers read a directory
+    assert resolve_inputs(f"{tmp_path}/d/**/*.jsonl") == [hidden, first, second]  # a glob: all it matches
+    assert resolve_inputs(first) == [first]
+    with pytest.raises(engine.InputError, match="no such file"):
+        resolve_inputs(tmp_path / "missing.jsonl")
+
+    first.write_bytes(b"\n".join(orjson.dumps(r) for r in rows(2)) + b"\n\n\n" + orjson.dumps(rows(1, 2)[0]) + b"\n")
+    plan = make_plan([first, second], block_rows=2)
+
+    starts = [(b.file, b.start, b.rows, b.number) for b in plan.blocks]
+    assert starts == [(0, 0, 2, 1), (0, 2, 1, 5), (1, 3, 2, 1), (1, 5, 1, 3)]  # line 5: after two blank lines
+    assert plan.rows == 6
