@@ -53,3 +53,16 @@ def test_a_small_batchs_latencies_are_taken_whole() -> None:
     report = VerifierReport(kind="plugin", ref="r", key="k", provenance={}, items=30,
                             latencies=[0.1, 0.2, 0.3], latency_items=[10, 10, 10])
     assert report.latency_sample() == ([0.1, 0.2, 0.3], [10, 10, 10])
+
+
+def test_totals_merge_adds_another_runs_figures_and_buckets() -> None:
+    from engine._core.report import VerifierTotals
+
+    one, two = VerifierTotals("plugin", "v:s"), VerifierTotals("plugin", "v:s")
+    for totals, seconds, peak in ((one, 0.001, 3), (two, 0.002, 5)):
+        totals.add(VerifierReport(kind="plugin", ref="v:s", key="k", provenance={}, items=2, reward_sum=1.5,
+                                  latencies=[seconds], latency_items=[2], peak_in_flight=peak, retries=1))
+    one.merge(VerifierTotals.from_json(two.to_json()))
+    assert (one.items, one.reward_sum, one.retries, one.peak_in_flight) == (4, 3.0, 2, 5)
+    assert sum(one.latency.counts.values()) == 4
+    assert one.latency.percentile(100) == pytest.approx(0.002, rel=0.03)

@@ -191,6 +191,18 @@ class VerifierTotals:
         self.peak_in_flight = max(self.peak_in_flight, report.peak_in_flight)
         self.latency.extend(report.latencies, report.latency_items or None)
 
+    def merge(self, other: VerifierTotals) -> None:
+        """Add another run's totals of the same verifier (a Ray actor's, a block's)."""
+        self.items += other.items
+        self.reward_sum += other.reward_sum
+        self.retries += other.retries
+        self.waited += other.waited
+        self.busy += other.busy
+        self.peak_in_flight = max(self.peak_in_flight, other.peak_in_flight)
+        counts = self.latency.counts
+        for bucket, count in other.latency.counts.items():
+            counts[bucket] = counts.get(bucket, 0) + count
+
     def to_json(self) -> dict[str, Any]:
         return {
             "kind": self.kind,

@@ -33,7 +33,7 @@ import orjson
 
 from engine._backfill.checkpoint import hold_lock
 from engine._config import EngineConfig
-from engine._core.report import LatencyHistogram, VerifierTotals
+from engine._core.report import VerifierTotals
 from engine._errors import ConfigError, EngineError, OutputError, ResumeError
 from engine._ray.actor import BlockScorer, Carried, absolute, blocks_to_do, split_limits
 from engine._ray.plan import (
@@ -153,17 +153,7 @@ def engine_error(exc: BaseException) -> EngineError | None:
 def _merge(totals: dict[str, VerifierTotals], more: dict[str, Any]) -> None:
     for key, data in more.items():
         add = VerifierTotals.from_json(data)
-        total = totals.setdefault(key, VerifierTotals(add.kind, add.ref))
-        total.items += add.items
-        total.reward_sum += add.reward_sum
-        total.retries += add.retries
-        total.waited += add.waited
-        total.busy += add.busy
-        total.peak_in_flight = max(total.peak_in_flight, add.peak_in_flight)
-        counts = dict(total.latency.counts)
-        for bucket, count in add.latency.counts.items():
-            counts[bucket] = counts.get(bucket, 0) + count
-        total.latency = LatencyHistogram(counts)
+        totals.setdefault(key, VerifierTotals(add.kind, add.ref)).merge(add)
 
 
 def _prepare(outdir: Path, plan: Plan, resume: bool) -> bool:
