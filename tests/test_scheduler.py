@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import traceback
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from servers import Request, Response, Server
 import engine
 from engine import EngineConfig, Limits, VerificationError
 from engine._core import scheduler
+from engine._core.threads import loop_calls
 
 HOLD = 4.0  # seconds a handler waits for a condition before it answers anyway (and the test's asserts fail)
 
@@ -340,3 +342,33 @@ async def test_an_environment_not_equal_to_itself_is_named_among_a_few() -> None
     items[2]["environment"] = float("nan")
     with pytest.raises(ValueError, match=r"^item 12: 'environment' must be an environment's directory name, got nan"):
         await scheduler._group(items, range(len(items)), 10)
+
+
+async def test_the_engines_calls_on_the_loop_are_counted_while_in_flight(envs: Path) -> None:
+    released = threading.Event()
+
+    async def held(request: Request) -> Response:
+        while not released.is_set():  # the server's own loop: a thread's event, polled
+            await asyncio.sleep(0.005)
+        return Response.json({"reward": 0.5} if request.json()["task"].get("ok") else {"reward": "high"})
+
+    async def score(eng: engine.Engine, batch: list[dict[str, Any]], fails: bool) -> None:
+        if fails:
+            with pytest.raises(VerificationError):
+                await eng.score(batch)
+        else:
+            assert await eng.score(batch) == [0.5] * len(batch)
+
+    with Server(held) as server:
+        add_endpoint_env(envs, "remote", server.url + "/score")
+        async with engine.Engine(EngineConfig(environments=envs)) as eng:
+            calls = loop_calls(asyncio.get_running_loop())  # what a cheap chunk in a thread gives turns for
+            cases = (([item("remote", ok=True)] * 3, False), ([item("remote", ok=k) for k in (1, 0)], True))
+            for batch, fails in cases:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(score, eng, batch, fails)
+                    size = len(batch)
+                    await eventually(lambda: calls.count == size, message="the calls were not counted")  # noqa: B023
+                    released.set()
+                assert calls.count == 0  # each counted out: the failure, and the calls it cancelled too
+                released.clear()

@@ -15,16 +15,21 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from engine._core.threads import loop_calls
 from engine._verifiers.plugin.threads import SHARED, TURN_STEPS, Turns
 
 PASS = 0.002  # seconds each callback of a busy chain holds the loop: well past an idle pass
 
 
 def spend(seconds: float) -> None:
-    """Keep this thread on a CPU (and the GIL) for ``seconds`` of its own CPU time."""
+    """Keep this thread on a CPU (and the GIL) for ``seconds`` of its own CPU time, then let go of the GIL a
+    moment, as a real loop's socket waits do: a thread that only lets go of it for the instant of a
+    ``select(0)`` between passes keeps every other thread from it (CPython gives the GIL to a waiter only
+    after a switch interval in which it did not change hands), and the test's own thread would never run."""
     until = time.thread_time() + seconds
     while time.thread_time() < until:
         pass
+    time.sleep(0.0005)
 
 
 @pytest.fixture
@@ -138,3 +143,15 @@ def test_a_chunk_goes_on_without_a_turn_from_a_loop_that_does_not_run() -> None:
         assert turns.between(1.0) >= 0.05  # it waited the longest turn, and no more than that: it returned
     finally:
         loop.close()
+
+
+def test_turns_go_on_while_the_engine_has_calls_in_flight_on_the_loop(loop: asyncio.AbstractEventLoop) -> None:
+    # an endpoint's requests wait for their answers, and each read lets go of the GIL: the loop looks idle
+    turns = Turns(loop, longest=60.0, slow=60.0)
+    calls = loop_calls(loop)
+    calls.count += 1
+    try:
+        assert all(asks(turns) for _ in range(3 * TURN_STEPS))
+    finally:
+        calls.count -= 1
+    assert [asks(turns) for _ in range(3)] == [True, False, False]  # none in flight: the next idle turn ends them

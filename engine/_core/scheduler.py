@@ -26,6 +26,7 @@ threads are abandoned) and is raised alone, never wrapped in an ``ExceptionGroup
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from collections import Counter, defaultdict, deque
@@ -42,6 +43,7 @@ import anyio.lowlevel
 from engine._core.contract import Items, MalformedItem, Verifier, check_item, is_chunked, task_of, which
 from engine._core.meters import Meter, ledger
 from engine._core.report import BatchResult, VerifierReport
+from engine._core.threads import loop_calls
 from engine._errors import ConfigError, Failure, VerificationError
 from engine._reasons import describe
 
@@ -238,6 +240,7 @@ class _Batch:
         self.lanes: list[Lane] = []
         self.retries_before: dict[Verifier, int] = {}
         self.rewards = [math.nan] * len(items)
+        self.loop_calls = loop_calls(asyncio.get_running_loop())
 
     def _resolved(self, index: int) -> tuple[Verifier, Meter]:
         """The verifier and meter of item ``index``'s environment; errors name the item."""
@@ -325,6 +328,8 @@ class _Batch:
         ):
             return []  # not the guessed environment's: the rest of the batch is regrouped
         task, trajectory = task_of(self.first + index, item)
+        calls = self.loop_calls
+        calls.count += 1  # the loop has work of the engine's own: cheap chunks in threads give it turns
         try:
             return [await v.verify(task, trajectory)]
         except Failure as exc:
@@ -334,6 +339,8 @@ class _Batch:
             raise _failed(v, exc, self.first + index, item) from exc.__cause__
         except Exception as exc:
             raise _failed(v, exc, self.first + index, item) from exc
+        finally:
+            calls.count -= 1
 
     async def run(self) -> None:
         """``call(lane, chunk)`` over every index of every lane, each reward into ``rewards``; or the first error.

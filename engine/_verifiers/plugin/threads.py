@@ -30,6 +30,7 @@ from time import perf_counter, thread_time
 from typing import Any, TypeVar
 
 from engine._core.contract import MalformedItem, as_rewards, private_pair
+from engine._core.threads import loop_calls
 from engine._verifiers.plugin.wire import Cost
 
 __all__ = ["Abandoned", "ThreadCall", "Turns", "run_chunk", "timed"]
@@ -55,7 +56,9 @@ class Turns:
     a sleep) is idle by that measure: the chunk does not hold up such a loop, so it does not wait
     for it. The chunk waits ``longest`` at most, so a loop held by other code (or not running) delays
     it no more than that a step. While the loop spends CPU time of its own (``slow``) during the
-    turns they go on; a turn that finds the loop idle ends them, until a step loses time again.
+    turns, or the engine has calls of its own in flight on it (``engine._core.threads.LoopCalls``: an
+    endpoint's requests, whose every socket read lets go of the GIL, look idle by CPU time while they
+    wait for it), they go on; a turn that finds the loop idle ends them, until a step loses time again.
 
     A chunk waits ``patience`` seconds in all at most, then runs on without turns: a loop never idle
     would make each ~1 ms step wait ``longest``, and the chunk (sized to a tenth of its timeout in
@@ -66,6 +69,7 @@ class Turns:
         "_asked",
         "_asks",
         "_busy",
+        "_calls",
         "_cpu",
         "_first",
         "_held",
@@ -87,6 +91,7 @@ class Turns:
         patience: float = math.inf,
     ) -> None:
         self._loop = loop
+        self._calls = loop_calls(loop)  # the engine's own calls in flight on the loop: while any, turns go on
         self._longest, self._slow, self._patience = longest, slow, patience
         self._turn = threading.Event()
         self._left = TURN_STEPS  # a chunk starts taking turns: the loop may have work waiting already
@@ -117,7 +122,8 @@ class Turns:
         """In the chunk's thread, between steps: let the loop go first if it has been busy; the seconds waited."""
         if self._patience <= 0:
             return 0.0
-        if lost > SHARED or self._busy:
+        engine_calls = self._calls.count
+        if lost > SHARED or self._busy or engine_calls:
             self._left = TURN_STEPS
         elif self._left:
             self._left -= 1
@@ -137,7 +143,7 @@ class Turns:
         # the loop spent CPU time of its own while the chunk waited: it has work, and turns go on. A turn
         # not given (a loop held by other code, or not running) says nothing: time lost in steps will.
         self._busy = given and self._held >= self._slow
-        if given and self._idle and not self._busy:  # the loop had nothing of its own: no turns until it has
+        if given and self._idle and not self._busy and not engine_calls:  # the loop had nothing to do: no turns
             self._left = 0
         self._patience -= waited
         return waited
