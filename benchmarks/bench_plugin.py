@@ -43,6 +43,11 @@ TRIVIAL = """\
 def score(task, trajectory):
     return 1.0 if trajectory == task["reference"] else 0.0
 """
+# Issue 13's target 5: a plugin of ~0.25 us (the last word of the answer, its full stop dropped, against the reference).
+QUARTER = """\
+def score(task, trajectory):
+    return 1.0 if trajectory.rsplit(" ", 1)[-1].rstrip(".") == task["reference"] else 0.0
+"""
 SLEEPY = """\
 import time
 
@@ -101,12 +106,14 @@ def main(count: int, slow_count: int, repeat: int) -> None:
         envs = Path(tmp)
         write_env(envs, "exact", "plugin", "verify:score", {"verify.py": EXACT})
         write_env(envs, "trivial", "plugin", "verify:score", {"verify.py": TRIVIAL})
+        write_env(envs, "quarter", "plugin", "verify:score", {"verify.py": QUARTER})
         write_env(envs, "sleepy", "plugin", "verify:score", {"verify.py": SLEEPY})
         config = engine.EngineConfig(environments=envs, allow_unpinned=True, threads=64,
                                      defaults=engine.Limits(max_concurrency=64))
         with engine.BlockingEngine(config) as eng:
             exact = versus_bare_loop(eng, envs, "exact", count, repeat)
             trivial = versus_bare_loop(eng, envs, "trivial", count, repeat)
+            quarter = versus_bare_loop(eng, envs, "quarter", count, repeat)
             slow_items = items_for("sleepy", slow_count)
             eng.score(slow_items[:64])
             slow = median_sample([measure(lambda: eng.score(slow_items), slow_count) for _ in range(repeat)])
@@ -119,6 +126,7 @@ def main(count: int, slow_count: int, repeat: int) -> None:
                 [*exact, ">= 0.8x"],
                 [f"sleep 10 ms, {slow_count:,} items, 64 threads", f"{slow.rate:,.0f}", "ideal 64 / 10 ms",
                  f"{ideal:,.0f}", f"{slow.rate / ideal:.2f}x", ">= 0.9x"],
+                [*quarter, ">= 0.8x (issue 13: 5)"],
                 [*trivial, "(for the record)"],
             ],
         ))
