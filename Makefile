@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_cores.py
 	$(BIN)/python benchmarks/bench_serve.py
 	$(BIN)/python benchmarks/bench_adapters.py
+	$(BIN)/python benchmarks/bench_ray.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache
