@@ -25,6 +25,14 @@ ENVS = Path(__file__).parent / "envs"
 # seconds, per test, unless a test says otherwise: it catches a hang, and is sized so that a test of a few
 # seconds' work still passes on a loaded 2-core machine (CI may run while the machine is busy)
 TEST_TIMEOUT = 30.0
+# a plugin of ~1 ms of pure Python a call: the GIL held throughout (CPU-bound, for the process-executor hint)
+SPIN = """\
+def score(task, trajectory):
+    total = 0
+    for i in range(20_000):
+        total += i * i % 7
+    return 1.0
+"""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

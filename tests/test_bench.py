@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 import pytest
 from cli_support import PLUGIN_ENV, RUBRICS, Ran, Workspace, make_workspace, row, rows, write_rows
-from conftest import add_endpoint_env, add_env, add_rubric_env, process_twin
+from conftest import SPIN, add_endpoint_env, add_env, add_rubric_env, process_twin
 from servers import Request, Response, Server, score
 
 from engine._verifiers.plugin.pool import default_workers
@@ -289,16 +289,6 @@ def test_latency_histogram_shows_two_modes(tmp_path: Path) -> None:
     assert table.returncode == EXIT_OK, table.stderr
     assert f"latency per item after start-up, endpoint {server.url}/score:" in table.stdout
     assert "█" in table.stdout and " ms" in table.stdout
-
-
-# ~1 ms of pure Python a call: the GIL held throughout, one call at a time in the engine's threads
-SPIN = """\
-def score(task, trajectory):
-    total = 0
-    for i in range(20_000):
-        total += i * i % 7
-    return 1.0
-"""
 
 
 def add_spinner(space: Workspace, name: str = "spin") -> str:

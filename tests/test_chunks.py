@@ -144,16 +144,17 @@ async def test_a_hanging_call_inside_a_chunk_times_out_naming_its_item(envs: Pat
 
 
 async def test_chunks_of_one_plugin_never_run_at_once(envs: Path) -> None:
-    # a short timeout keeps chunks short (under a tenth of it), so the batch takes several
-    config = EngineConfig(environments=envs, allow_unpinned=True, refs={KEY: Limits(timeout=0.2)})
+    # a short timeout keeps chunks short (under a tenth of it), so the batch takes several (and it is long
+    # enough for a loaded machine: a chunk may also wait up to a quarter of it for turns at the GIL)
+    config = EngineConfig(environments=envs, allow_unpinned=True, refs={KEY: Limits(timeout=1.0)})
     async with engine.Engine(config) as eng:
         await warm(eng)  # single calls, up to 64 at once, while the cost is measured
         module = plugin_module(envs, "cheap", "verify.py")
         module.max_running = 0
-        result = await eng.run(batch(40_000))
+        result = await eng.run(batch(200_000))
     assert result.verifiers[0].peak_in_flight >= 2  # several workers held chunks...
     assert module.max_running == 1  # ...but under the GIL a second thread only slows the first down
-    assert module.calls == 42_000
+    assert module.calls == 202_000
 
 
 @pytest.mark.timeout(20)
@@ -325,16 +326,18 @@ async def test_a_process_lane_is_chunked_per_worker_not_per_task(envs: Path, wor
 # --- a chunk's timeout is its own time: not the chunks before it, nor its turns with a busy loop ---
 
 
+@pytest.mark.timeout(90)  # a second and a half of calls, one chunk at a time: minutes on a loaded machine's worst day
 async def test_chunks_queued_behind_each_other_do_not_time_out(envs: Path) -> None:
     # Each chunk holds a tenth of the timeout in calls, and a lane's workers each take one: dozens wait
     # for the chunk lock at once. Counted from when they were taken, the later ones timed out (a cheap
-    # plugin failing a batch), though none ran for more than a tenth of the timeout.
-    config = EngineConfig(environments=envs, allow_unpinned=True, refs={KEY: Limits(timeout=0.2)})
+    # plugin failing a batch), though none ran for more than a tenth of the timeout. (A timeout of a second:
+    # shorter ones leave a loaded machine's stalls no room.)
+    config = EngineConfig(environments=envs, allow_unpinned=True, refs={KEY: Limits(timeout=1.0)})
     async with engine.Engine(config) as eng:
         await warm(eng)
         verifier = eng._verifier("cheap")
         assert isinstance(verifier, PluginVerifier)
-        size = 20 * verifier._chunk  # chunks of a tenth of the timeout: twice the timeout in calls, in all
+        size = 15 * verifier._chunk  # chunks of a tenth of the timeout: one and a half timeouts in calls, in all
         result = await eng.run([item("cheap", "x", n=n) for n in range(size)])
     assert result.rewards == [(n % 7) / 7 for n in range(size)]
     assert result.verifiers[0].peak_in_flight >= 12  # more chunks waited their turn at once than fit in the timeout
@@ -344,7 +347,7 @@ async def test_a_chunk_beside_a_loop_that_is_never_idle_ends_within_its_timeout(
     # A trainer's own work on the engine's loop (here: 3 ms of it, that lets go of the GIL, every pass)
     # never leaves a pass idle, so each turn the chunk asks for lasts the longest turn (10 ms), after
     # each ~1 ms step: a chunk of a tenth of its timeout in calls took longer than the timeout in all.
-    config = EngineConfig(environments=envs, allow_unpinned=True, refs={KEY: Limits(timeout=0.3)})
+    config = EngineConfig(environments=envs, allow_unpinned=True, refs={KEY: Limits(timeout=1.0)})
     trainer_done = False
 
     async def trainer() -> None:

@@ -44,7 +44,7 @@ from cli_support import (
     write_rows,
 )
 from click.testing import CliRunner, Result
-from conftest import add_endpoint_env, add_env, add_rubric_env
+from conftest import SPIN, add_endpoint_env, add_env, add_rubric_env
 from polling import wait_until
 from servers import Request, Response, Server, score
 
@@ -873,13 +873,6 @@ def test_the_example_job_on_a_copy_of_examples(tmp_path: Path) -> None:
     assert helpfulness[-1] == "NO" and squeezed("no [judge]") in squeezed(helpfulness[5])
 
 
-SPIN = """\
-def score(task, trajectory):
-    total = 0
-    for i in range(20_000):
-        total += i * i % 7
-    return 1.0
-"""
 SLEEPY = "import time\n\n\ndef score(task, trajectory):\n    time.sleep(0.005)\n    return 1.0\n"
 
 

@@ -20,7 +20,7 @@ from servers import Request, Response, Server
 import engine
 from engine import EngineConfig, Limits, VerificationError
 from engine._core import scheduler
-from engine._core.threads import loop_calls
+from engine._core.meters import loop_calls
 
 HOLD = 4.0  # seconds a handler waits for a condition before it answers anyway (and the test's asserts fail)
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from engine._core.threads import loop_calls
+from engine._core.meters import loop_calls
 from engine._verifiers.plugin.threads import SHARED, TURN_STEPS, Turns
 
 PASS = 0.002  # seconds each callback of a busy chain holds the loop: well past an idle pass

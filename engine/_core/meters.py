@@ -12,12 +12,17 @@ time is reported as waiting, not as time in the verifier. Starting a verifier up
 plugin's first import, a worker process's spawn) is neither: the call does it in :func:`starting`,
 and the time is reported as start-up, apart from the call's latency.
 
+:class:`LoopCalls` is not a limit but a gauge beside them: how many of the engine's calls are in
+flight on one event loop, which a chunk of cheap calls in a thread reads to give that loop turns.
+
 Only anyio is imported here, and aiolimiter only when a rate is asked for: most verifiers have none.
 (A plugin's worker process imports neither: it has no limits of its own.)
 """
 
 from __future__ import annotations
 
+import asyncio
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractContextManager, asynccontextmanager, contextmanager
 from contextvars import ContextVar
@@ -32,7 +37,20 @@ if TYPE_CHECKING:
 
     from engine._config import Limits
 
-__all__ = ["Account", "Ledger", "Meter", "held", "ledger", "rate", "slots", "starting", "threads", "waiting"]
+__all__ = [
+    "Account",
+    "Ledger",
+    "LoopCalls",
+    "Meter",
+    "held",
+    "ledger",
+    "loop_calls",
+    "rate",
+    "slots",
+    "starting",
+    "threads",
+    "waiting",
+]
 
 
 def slots(size: int) -> anyio.Semaphore:
@@ -162,3 +180,30 @@ def starting() -> AbstractContextManager[None]:
     account's start-up, neither waiting nor time verifying. Entered only on the path that starts
     something, so a warm call pays nothing for it."""
     return _aside(lambda account, seconds: account.started_up(seconds))
+
+
+class LoopCalls:
+    """How many of the engine's calls that run on one event loop are in flight (an endpoint's request, a
+    judge's, an async plugin's; counted by the scheduler around each call of one item).
+
+    A chunk of cheap calls in a thread gives that loop turns at the GIL while any are (see
+    ``engine._verifiers.plugin.threads.Turns``): their work is on the loop, and each socket read or
+    file write the loop makes lets go of the GIL, which a chunk not taking turns keeps for up to the
+    switch interval (5 ms) each time.
+    """
+
+    __slots__ = ("__weakref__", "count")
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+_LOOP_CALLS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopCalls] = weakref.WeakKeyDictionary()
+
+
+def loop_calls(loop: asyncio.AbstractEventLoop) -> LoopCalls:
+    """The count of the engine's calls in flight on ``loop`` (one per loop, shared by every engine on it)."""
+    calls = _LOOP_CALLS.get(loop)
+    if calls is None:
+        calls = _LOOP_CALLS[loop] = LoopCalls()
+    return calls

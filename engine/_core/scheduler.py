@@ -41,9 +41,8 @@ import anyio
 import anyio.lowlevel
 
 from engine._core.contract import Items, MalformedItem, Verifier, check_item, is_chunked, task_of, which
-from engine._core.meters import Meter, ledger
+from engine._core.meters import Meter, ledger, loop_calls
 from engine._core.report import BatchResult, VerifierReport
-from engine._core.threads import loop_calls
 from engine._errors import ConfigError, Failure, VerificationError
 from engine._reasons import describe
 

@@ -12,11 +12,10 @@ import asyncio
 import concurrent.futures
 import queue
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["KeptThread", "LoopCalls", "in_thread", "loop_calls", "wait_future"]
+__all__ = ["KeptThread", "in_thread", "wait_future"]
 
 T = TypeVar("T")
 
@@ -34,33 +33,6 @@ def in_thread(fn: Callable[[], T], name: str) -> concurrent.futures.Future[T]:
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return future
-
-
-class LoopCalls:
-    """How many of the engine's calls that run on one event loop are in flight (an endpoint's request, a
-    judge's, an async plugin's; counted by the scheduler around each call of one item).
-
-    A chunk of cheap calls in a thread gives that loop turns at the GIL while any are (see
-    ``engine._verifiers.plugin.threads.Turns``): their work is on the loop, and each socket read or
-    file write the loop makes lets go of the GIL, which a chunk not taking turns keeps for up to the
-    switch interval (5 ms) each time.
-    """
-
-    __slots__ = ("__weakref__", "count")
-
-    def __init__(self) -> None:
-        self.count = 0
-
-
-_LOOP_CALLS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopCalls] = weakref.WeakKeyDictionary()
-
-
-def loop_calls(loop: asyncio.AbstractEventLoop) -> LoopCalls:
-    """The count of the engine's calls in flight on ``loop`` (one per loop, shared by every engine on it)."""
-    calls = _LOOP_CALLS.get(loop)
-    if calls is None:
-        calls = _LOOP_CALLS[loop] = LoopCalls()
-    return calls
 
 
 _Job = tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None  # None: the thread ends

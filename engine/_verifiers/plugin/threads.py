@@ -30,7 +30,7 @@ from time import perf_counter, thread_time
 from typing import Any, TypeVar
 
 from engine._core.contract import MalformedItem, as_rewards, private_pair
-from engine._core.threads import loop_calls
+from engine._core.meters import loop_calls
 from engine._verifiers.plugin.wire import Cost
 
 __all__ = ["Abandoned", "ThreadCall", "Turns", "run_chunk", "timed"]
@@ -56,7 +56,7 @@ class Turns:
     a sleep) is idle by that measure: the chunk does not hold up such a loop, so it does not wait
     for it. The chunk waits ``longest`` at most, so a loop held by other code (or not running) delays
     it no more than that a step. While the loop spends CPU time of its own (``slow``) during the
-    turns, or the engine has calls of its own in flight on it (``engine._core.threads.LoopCalls``: an
+    turns, or the engine has calls of its own in flight on it (``engine._core.meters.LoopCalls``: an
     endpoint's requests, whose every socket read lets go of the GIL, look idle by CPU time while they
     wait for it), they go on; a turn that finds the loop idle ends them, until a step loses time again.
 
