@@ -413,16 +413,22 @@ def score(input_path: Path, output: Path, config_path: Path, resume: bool, chunk
     stdout.print(f"{summary.rows:,} rewards written to {summary.output}{resumed}", soft_wrap=True)
 
 
+def _token(variable: str | None) -> str | None:
+    """The bearer token ``--token-env`` names (``engine serve``'s, or the one a ``--url`` service asks for)."""
+    if variable is None:
+        return None
+    token = os.environ.get(variable)
+    if not token:
+        _fail(EXIT_BAD_INPUT, f"--token-env {variable}: the variable is not set or empty")
+    return token
+
+
 def _score_on_ray(input_path: Path, output: Path, config_path: Path, resume: bool, block_rows: int,
                   address: str | None, actors: int | None, url: str | None, token_env: str | None) -> None:
     """``engine score --ray``: :func:`engine._ray.run.backfill`, with the single-machine command's errors and exits."""
     from engine._ray.run import DEFAULT_ACTORS, backfill  # Ray itself is imported only once a run starts
 
-    token = None
-    if token_env is not None:
-        token = os.environ.get(token_env)
-        if not token:
-            _fail(EXIT_BAD_INPUT, f"--token-env {token_env}: the variable is not set or empty")
+    token = _token(token_env)
     config = load_config(config_path) if url is None or config_path.is_file() else None
     kept = f"parts committed so far are kept in {output}: run the same command with --resume to continue"
     try:
@@ -623,11 +629,7 @@ def serve(config_path: Path, host: str, port: int, token_env: str | None, enviro
     """Serve one engine over HTTP to every process of a training job (POST /v1/score, /get_reward)."""
     from engine._serve.server import serve as run_service  # uvicorn: imported by this command only
 
-    token = None
-    if token_env is not None:
-        token = os.environ.get(token_env)
-        if not token:
-            _fail(EXIT_BAD_INPUT, f"--token-env {token_env}: the variable is not set or empty")
+    token = _token(token_env)
     try:
         settings = _limits.ServeConfig(host=host, port=port, token=token, environment=environment,
                                        max_items=max_items, max_bytes=max_bytes, max_queued=max_queued,
