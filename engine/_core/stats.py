@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from engine._core.report import BatchResult, LatencyHistogram
 from engine._errors import VerificationError
 
-__all__ = ["FIGURES", "SUMMED", "Stats", "error_key"]
+__all__ = ["FIGURES", "SUMMED", "Stats", "error_key", "timed_out"]
 
 # every figure, in the order a snapshot lists them
 FIGURES = (
@@ -43,9 +43,14 @@ SUMMED = frozenset({"items", "errors", "retries", "timeouts", "judge_tokens"})
 _TIMED_OUT = re.compile(r"(?:gave up after \d+ attempts?; last: )?timed out\b")
 
 
+def timed_out(error: VerificationError) -> bool:
+    """Whether ``error`` is its verifier running out of time (the engine's own words for it, not a plugin's)."""
+    return _TIMED_OUT.match(error.reason) is not None
+
+
 def error_key(error: VerificationError) -> str:
     """The key of the verifier ``error`` names, as its reports are keyed (``Environment.verifier_key``)."""
-    if error.kind == "plugin":
+    if error.kind == "plugin" and error.environment is not None:
         return f"{error.environment}/{error.ref}"
     if error.kind == "rubric":
         return error.ref.partition("@")[0]
@@ -119,7 +124,7 @@ class Stats:
         """
         window = self._window(error_key(error))
         window.errors += 1
-        if _TIMED_OUT.match(error.reason):
+        if timed_out(error):
             window.timeouts += 1
 
     def snapshot(self, reset: bool = True) -> dict[str, float]:

@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from engine._core.report import BatchResult
+from engine._core.stats import error_key, timed_out
 from engine._errors import VerificationError
 
 __all__ = ["BUCKETS", "Metrics"]
@@ -87,9 +88,9 @@ class Metrics:
 
     def failed(self, exc: VerificationError) -> None:
         """Count a batch's failure against the verifier it names."""
-        key = (exc.kind, _key_of(exc))
+        key = (exc.kind, error_key(exc))
         self.errors[(*key, type(exc).__name__)] += 1
-        if "timed out" in exc.reason:
+        if timed_out(exc):
             self.timeouts[key] += 1
 
     def request(self, route: str, status: int, seconds: float) -> None:
@@ -126,15 +127,6 @@ class Metrics:
                          self.request_latency)
         for name, (doc, amount) in self._gauges().items():
             yield GaugeMetricFamily(name, doc, value=amount)
-
-
-def _key_of(exc: VerificationError) -> str:
-    """The key of the verifier an error names, as its reports name it (``Environment.verifier_key``)."""
-    if exc.kind == "plugin" and exc.environment is not None:
-        return f"{exc.environment}/{exc.ref}"
-    if exc.kind == "rubric":
-        return exc.ref.partition("@")[0]
-    return exc.ref
 
 
 def _counter(name: str, doc: str, labels: list[str], values: Counter[Labels]) -> CounterMetricFamily:
