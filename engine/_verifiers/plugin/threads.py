@@ -12,10 +12,10 @@ started it shares that GIL: each time the loop lets go of it (every socket read 
 wait for I/O) the chunk's thread takes it, and the loop waits for it back for up to the
 interpreter's switch interval (5 ms). A loop serving endpoint calls beside such a chunk crawled,
 and the chunk with it (measured: a batch mixing both took 1.9x its two parts run apart, and the
-endpoint calls' p99 rose 14-fold). So the two take turns (:class:`Turns`): a chunk that finds others
-held the GIL during its last step hands the loop a turn after each step (~1 ms) and waits until the
-loop has run the work it had ready. A chunk alone, or beside a loop with little to do (a trainer's
-timer), never waits: the switch interval bounds what the loop waits then.
+endpoint calls' p99 rose 14-fold). So the two take turns (:class:`Turns`): while the loop has work,
+a chunk hands it a turn after each step (~1 ms) and waits until a pass of the loop has nothing else
+to run. A chunk alone, or beside a loop with little to do (a trainer's timer), stops asking: the
+switch interval bounds what the loop waits then.
 """
 
 from __future__ import annotations
