@@ -66,9 +66,17 @@ RESULT = BatchResult([0.0], [VerifierReport("plugin", "verify:score", "cheap/ver
                                             latency_items=[1])], 1e-4, [0])
 
 
+class Plugin:
+    class verifier:
+        kind = "plugin"
+
+
 class Stub:
     async def run(self, items, *, first_index=0):
-        return RESULT
+        return BatchResult([0.0] * len(items), RESULT.verifiers, RESULT.elapsed, [0] * len(items))
+
+    def environment(self, name):
+        return Plugin
 
 
 port = int(sys.argv[1])

@@ -10,7 +10,8 @@ One engine scores every request's batch, so its limits hold across all of them. 
 grows past it; a batch over ``max_items`` too; one that does not fit in what is admitted across
 requests gets 503 with ``Retry-After``. While a batch is scored the request's ``receive`` is
 watched: a client that hangs up cancels its batch (nobody reads the answer, so no verifier and no
-judge should keep working on it).
+judge should keep working on it). A request of a few plugin items shares one engine batch with the
+others that arrive with it (``engine._serve.gather``, which says what each still gets alone).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
 
 import anyio
 import orjson
@@ -28,12 +29,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine._core.report import BatchResult
 from engine._errors import VerificationError
-from engine._remote.wire import INTERNAL, JSON, encode_error, encode_result, error_status
+from engine._remote.wire import INTERNAL, JSON, dump_result, encode_error, error_status
 from engine._serve import openrlhf
+from engine._serve.gather import Gatherer, Gone, Scorer, hung_up
 from engine._serve.limits import Admission, ServeConfig
 from engine._serve.metrics import Metrics
 
-__all__ = ["App", "Scorer"]
+__all__ = ["App"]
 
 logger = logging.getLogger("engine.serve")
 
@@ -42,12 +44,6 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 GONE = 499  # the status a request whose client hung up is counted under (nginx's): none was sent
-
-
-class Scorer(Protocol):
-    """What the service scores with: an open ``Engine``."""
-
-    async def run(self, items: Iterable[Mapping[str, Any]], *, first_index: int = 0) -> BatchResult: ...
 
 
 class _Refused(Exception):
@@ -61,10 +57,6 @@ class _Refused(Exception):
         super().__init__(message)
 
 
-class _Gone(Exception):
-    """The client hung up before its answer: nothing is sent."""
-
-
 class App:
     """The ASGI application around one open engine."""
 
@@ -74,6 +66,7 @@ class App:
         self.admission = Admission(config.max_queued)
         self.open_requests = 0
         self.metrics = Metrics(self._gauges)
+        self.gatherer = Gatherer(engine, self.metrics.batch, self.metrics.failed)
         self._token = config.token.encode() if config.token is not None else None
         self._routes: dict[tuple[str, str], Callable[[Scope, Receive], Awaitable[tuple[int, bytes, str]]]] = {
             ("POST", "/v1/score"): self._score,
@@ -81,6 +74,7 @@ class App:
             ("GET", "/healthz"): self._healthz,
             ("GET", "/metrics"): self._metrics,
         }
+        self._paths = {path for _, path in self._routes}
 
     def _gauges(self) -> dict[str, tuple[str, float]]:
         return {
@@ -97,7 +91,7 @@ class App:
         started = time.perf_counter()
         path, method = scope["path"], scope["method"]
         route = self._routes.get((method, path))
-        label = path if any(path == known for _, known in self._routes) else "other"
+        label = path if path in self._paths else "other"
         self.open_requests += 1
         headers: list[tuple[bytes, bytes]] = []
         try:
@@ -114,7 +108,7 @@ class App:
             except (VerificationError, ValueError, TypeError) as exc:
                 status, body, content_type = error_status(exc), orjson.dumps(encode_error(exc)), JSON
             await _respond(send, status, body, content_type, headers)
-        except _Gone:
+        except Gone:
             status = GONE
         except Exception as exc:  # a bug: answered as one, never as a reward or a verifier's failure
             logger.exception("engine serve: internal error answering %s %s", method, path)
@@ -146,7 +140,7 @@ class App:
         while more:
             message = await receive()
             if message["type"] == "http.disconnect":
-                raise _Gone
+                raise Gone
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
@@ -159,7 +153,7 @@ class App:
             raise ValueError(f"the body is not JSON: {exc}") from None
 
     async def _scored(self, items: list[Any], first_index: int, receive: Receive) -> BatchResult:
-        """``items`` scored by the engine, admitted first; ``_Gone`` if the client hangs up meanwhile."""
+        """``items`` scored by the engine, admitted first; ``Gone`` if the client hangs up meanwhile."""
         count = len(items)
         if count > self.config.max_items:
             raise _Refused(413, "TooLarge", f"the batch has {count} items, over this service's {self.config.max_items}")
@@ -167,11 +161,16 @@ class App:
             wait = self.config.retry_after
             raise _Refused(503, "Saturated", f"the service has {self.admission.held} items admitted: try again later",
                            [(b"retry-after", str(wait).encode())])
+        if self.gatherer.takes(items, first_index):  # a few plugin items: they share a batch with others'
+            try:
+                return await self.gatherer.run(items, first_index, receive)
+            finally:
+                self.admission.release(count)
         try:
             with anyio.CancelScope() as scope:
                 # A plain asyncio task waits for the hang-up: far cheaper a request than a task group, whose
                 # cancellation (to stop its watcher) cost more than the rest of the service's work (measured)
-                watch = asyncio.ensure_future(_hung_up(receive))
+                watch = asyncio.ensure_future(hung_up(receive))
 
                 def cancel_if_hung_up(done: asyncio.Future[bool]) -> None:
                     if not done.cancelled() and done.exception() is None and done.result():
@@ -188,7 +187,7 @@ class App:
         finally:
             self.admission.release(count)
         if scope.cancelled_caught:
-            raise _Gone
+            raise Gone
         self.metrics.batch(result)
         return result
 
@@ -200,25 +199,22 @@ class App:
         if unknown:
             raise ValueError(f"unknown keys in the body: {', '.join(sorted(unknown))}")
         result = await self._scored(body["items"], body.get("first_index", 0), receive)
-        return 200, orjson.dumps(encode_result(result)), JSON
+        return 200, dump_result(result), JSON
 
     async def _get_reward(self, scope: Scope, receive: Receive) -> tuple[int, bytes, str]:
         items = openrlhf.items_from(await self._read(scope, receive), self.config.environment)
         result = await self._scored(items, 0, receive)
         return 200, orjson.dumps(openrlhf.answer(result.rewards)), JSON
 
+    async def aclose(self) -> None:
+        """Stop what is still scored for requests (the server has answered or cancelled them all)."""
+        await self.gatherer.aclose()
+
     async def _healthz(self, scope: Scope, receive: Receive) -> tuple[int, bytes, str]:
         return 200, b'{"status":"ok"}', JSON
 
     async def _metrics(self, scope: Scope, receive: Receive) -> tuple[int, bytes, str]:
         return 200, self.metrics.exposition(), CONTENT_TYPE_LATEST
-
-
-async def _hung_up(receive: Receive) -> bool:
-    """Whether the client hung up (its body was read already: ``receive`` waits for the hang-up)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    return True
 
 
 async def _respond(send: Send, status: int, body: bytes, content_type: str, headers: list[tuple[bytes, bytes]]) -> None:

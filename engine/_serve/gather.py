@@ -1,0 +1,378 @@
+"""Small requests' items gathered into one engine batch: many clients' one-item requests cost one batch.
+
+A batch of one item costs the engine ~150 us of its own work (a thread hop, a report), far more than
+the item itself for a cheap plugin; sixty-four connections each sending one item (OpenRLHF's pattern)
+would spend the service's time on that. Requests of at most ``GATHER_ITEMS`` items, all of them for
+*plugin* verifiers, wait while each pass of the event loop brings more (at most ``GATHER_WINDOW``
+seconds, or until ``MAX_GATHERED`` items wait) and are scored as one batch; each request gets its
+own slice of the result. Endpoint and rubric items are never gathered: their calls are the cost
+(a batch of one adds little to an HTTP call), and a failure of one request's item must not cost
+another request a second judge call.
+
+Each request still gets exactly what it would have got alone:
+
+- its rewards, in its order, and reports whose ``items`` and ``reward_sum`` are its own; the timing
+  figures are the shared batch's (see :func:`_part`);
+- a verifier failure on one of its items raises the same ``VerificationError``, naming the item by
+  the request's own ``first_index`` and position; the *other* requests of that batch are then
+  scored again, each alone (their plugin calls run twice; no judge or endpoint is involved);
+- a malformed item (``TypeError``/``ValueError``) sends every request of the batch to be scored
+  alone, so the error is its own request's.
+
+A client that hangs up stops waiting (``Gone``) once the batch has run ``WATCH_AFTER`` seconds (the
+hang-up is watched from then on: a watcher per request from the start cost more than a cheap item);
+a batch whose every request is gone, by a hang-up or a cancelled request, is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from engine._core.report import BatchResult, VerifierReport
+from engine._errors import VerificationError
+
+__all__ = ["GATHER_ITEMS", "GATHER_WINDOW", "MAX_GATHERED", "WATCH_AFTER", "Gatherer", "Gone", "Scorer", "hung_up"]
+
+GATHER_ITEMS = 256  # a request of at most this many items may wait to share a batch
+MAX_GATHERED = 4096  # items one gathered batch takes at most
+GATHER_WINDOW = 0.002  # seconds the first request of a gathered batch waits for more, at most
+WATCH_AFTER = 0.05  # seconds a gathered batch runs before its clients are watched for a hang-up
+
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+
+
+class Scorer(Protocol):
+    """What the service scores with: an open ``Engine``."""
+
+    async def run(self, items: Iterable[Mapping[str, Any]], *, first_index: int = 0) -> BatchResult: ...
+
+    def environment(self, name: str) -> Any: ...
+
+
+class Gone(Exception):
+    """The client hung up before its answer: nothing is sent."""
+
+
+async def hung_up(receive: Receive) -> bool:
+    """Whether the client hung up (its body was read already: ``receive`` waits for the hang-up)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    return True
+
+
+@dataclass(eq=False)
+class _Request:
+    """One request's items waiting in (or scored by) a gathered batch."""
+
+    items: list[Any]
+    first_index: int
+    receive: Receive
+    future: asyncio.Future[BatchResult]
+    start: int = 0  # its first item's place in the gathered batch
+
+
+@dataclass(eq=False)
+class _Batch:
+    requests: list[_Request]
+    waiting: int  # requests still waiting for their answer
+    task: asyncio.Task[None] | None = None
+    watchers: list[asyncio.Task[bool]] = field(default_factory=list)
+    done: bool = False  # its engine call ended
+    scoring: bool = True  # counted in the gatherer's batches being scored
+
+
+class Gatherer:
+    """Gathers small plugin-only requests on one event loop into engine batches.
+
+    ``scored`` and ``failed`` are told of each engine batch's result or failure (the service's metrics).
+    """
+
+    def __init__(
+        self,
+        engine: Scorer,
+        scored: Callable[[BatchResult], None],
+        failed: Callable[[VerificationError], None],
+    ) -> None:
+        self.engine = engine
+        self._scored = scored
+        self._failed = failed
+        self._plugin: dict[str, bool] = {}  # environment name -> whether a plugin scores it
+        self._pending: list[_Request] = []
+        self._count = 0  # items pending
+        self._generation = 0  # which hop chain is current: a flush at max size ends the one under way
+        self._seen = 0
+        self._deadline = 0.0
+        self._running: set[asyncio.Task[None]] = set()
+        self._scoring = 0  # gathered batches in the engine now
+        self._held: asyncio.TimerHandle | None = None  # the deadline of requests held for a batch's end
+        self.batches = 0  # engine batches started for gathered requests (tests and benchmarks read it)
+        self.gathered = 0  # requests those batches took
+
+    def takes(self, items: list[Any], first_index: Any) -> bool:
+        """Whether ``items`` may share a batch: few, each a mapping naming a plugin's environment (and a
+        valid ``first_index``: one that is not is the engine's to refuse)."""
+        if not 0 < len(items) <= GATHER_ITEMS or type(first_index) is not int or first_index < 0:
+            return False
+        plugin = self._plugin
+        for item in items:
+            if type(item) is not dict:
+                return False
+            name = item.get("environment")
+            if not isinstance(name, str):
+                return False
+            known = plugin.get(name)
+            if known is None:
+                try:
+                    known = plugin[name] = self.engine.environment(name).verifier.kind == "plugin"
+                except Exception:  # not an environment: scored alone, where the engine says why
+                    return False
+            if not known:
+                return False
+        return True
+
+    async def run(self, items: list[Any], first_index: int, receive: Receive) -> BatchResult:
+        """``items``' result, scored in a gathered batch; ``Gone`` if the client hung up meanwhile."""
+        loop = asyncio.get_running_loop()
+        request = _Request(items, first_index, receive, loop.create_future())
+        self._pending.append(request)
+        self._count += len(items)
+        if self._count >= MAX_GATHERED:
+            self._flush(loop)
+        elif len(self._pending) == 1:
+            self._seen, self._deadline = 1, loop.time() + GATHER_WINDOW
+            loop.call_soon(self._hop, loop, self._generation)
+        return await request.future
+
+    def _hop(self, loop: asyncio.AbstractEventLoop, generation: int) -> None:
+        """One pass of the loop later: wait one more if the last brought requests; else, while a gathered
+        batch is being scored, wait for its end (what arrives meanwhile goes as one batch after it, so
+        batches grow with the load instead of each pass's few requests paying a batch of their own),
+        and at most until the deadline; else score what waits."""
+        if generation != self._generation:
+            return  # flushed at max size meanwhile
+        count = len(self._pending)
+        if loop.time() < self._deadline:
+            if count > self._seen:
+                self._seen = count
+                loop.call_soon(self._hop, loop, generation)
+                return
+            if self._scoring:
+                self._held = loop.call_at(self._deadline, self._flush, loop)
+                return
+        self._flush(loop)
+
+    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._held is not None:
+            self._held.cancel()
+            self._held = None
+        requests, self._pending, self._count = self._pending, [], 0
+        self._generation += 1
+        batch = _Batch(requests, len(requests))
+        batch.task = task = loop.create_task(self._score(batch))
+        self._scoring += 1
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+        task.add_done_callback(lambda _: self._scored_batch(batch))
+        for request in requests:
+            request.future.add_done_callback(lambda _, batch=batch: self._answered(batch))  # type: ignore[misc]
+        self.batches += 1
+        self.gathered += len(requests)
+
+    def _scored_batch(self, batch: _Batch) -> None:
+        """A gathered batch's engine call ended (or its task ended before it began): the requests held for
+        it go now."""
+        if not batch.scoring:
+            return
+        batch.scoring = False
+        self._scoring -= 1
+        if self._held is not None and self._pending:
+            self._flush(asyncio.get_running_loop())
+
+    def _answered(self, batch: _Batch) -> None:
+        """A request of ``batch`` has its answer: if it came before the batch's end, that request is gone."""
+        if batch.done:
+            return
+        batch.waiting -= 1
+        if batch.waiting == 0 and batch.task is not None:
+            batch.task.cancel()  # nobody reads its answer
+
+    def _watch(self, batch: _Batch) -> None:
+        """The batch has run a while: watch its clients for a hang-up."""
+        for request in batch.requests:
+            if not request.future.done():
+                watcher = asyncio.ensure_future(hung_up(request.receive))
+                watcher.add_done_callback(lambda done, request=request: _hang_up(request, done))  # type: ignore[misc]
+                batch.watchers.append(watcher)
+
+    async def _score(self, batch: _Batch) -> None:
+        timer = asyncio.get_running_loop().call_later(WATCH_AFTER, self._watch, batch)
+        try:
+            await self._answer(batch)
+        except Exception as exc:  # a bug: every request still waiting is answered it (a 500), never a reward
+            for request in batch.requests:
+                if not request.future.done():
+                    request.future.set_exception(exc)
+        finally:  # cancelled (every client gone, or the service closing): whoever still waits is gone
+            timer.cancel()
+            for watcher in batch.watchers:
+                watcher.cancel()
+            for request in batch.requests:
+                if not request.future.done():
+                    request.future.set_exception(Gone())
+
+    async def _answer(self, batch: _Batch) -> None:
+        requests = batch.requests
+        items: list[Any] = []
+        for request in requests:
+            request.start = len(items)
+            items += request.items
+        try:
+            try:
+                result = await self.engine.run(items)
+            finally:
+                batch.done = True  # from here a request that goes away cancels only its own work
+                self._scored_batch(batch)
+        except VerificationError as exc:
+            self._failed(exc)
+            await self._split_failure(requests, exc)
+            return
+        except (ValueError, TypeError):
+            await self._alone(requests)  # each request's own error, or its own result
+            return
+        if len(result.rewards) != len(items):  # never pair rewards with the wrong requests
+            raise RuntimeError(f"the engine returned {len(result.rewards)} rewards for {len(items)} items")
+        self._scored(result)
+        parts = _Parts(result)
+        for request in requests:
+            if not request.future.done():
+                request.future.set_result(parts.of(request.start, len(request.items), request is requests[0]))
+
+    async def _split_failure(self, requests: list[_Request], exc: VerificationError) -> None:
+        """The failing item's request gets the error, in its own terms; the others are scored alone."""
+        starts = [request.start for request in requests]
+        place = exc.index
+        if place is None or exc.environment is None or not 0 <= place < starts[-1] + len(requests[-1].items):
+            await self._alone(requests)  # the error names no item of the batch: each request learns its own
+            return
+        owner = requests[bisect.bisect_right(starts, place) - 1]
+        own = exc.at_item(exc.environment, owner.first_index + place - owner.start, exc.item_id)
+        own.__cause__ = exc.__cause__
+        if not owner.future.done():
+            owner.future.set_exception(own)
+        await self._alone([request for request in requests if request is not owner])
+
+    async def _alone(self, requests: list[_Request]) -> None:
+        """Each request scored as a batch of its own, as if it had never been gathered."""
+        if requests:
+            await asyncio.gather(*(self._one(request) for request in requests))
+
+    async def _one(self, request: _Request) -> None:
+        if request.future.done():
+            return  # gone meanwhile
+        task = asyncio.ensure_future(self.engine.run(request.items, first_index=request.first_index))
+        request.future.add_done_callback(lambda _: task.cancel())  # gone: its work stops (once done, a no-op)
+        try:
+            result = await task
+        except VerificationError as exc:
+            self._failed(exc)
+            if not request.future.done():
+                request.future.set_exception(exc)
+            return
+        except asyncio.CancelledError:
+            if request.future.done():
+                return  # its request went away
+            raise
+        except (ValueError, TypeError) as exc:
+            if not request.future.done():
+                request.future.set_exception(exc)
+            return
+        self._scored(result)
+        if not request.future.done():
+            request.future.set_result(result)
+
+    async def aclose(self) -> None:
+        """Cancel the batches under way (the server has answered or cancelled every request)."""
+        for task in list(self._running):
+            task.cancel()
+        if self._running:
+            await asyncio.wait(list(self._running))
+
+
+def _hang_up(request: _Request, watcher: asyncio.Task[bool]) -> None:
+    if not watcher.cancelled() and watcher.exception() is None and not request.future.done():
+        request.future.set_exception(Gone())
+
+
+class _Parts:
+    """A gathered batch's result cut into each request's own."""
+
+    def __init__(self, result: BatchResult) -> None:
+        self.result = result
+        # per verifier, the mean seconds an item took: a request's items were in one of its calls (often its
+        # only one: a gathered batch of a cheap plugin is one chunk), so their latency is not told apart
+        self.mean = [
+            sum(map(float.__mul__, report.latencies, report.latency_items or [1] * len(report.latencies)))
+            / max(1, sum(report.latency_items or [1] * len(report.latencies)))
+            for report in result.verifiers
+        ]
+
+    def of(self, start: int, count: int, first: bool) -> BatchResult:
+        """The result of the items at ``start`` .. ``start + count``; ``first``: the batch's first request, which
+        carries what cannot be shared out (retries, startup, what the calls spent, the judge's usage)."""
+        result = self.result
+        rewards = result.rewards[start:start + count]
+        usage = result.usage if first else {}
+        if len(result.verifiers) == 1:  # one verifier scored the batch (the usual gathered batch): no lookups
+            report = _part(result.verifiers[0], self.mean[0], count, sum(rewards), first)
+            return BatchResult(rewards, [report], result.elapsed, [0] * count, usage)
+        mine: dict[int, int] = {}
+        verifier_of = []
+        sums: list[float] = []
+        counts: list[int] = []
+        for reward, which in zip(rewards, result.verifier_of[start:start + count], strict=True):
+            local = mine.get(which)
+            if local is None:
+                local = mine[which] = len(mine)
+                sums.append(0.0)
+                counts.append(0)
+            sums[local] += reward
+            counts[local] += 1
+            verifier_of.append(local)
+        reports = [
+            _part(result.verifiers[which], self.mean[which], counts[local], sums[local], first)
+            for which, local in mine.items()
+        ]
+        return BatchResult(rewards, reports, result.elapsed, verifier_of, usage)
+
+
+def _part(report: VerifierReport, mean: float, items: int, reward_sum: float, first: bool) -> VerifierReport:
+    """A verifier's report for ``items`` of its batch's: those items' count and rewards, the batch's timing.
+
+    ``latencies`` is the batch's mean seconds an item took, standing for these items; ``waited`` and
+    ``busy`` this share of the batch's (so a request's figures add up to the batch's); ``active`` and
+    ``peak_in_flight`` are the batch's; ``retries``, ``startup`` and ``spent`` go to the batch's first
+    request alone.
+    """
+    share = items / report.items if report.items else 0.0
+    return VerifierReport(
+        report.kind,
+        report.ref,
+        report.key,
+        report.provenance,
+        items=items,
+        reward_sum=reward_sum,
+        latencies=[mean],
+        latency_items=[items],
+        waited=report.waited * share,
+        busy=report.busy * share,
+        peak_in_flight=report.peak_in_flight,
+        retries=report.retries if first else 0,
+        active=report.active,
+        startup=report.startup if first else [],
+        spent=report.spent if first else {},
+    )
