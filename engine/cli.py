@@ -624,8 +624,10 @@ def rubrics_show(group_config: Path, ref: str, config_path: Path | None) -> None
               help="Items admitted across requests; a batch that does not fit gets 503 with Retry-After.")
 @click.option("--graceful-timeout", type=click.FloatRange(min=0), default=_limits.GRACEFUL_TIMEOUT,
               show_default=True, help="Seconds in-flight batches get to finish after SIGTERM.")
+@click.option("--gather-items", type=click.IntRange(0, _limits.MAX_GATHERED), default=_limits.GATHER_ITEMS,
+              show_default=True, help="Requests of at most this many plugin items share engine batches (0: none).")
 def serve(config_path: Path, host: str, port: int, token_env: str | None, environment: str | None, max_items: int,
-          max_bytes: int, max_queued: int, graceful_timeout: float) -> None:
+          max_bytes: int, max_queued: int, graceful_timeout: float, gather_items: int) -> None:
     """Serve one engine over HTTP to every process of a training job (POST /v1/score, /get_reward)."""
     from engine._serve.server import serve as run_service  # uvicorn: imported by this command only
 
@@ -633,7 +635,7 @@ def serve(config_path: Path, host: str, port: int, token_env: str | None, enviro
     try:
         settings = _limits.ServeConfig(host=host, port=port, token=token, environment=environment,
                                        max_items=max_items, max_bytes=max_bytes, max_queued=max_queued,
-                                       graceful_timeout=graceful_timeout)
+                                       graceful_timeout=graceful_timeout, gather_items=gather_items)
     except ValueError as exc:
         _fail(EXIT_BAD_INPUT, str(exc))
     config = load_config(config_path)

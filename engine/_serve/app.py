@@ -66,7 +66,7 @@ class App:
         self.admission = Admission(config.max_queued)
         self.open_requests = 0
         self.metrics = Metrics(self._gauges)
-        self.gatherer = Gatherer(engine, self.metrics.batch, self.metrics.failed)
+        self.gatherer = Gatherer(engine, self.metrics.batch, self.metrics.failed, most=config.gather_items)
         self._token = config.token.encode() if config.token is not None else None
         self._routes: dict[tuple[str, str], Callable[[Scope, Receive], Awaitable[tuple[int, bytes, str]]]] = {
             ("POST", "/v1/score"): self._score,

@@ -2,12 +2,14 @@
 
 A batch of one item costs the engine ~150 us of its own work (a thread hop, a report), far more than
 the item itself for a cheap plugin; sixty-four connections each sending one item (OpenRLHF's pattern)
-would spend the service's time on that. Requests of at most ``GATHER_ITEMS`` items, all of them for
-*plugin* verifiers, wait while each pass of the event loop brings more (at most ``GATHER_WINDOW``
-seconds, or until ``MAX_GATHERED`` items wait) and are scored as one batch; each request gets its
-own slice of the result. Endpoint and rubric items are never gathered: their calls are the cost
-(a batch of one adds little to an HTTP call), and a failure of one request's item must not cost
-another request a second judge call.
+would spend the service's time on that. Requests of at most ``gather_items`` items (the service's
+setting, ``GATHER_ITEMS`` by default), all of them for *plugin* verifiers, wait while each pass of
+the event loop brings more and, while another gathered batch is in the engine, for its end (so the
+batches grow with the load), for at most ``GATHER_WINDOW`` seconds or until ``MAX_GATHERED`` items
+wait; then they are scored as one batch, and each request gets its own slice of the result.
+Endpoint and rubric items are never gathered: their calls are the cost (a batch of one adds little
+to an HTTP call), and a failure of one request's item must not cost another request a second
+judge call.
 
 Each request still gets exactly what it would have got alone:
 
@@ -34,11 +36,10 @@ from typing import Any, Protocol
 
 from engine._core.report import BatchResult, VerifierReport
 from engine._errors import VerificationError
+from engine._serve.limits import GATHER_ITEMS, MAX_GATHERED
 
-__all__ = ["GATHER_ITEMS", "GATHER_WINDOW", "MAX_GATHERED", "WATCH_AFTER", "Gatherer", "Gone", "Scorer", "hung_up"]
+__all__ = ["GATHER_WINDOW", "WATCH_AFTER", "Gatherer", "Gone", "Scorer", "hung_up"]
 
-GATHER_ITEMS = 256  # a request of at most this many items may wait to share a batch
-MAX_GATHERED = 4096  # items one gathered batch takes at most
 GATHER_WINDOW = 0.002  # seconds the first request of a gathered batch waits for more, at most
 WATCH_AFTER = 0.05  # seconds a gathered batch runs before its clients are watched for a hang-up
 
@@ -97,8 +98,11 @@ class Gatherer:
         engine: Scorer,
         scored: Callable[[BatchResult], None],
         failed: Callable[[VerificationError], None],
+        *,
+        most: int = GATHER_ITEMS,
     ) -> None:
         self.engine = engine
+        self._most = most  # items a request may have to be gathered (0: none is)
         self._scored = scored
         self._failed = failed
         self._plugin: dict[str, bool] = {}  # environment name -> whether a plugin scores it
@@ -116,7 +120,7 @@ class Gatherer:
     def takes(self, items: list[Any], first_index: Any) -> bool:
         """Whether ``items`` may share a batch: few, each a mapping naming a plugin's environment (and a
         valid ``first_index``: one that is not is the engine's to refuse)."""
-        if not 0 < len(items) <= GATHER_ITEMS or type(first_index) is not int or first_index < 0:
+        if not 0 < len(items) <= self._most or type(first_index) is not int or first_index < 0:
             return False
         plugin = self._plugin
         for item in items:

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 __all__ = [
     "DEFAULT_HOST",
     "DEFAULT_PORT",
+    "GATHER_ITEMS",
     "GRACEFUL_TIMEOUT",
     "MAX_BYTES",
+    "MAX_GATHERED",
     "MAX_ITEMS",
     "MAX_QUEUED",
     "RETRY_AFTER",
@@ -31,6 +33,8 @@ MAX_BYTES = 256 * 1024 * 1024  # bytes of one request body
 MAX_QUEUED = 262_144  # items admitted across requests, queued or in flight, before new ones get 503
 GRACEFUL_TIMEOUT = 60.0  # seconds in-flight batches get to finish after SIGTERM
 RETRY_AFTER = 1  # seconds a saturated service asks a client to wait (Retry-After)
+GATHER_ITEMS = 256  # a request of at most this many plugin items may share an engine batch (engine._serve.gather)
+MAX_GATHERED = 4096  # items one gathered batch takes at most
 
 
 def is_loopback(host: str) -> bool:
@@ -56,6 +60,7 @@ class ServeConfig:
     max_queued: int = MAX_QUEUED
     graceful_timeout: float = GRACEFUL_TIMEOUT
     retry_after: int = RETRY_AFTER
+    gather_items: int = GATHER_ITEMS  # 0: no request shares a batch
 
     def __post_init__(self) -> None:
         if not is_loopback(self.host) and not self.token:
@@ -74,6 +79,8 @@ class ServeConfig:
         if self.max_items > self.max_queued:
             raise ValueError(f"max_items ({self.max_items}) must not exceed max_queued ({self.max_queued}): "
                              "a batch that large could never be admitted")
+        if type(self.gather_items) is not int or not 0 <= self.gather_items <= MAX_GATHERED:
+            raise ValueError(f"gather_items must be a whole number from 0 to {MAX_GATHERED}, got {self.gather_items!r}")
         if not self.graceful_timeout >= 0:
             raise ValueError(f"graceful_timeout must be >= 0 seconds, got {self.graceful_timeout!r}")
 
