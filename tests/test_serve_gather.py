@@ -402,3 +402,27 @@ def test_an_endpoint_request_and_plugin_requests_sent_together_both_answer(servi
     assert answers[-1][0] == 200 and answers[-1][1]["rewards"] == [0.009, 2.0]
     assert after[0] - before[0] == 6  # the plugin requests only
 
+
+# --- the probe: what gathering must not change -------------------------------------------------------------
+
+
+def test_items_slow_only_together_do_not_time_out_when_gathered(service: Service) -> None:
+    """Eight items of a fifth of the call timeout each: alone, each is in time. Gathered after cheap calls
+    (which make the plugin's next chunks hold many items, run one after the other), they are one chunk
+    whose timeout the sixth overruns: a timeout that is no request's own. Each must be scored alone."""
+    cheap = [it("slow", "", n=n) for n in range(200)]
+    for _ in range(3):  # measured cheap: chunks of many items, one at a time, from now on
+        assert alone(service, *score_body(cheap))[0] == 200
+    bodies = [score_body([it("slow", "", n, seconds=TIMEOUT / 5)], first_index=n) for n in range(8)]
+    before = gathered(service)
+    answers = burst(service, bodies)
+    assert shared(before, gathered(service))
+    assert [(status, body.get("rewards")) for status, body in answers] == [(200, [0.5])] * 8, answers
+    # an item over the timeout by itself still gets its own timeout, named by its own index
+    bodies = [score_body([it("slow", "", n, seconds=TIMEOUT / 5)], first_index=n) for n in range(3)]
+    bodies.append(score_body([it("slow", "", "over", seconds=TIMEOUT * 1.5)], first_index=30))
+    answers = burst(service, bodies)
+    assert [(status, body.get("rewards")) for status, body in answers[:3]] == [(200, [0.5])] * 3, answers
+    status, body = answers[3]
+    assert (status, body["error"]["index"], body["error"]["item_id"]) == (422, 30, "over")
+    assert body["error"]["message"] == f"timed out after {TIMEOUT:g} s"

@@ -15,7 +15,9 @@ Each request still gets exactly what it would have got alone:
   figures are the shared batch's (see :func:`_part`);
 - a verifier failure on one of its items raises the same ``VerificationError``, naming the item by
   the request's own ``first_index`` and position; the *other* requests of that batch are then
-  scored again, each alone (their plugin calls run twice; no judge or endpoint is involved);
+  scored again, each alone (their plugin calls run twice; no judge or endpoint is involved). A
+  timeout is not blamed on its item: a thread chunk's timeout covers every call in it, others'
+  requests' items too, so every request of that batch is scored again alone;
 - a malformed item (``TypeError``/``ValueError``) sends every request of the batch to be scored
   alone, so the error is its own request's.
 
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine._core.report import BatchResult, VerifierReport
+from engine._core.stats import timed_out
 from engine._errors import VerificationError
 
 __all__ = ["GATHER_ITEMS", "GATHER_WINDOW", "MAX_GATHERED", "WATCH_AFTER", "Gatherer", "Gone", "Scorer", "hung_up"]
@@ -258,6 +261,9 @@ class Gatherer:
         place = exc.index
         if place is None or exc.environment is None or not 0 <= place < starts[-1] + len(requests[-1].items):
             await self._alone(requests)  # the error names no item of the batch: each request learns its own
+            return
+        if timed_out(exc):  # its time was not its item's alone: a chunk of cheap calls holds others' items too
+            await self._alone(requests)
             return
         owner = requests[bisect.bisect_right(starts, place) - 1]
         own = exc.at_item(exc.environment, owner.first_index + place - owner.start, exc.item_id)
