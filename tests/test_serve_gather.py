@@ -14,6 +14,7 @@ batch whose every client has gone is cancelled (an async plugin writes a file wh
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import socket
 from collections.abc import Iterator
@@ -35,6 +36,7 @@ TIMEOUT = 2.0  # seconds: the slow plugin's call timeout
 BATCHES = ("engine_gathered_batches_total", ())
 GATHERED = ("engine_gathered_requests_total", ())
 GONE = ("engine_http_requests_total", (("route", "/v1/score"), ("status", "499")))
+SLOW_TIMEOUTS = ("engine_verifier_timeouts_total", (("kind", "plugin"), ("verifier", "slow/verify:score")))
 
 ECHO = """\
 def score(task, trajectory):
@@ -56,6 +58,15 @@ async def score(task, trajectory):
         pathlib.Path(task["cancelled"]).touch()
         raise
     return float(trajectory)
+"""
+CRASH = """\
+import os
+
+
+def score(task, trajectory):
+    if trajectory == "crash":
+        os._exit(7)
+    return int(trajectory) / 1000
 """
 SLOW = """\
 import time
@@ -80,6 +91,7 @@ def make_envs(root: Path, url: str) -> None:
     plugin(envs, "echo2", "SIGN = -1\n" + ECHO)  # another verifier, another sign: a reward tells which scored it
     plugin(envs, "wait", WAIT)
     plugin(envs, "slow", SLOW)
+    plugin(envs, "crash", CRASH, executor="process", workers=2)
     (envs / "remote").mkdir()
     manifest = {"kind": "environment", "verifier": {"kind": "endpoint", "ref": url + "/score"}}
     (envs / "remote" / "manifest.json").write_bytes(orjson.dumps(manifest))
@@ -286,9 +298,12 @@ def test_a_failing_item_is_its_own_requests_error_and_the_others_get_their_rewar
     bodies = [score_body(items, first_index=10 * n) for n, items in enumerate(good)]
     bodies.insert(place, score_body(failing, first_index=40))
     on_its_own = alone(service, *bodies[place])
-    before = gathered(service)
+    errors = ("engine_verifier_errors_total", (("kind", "plugin"), ("type", "VerificationError"),
+                                               ("verifier", f"{failing[position]['environment']}/verify:score")))
+    before, failed = gathered(service), service.metrics()[errors]
     answers = burst(service, bodies)
     after = gathered(service)
+    assert service.metrics()[errors] == failed + 1  # counted once, as the request that got it
     assert answers[place] == on_its_own
     status, body = answers.pop(place)
     assert status == 422
@@ -306,6 +321,8 @@ def test_two_failing_requests_in_one_batch_each_get_their_own_error(service: Ser
     bodies = [score_body([echo(n), echo(n + 1, "echo2")], first_index=n) for n in range(10)]
     bodies[2] = score_body([echo(5), it("echo2", "boom", "b2", k=2)], first_index=20)
     bodies[7] = score_body([it("echo", "boom", "b7", k=7), echo(6)], first_index=70)
+    labels = [{"environment": "echo", "task": {"k": 3}, "id": "g"}] * 2
+    bodies.append(("/get_reward", {"query": ["P:1", "P:boom"], "prompts": ["P:", "P:"], "labels": labels}))
     before = gathered(service)
     answers = burst(service, bodies)
     assert shared(before, gathered(service))
@@ -313,6 +330,7 @@ def test_two_failing_requests_in_one_batch_each_get_their_own_error(service: Ser
     assert {n: (e["environment"], e["index"], e["item_id"], e["message"]) for n, e in errors.items()} == {
         2: ("echo2", 21, "b2", "raised RuntimeError: boom on 2"),
         7: ("echo", 70, "b7", "raised RuntimeError: boom on 7"),
+        10: ("echo", 1, "g", "raised RuntimeError: boom on 3"),  # /get_reward's items are from 0
     }
     for n in set(range(10)) - {2, 7}:
         check_result(answers[n], bodies[n][1]["items"])
@@ -414,10 +432,11 @@ def test_items_slow_only_together_do_not_time_out_when_gathered(service: Service
     for _ in range(3):  # measured cheap: chunks of many items, one at a time, from now on
         assert alone(service, *score_body(cheap))[0] == 200
     bodies = [score_body([it("slow", "", n, seconds=TIMEOUT / 5)], first_index=n) for n in range(8)]
-    before = gathered(service)
+    before, timeouts = gathered(service), service.metrics().get(SLOW_TIMEOUTS, 0)
     answers = burst(service, bodies)
     assert shared(before, gathered(service))
     assert [(status, body.get("rewards")) for status, body in answers] == [(200, [0.5])] * 8, answers
+    assert service.metrics().get(SLOW_TIMEOUTS, 0) == timeouts  # no request failed: no failure counted
     # an item over the timeout by itself still gets its own timeout, named by its own index
     bodies = [score_body([it("slow", "", n, seconds=TIMEOUT / 5)], first_index=n) for n in range(3)]
     bodies.append(score_body([it("slow", "", "over", seconds=TIMEOUT * 1.5)], first_index=30))
@@ -426,3 +445,120 @@ def test_items_slow_only_together_do_not_time_out_when_gathered(service: Service
     status, body = answers[3]
     assert (status, body["error"]["index"], body["error"]["item_id"]) == (422, 30, "over")
     assert body["error"]["message"] == f"timed out after {TIMEOUT:g} s"
+    assert service.metrics().get(SLOW_TIMEOUTS, 0) == timeouts + 1  # once, for the one request that failed
+
+
+def test_a_crashing_worker_fails_its_own_request_only(service: Service) -> None:
+    """A process plugin's worker killed by one item (os._exit): that request's error, named by its index."""
+    bodies = [score_body([it("crash", str(n), n), it("crash", str(n + 1))], first_index=n) for n in range(8)]
+    bodies.insert(5, score_body([it("crash", "9"), it("crash", "crash", "dies")], first_index=50))
+    on_its_own = alone(service, *bodies[5])
+    before = gathered(service)
+    answers = burst(service, bodies)
+    assert shared(before, gathered(service))
+    status, body = answers.pop(5)
+    assert (status, body["error"]["index"], body["error"]["item_id"]) == (422, 51, "dies")
+    assert re.sub(r"pid \d+", "pid N", body["error"]["message"]) == re.sub(
+        r"pid \d+", "pid N", on_its_own[1]["error"]["message"])
+    for n, (status, body) in enumerate(answers):
+        assert (status, body.get("rewards")) == (200, [n / 1000, (n + 1) / 1000]), body
+
+
+def test_more_items_than_one_batch_takes_are_all_scored_their_own(service: Service) -> None:
+    """Twenty requests of 256 items: 16 fill a batch (``MAX_GATHERED``), the rest go in the next; one of 257
+    is not gathered at all."""
+    wanted = [[echo(n * 1000 + k, ("echo", "echo2")[k % 2], item_id=k) for k in range(256)] for n in range(20)]
+    wanted.append([echo(k) for k in range(257)])
+    before = gathered(service)
+    answers = burst(service, [score_body(items, first_index=n) for n, items in enumerate(wanted)])
+    after = gathered(service)
+    for answer, items in zip(answers, wanted, strict=True):
+        check_result(answer, items)
+    assert after[0] - before[0] == 20
+    assert 2 <= after[1] - before[1] < 20
+
+
+def test_clients_gone_before_their_batch_starts_cancel_it(service: Service, tmp_path: Path) -> None:
+    """Requests read whole, then their clients hang up before the batch is flushed: it starts, is watched,
+    and is cancelled; the service answers the next request."""
+    gone = service.metrics().get(GONE, 0)
+    opened = connections(service, 2)
+    with paused(service):
+        for connection, name in zip(opened, ("a", "b"), strict=True):
+            connection.send("POST", "/v1/score", {"items": [waiting(tmp_path, name)]})
+            connection.hang_up()
+    wait_until(lambda: service.metrics().get(GONE, 0) == gone + 2, 60, "the hang-ups were never counted")
+    # the service read each body (one read) a pass of its loop before the end of the stream (the next read)
+    assert exists(tmp_path, "a.started", "b.started")
+    wait_until(lambda: exists(tmp_path, "a.cancelled", "b.cancelled"), 60, "the batch was never cancelled")
+    check_result(alone(service, *score_body([echo(3)])), [echo(3)])
+
+
+# --- shutdown -----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def stopping(tmp_path: Path, endpoint: Server) -> Iterator[Service]:
+    """A service of its own, for a test to stop; a graceful period of 2 s."""
+    running = start_service(tmp_path, configured(tmp_path, endpoint.url), "--graceful-timeout", "2")
+    try:
+        yield running
+    finally:
+        stop(running)
+
+
+def test_sigterm_answers_the_gathered_batch_in_flight_then_exits_0(stopping: Service, tmp_path: Path) -> None:
+    opened = connections(stopping, 3)
+    try:
+        with paused(stopping):
+            for n, connection in enumerate(opened):
+                connection.send("POST", "/v1/score", {"items": [waiting(tmp_path, str(n), str(n))]})
+            stopping.process.send_signal(signal.SIGTERM)  # handled once it goes on: the requests are read first
+        wait_until(lambda: exists(tmp_path, "0.started", "1.started", "2.started"), 60, "the batch never started")
+        for n in range(3):
+            (tmp_path / f"{n}.until").touch()
+        assert [(status, body.get("rewards")) for status, body in (c.answer() for c in opened)] == [
+            (200, [0.0]), (200, [1.0]), (200, [2.0])]
+    finally:
+        for connection in opened:
+            connection.hang_up()
+    code, err = stop(stopping, signalled=True)
+    assert code == 0, err
+    assert not exists(tmp_path, "0.cancelled")
+
+
+def test_sigterm_cancels_a_gathered_batch_still_running_at_the_deadline(stopping: Service, tmp_path: Path) -> None:
+    opened = connections(stopping, 2)
+    try:
+        with paused(stopping):
+            for n, connection in enumerate(opened):
+                connection.send("POST", "/v1/score", {"items": [waiting(tmp_path, str(n))]})
+        wait_until(lambda: exists(tmp_path, "0.started", "1.started"), 60, "the batch never started")
+        stopping.process.send_signal(signal.SIGTERM)
+        code, err = stop(stopping, signalled=True)
+        for connection in opened:  # no reward: uvicorn's own 500 (as for a batch not gathered), or nothing
+            answered = connection.file.read()
+            assert answered == b"" or answered.startswith(b"HTTP/1.1 500 "), answered
+    finally:
+        for connection in opened:
+            connection.hang_up()
+    assert code == 0, err
+    assert "timeout graceful shutdown exceeded" in err
+    assert exists(tmp_path, "0.cancelled", "1.cancelled")
+    # (uvicorn logs each request it cancels as an exception in the application, gathered or not)
+    for leak in ("never retrieved", "was destroyed but it is pending", "Warning"):
+        assert leak not in err, err
+
+
+def test_five_thousand_one_item_requests_at_once_each_get_their_own(service: Service) -> None:
+    """More one-item requests than ``MAX_GATHERED`` read in one pass of the loop: a batch flushed at its size
+    mid-pass, the rest in the next; every request answered, each its own reward."""
+    count = 5000
+    wanted = [[echo(n, ("echo", "echo2")[n % 2], item_id=n)] for n in range(count)]
+    before = gathered(service)
+    answers = burst(service, [score_body(items, first_index=n) for n, items in enumerate(wanted)])
+    after = gathered(service)
+    for answer, items in zip(answers, wanted, strict=True):
+        check_result(answer, items)
+    assert after[0] - before[0] == count
+    assert 2 <= after[1] - before[1] < count / 10

@@ -241,7 +241,6 @@ class Gatherer:
                 batch.done = True  # from here a request that goes away cancels only its own work
                 self._scored_batch(batch)
         except VerificationError as exc:
-            self._failed(exc)
             await self._split_failure(requests, exc)
             return
         except (ValueError, TypeError):
@@ -256,7 +255,8 @@ class Gatherer:
                 request.future.set_result(parts.of(request.start, len(request.items), request is requests[0]))
 
     async def _split_failure(self, requests: list[_Request], exc: VerificationError) -> None:
-        """The failing item's request gets the error, in its own terms; the others are scored alone."""
+        """The failing item's request gets the error, in its own terms; the others are scored alone. The
+        metrics count the error once, as the request that gets it (one scored alone counts its own)."""
         starts = [request.start for request in requests]
         place = exc.index
         if place is None or exc.environment is None or not 0 <= place < starts[-1] + len(requests[-1].items):
@@ -266,6 +266,7 @@ class Gatherer:
             await self._alone(requests)
             return
         owner = requests[bisect.bisect_right(starts, place) - 1]
+        self._failed(exc)
         own = exc.at_item(exc.environment, owner.first_index + place - owner.start, exc.item_id)
         own.__cause__ = exc.__cause__
         if not owner.future.done():
