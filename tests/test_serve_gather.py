@@ -227,6 +227,9 @@ def check_result(answer: tuple[int, Any], items: list[dict[str, Any]]) -> None:
     assert body["rewards"] == [expected(item) for item in items]
     names = [body["verifiers"][which]["provenance"]["environment"] for which in body["verifier_of"]]
     assert names == [item["environment"] for item in items]
+    # in the order their items first come, as a batch of its own lists them
+    order = [report["provenance"]["environment"] for report in body["verifiers"]]
+    assert order == list(dict.fromkeys(item["environment"] for item in items))
     for which, report in enumerate(body["verifiers"]):
         mine = [item for item, verifier in zip(items, body["verifier_of"], strict=True) if verifier == which]
         assert report["items"] == len(mine)
