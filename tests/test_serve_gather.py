@@ -2,13 +2,13 @@
 
 Real ``engine serve`` processes, real clients. Requests are made to arrive together either by many
 concurrent ``Engine.connect`` clients or by a *burst*: connections opened (and used once) beforehand,
-then every request written on its own connection while the service is stopped (SIGSTOP), so that
-once it goes on (SIGCONT) it reads them all in one pass of its event loop and gathers them, however
-loaded the machine. ``/metrics``' ``engine_gathered_requests`` and
-``engine_gathered_batches`` show from outside that they were (more requests than batches). Each
-request must still get what it would get alone: its rewards and provenance, its own error named by
-its own index, its own malformed-item error; a client that hangs up stops only its own wait, and a
-batch whose every client has gone is cancelled (an async plugin writes a file when it is).
+then every request written on its own connection while the service is stopped (SIGSTOP), so that once
+it goes on (SIGCONT) it reads them all in one pass of its event loop and gathers them, however loaded
+the machine. ``/metrics``' ``engine_gathered_requests`` and ``engine_gathered_batches`` show from
+outside that they were (more requests than batches). Each request must still get what it would get
+alone: its rewards and provenance, its own error named by its own index, its own malformed-item error;
+a client that hangs up stops only its own wait, and a batch whose every client has gone is cancelled
+(an async plugin writes a file when it is).
 """
 
 from __future__ import annotations
@@ -123,8 +123,11 @@ def service(tmp_path_factory: pytest.TempPathFactory, endpoint: Server) -> Itera
     if soft != resource.RLIM_INFINITY and soft < FILES:  # a connection per request of a burst, in both processes
         resource.setrlimit(resource.RLIMIT_NOFILE, (FILES if hard == resource.RLIM_INFINITY else min(FILES, hard),
                                                     hard))
-    running = start_service(root, configured(root, endpoint.url), "--max-items", "300", "--graceful-timeout", "10")
-    yield running
+    try:
+        running = start_service(root, configured(root, endpoint.url), "--max-items", "300", "--graceful-timeout", "10")
+        yield running
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     code, err = stop(running)
     assert code == 0, err
     for leak in ("Traceback", "never retrieved", "was destroyed but it is pending", "Warning"):
