@@ -65,7 +65,7 @@ class App:
         self.config = config
         self.admission = Admission(config.max_queued)
         self.open_requests = 0
-        self.metrics = Metrics(self._gauges)
+        self.metrics = Metrics(self._gauges, self._counters)
         self.gatherer = Gatherer(engine, self.metrics.batch, self.metrics.failed, most=config.gather_items)
         self._token = config.token.encode() if config.token is not None else None
         self._routes: dict[tuple[str, str], Callable[[Scope, Receive], Awaitable[tuple[int, bytes, str]]]] = {
@@ -80,6 +80,14 @@ class App:
         return {
             "engine_items_admitted": ("Items admitted across requests, queued or in flight.", self.admission.held),
             "engine_http_requests_in_progress": ("Requests being answered.", self.open_requests),
+        }
+
+    def _counters(self) -> dict[str, tuple[str, float]]:
+        return {
+            "engine_gathered_batches": ("Engine batches of requests that may share one (a few plugin items).",
+                                        self.gatherer.batches),
+            "engine_gathered_requests": ("Requests those batches took: more than batches when they shared.",
+                                         self.gatherer.gathered),
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

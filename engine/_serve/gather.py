@@ -17,7 +17,9 @@ Each request still gets exactly what it would have got alone:
   figures are the shared batch's (see :func:`_part`);
 - a verifier failure on one of its items raises the same ``VerificationError``, naming the item by
   the request's own ``first_index`` and position; the *other* requests of that batch are then
-  scored again, each alone (their plugin calls run twice; no judge or endpoint is involved);
+  scored again, each alone (their plugin calls run twice; no judge or endpoint is involved). A
+  timeout is not blamed on its item: a thread chunk's timeout covers every call in it, others'
+  requests' items too, so every request of that batch is scored again alone;
 - a malformed item (``TypeError``/``ValueError``) sends every request of the batch to be scored
   alone, so the error is its own request's.
 
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine._core.report import BatchResult, VerifierReport
+from engine._core.stats import timed_out
 from engine._errors import VerificationError
 from engine._serve.limits import GATHER_ITEMS, MAX_GATHERED
 
@@ -242,7 +245,6 @@ class Gatherer:
                 batch.done = True  # from here a request that goes away cancels only its own work
                 self._scored_batch(batch)
         except VerificationError as exc:
-            self._failed(exc)
             await self._split_failure(requests, exc)
             return
         except (ValueError, TypeError):
@@ -257,13 +259,18 @@ class Gatherer:
                 request.future.set_result(parts.of(request.start, len(request.items), request is requests[0]))
 
     async def _split_failure(self, requests: list[_Request], exc: VerificationError) -> None:
-        """The failing item's request gets the error, in its own terms; the others are scored alone."""
+        """The failing item's request gets the error, in its own terms; the others are scored alone. The
+        metrics count the error once, as the request that gets it (one scored alone counts its own)."""
         starts = [request.start for request in requests]
         place = exc.index
         if place is None or exc.environment is None or not 0 <= place < starts[-1] + len(requests[-1].items):
             await self._alone(requests)  # the error names no item of the batch: each request learns its own
             return
+        if timed_out(exc):  # its time was not its item's alone: a chunk of cheap calls holds others' items too
+            await self._alone(requests)
+            return
         owner = requests[bisect.bisect_right(starts, place) - 1]
+        self._failed(exc)
         own = exc.at_item(exc.environment, owner.first_index + place - owner.start, exc.item_id)
         own.__cause__ = exc.__cause__
         if not owner.future.done():

@@ -5,8 +5,9 @@ Per verifier (labels ``kind`` and ``verifier``, the key its limits are configure
 ``BatchResult`` each batch returns and the ``VerificationError`` each failed one raises: items
 scored, errors by type (and those that were timeouts), retries, the most calls one batch had in
 flight, the items' latency as a histogram, and what its calls spent (a judge's requests and tokens).
-Per route: requests by status, and their latency.
-Items admitted and requests in progress are gauges of the moment.
+Per route: requests by status, and their latency. Requests that shared an engine batch with others
+(``engine._serve.gather``), and those batches, are counted: more requests than batches is gathering
+at work. Items admitted and requests in progress are gauges of the moment.
 
 The figures are kept in plain counters and exposed by a collector of our own: a chunk of a cheap
 plugin's items shares one latency, added to a bucket as many times at once (prometheus-client's
@@ -55,11 +56,17 @@ class _Histogram:
 
 
 class Metrics:
-    """Everything ``/metrics`` shows; ``gauges`` are read when it is asked (items admitted, requests open)."""
+    """Everything ``/metrics`` shows; ``gauges`` and ``counters`` are read when it is asked (items admitted,
+    requests open; requests gathered, kept by the gatherer: counted here, its hot path would pay a call)."""
 
-    def __init__(self, gauges: Callable[[], dict[str, tuple[str, float]]] | None = None) -> None:
+    def __init__(
+        self,
+        gauges: Callable[[], dict[str, tuple[str, float]]] | None = None,
+        counters: Callable[[], dict[str, tuple[str, float]]] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self._gauges = gauges or dict
+        self._counters = counters or dict
         self.items: Counter[Labels] = Counter()
         self.errors: Counter[Labels] = Counter()  # kind, verifier, type
         self.timeouts: Counter[Labels] = Counter()
@@ -125,6 +132,8 @@ class Metrics:
                        self.requests)
         yield _histogram("engine_http_request_seconds", "Seconds per request, per route.", ["route"],
                          self.request_latency)
+        for name, (doc, amount) in self._counters().items():
+            yield CounterMetricFamily(name, doc, value=amount)
         for name, (doc, amount) in self._gauges().items():
             yield GaugeMetricFamily(name, doc, value=amount)
 
