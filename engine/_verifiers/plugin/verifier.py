@@ -450,8 +450,10 @@ class PluginVerifier:
         converting = [-1]  # the value being made a reward, once every call has returned
         serial = self._serial
         # A serial chunk's timeout starts once it runs: the chunks queued before it (each up to a tenth of
-        # the timeout in calls, and a quarter in turns) are not its time, and a lane may queue dozens.
-        async with self._chunk_lock if serial else contextlib.nullcontext():
+        # the timeout in calls, and a quarter in turns) are not its time, and a lane may queue dozens. Nor
+        # are they its latency: the time queued is waiting for a limit of the verifier's own, as a worker
+        # pool's is (concurrent batches of a cheap plugin reported ms an item that took us).
+        async with meters.held(self._chunk_lock) if serial else contextlib.nullcontext():
             self._check_abandoned()  # here: the chunk before it in line may have just been abandoned
             with anyio.move_on_after(self.limits.timeout) as deadline:
                 try:
