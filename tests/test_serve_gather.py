@@ -5,7 +5,9 @@ concurrent ``Engine.connect`` clients or by a *burst*: connections opened (and u
 then every request written on its own connection while the service is stopped (SIGSTOP), so that once
 it goes on (SIGCONT) it reads them all in one pass of its event loop and gathers them, however loaded
 the machine. ``/metrics``' ``engine_gathered_requests`` and ``engine_gathered_batches`` show from
-outside that they were (more requests than batches). Each request must still get what it would get
+outside that they were (more requests than batches). A plugin's requests are gathered only once its
+batches have measured it cheap (``engine_gather_item_seconds``): each test makes sure of that first
+(:func:`cheap`), with items that return at once. Each request must still get what it would get
 alone: its rewards and provenance, its own error named by its own index, its own malformed-item error;
 a client that hangs up stops only its own wait, and a batch whose every client has gone is cancelled
 (an async plugin writes a file when it is).
@@ -14,10 +16,12 @@ a client that hangs up stops only its own wait, and a batch whose every client h
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import resource
 import signal
 import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +34,7 @@ from servers import Request, Response, Server
 from test_serve import Service, it, start_service, stop
 
 import engine
+from engine._serve.limits import GATHER_CALL, ServeConfig
 
 pytestmark = pytest.mark.timeout(120)  # services are processes: slow to start on a loaded 2-core machine
 
@@ -39,6 +44,7 @@ FILES = BURST + 1000  # open files this process and the service need for it
 BATCHES = ("engine_gathered_batches_total", ())
 GATHERED = ("engine_gathered_requests_total", ())
 GONE = ("engine_http_requests_total", (("route", "/v1/score"), ("status", "499")))
+ITEM_SECONDS = "engine_gather_item_seconds"
 SLOW_TIMEOUTS = ("engine_verifier_timeouts_total", (("kind", "plugin"), ("verifier", "slow/verify:score")))
 
 ECHO = """\
@@ -125,6 +131,8 @@ def service(tmp_path_factory: pytest.TempPathFactory, endpoint: Server) -> Itera
                                                     hard))
     try:
         running = start_service(root, configured(root, endpoint.url), "--max-items", "300", "--graceful-timeout", "10")
+        for item in (echo(1), echo(1, "echo2"), it("crash", "1")):
+            cheap(running, item)
         yield running
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
@@ -228,6 +236,19 @@ def alone(service: Service, path: str, body: Any) -> tuple[int, Any]:
     """The answer to one request sent by itself (a batch of its own)."""
     response = service.post(path, body)
     return response.status_code, response.json()
+
+
+def cheap(service: Service, item: dict[str, Any]) -> None:
+    """``item`` (one that returns at once) scored alone until its plugin is measured cheap: the service then
+    gathers its requests (a plugin not measured yet, or measured slow, has its requests scored alone)."""
+    key = ITEM_SECONDS, (("verifier", f"{item['environment']}/verify:score"),)
+
+    def measured_cheap() -> bool:
+        status, body = alone(service, *score_body([item]))
+        assert status == 200, body
+        return service.metrics().get(key, math.inf) <= GATHER_CALL
+
+    wait_until(measured_cheap, 60, f"{item['environment']} was never measured cheap")
 
 
 def check_result(answer: tuple[int, Any], items: list[dict[str, Any]]) -> None:
@@ -372,11 +393,19 @@ def waiting(tmp_path: Path, name: str, trajectory: str = "1") -> dict[str, Any]:
     return {"environment": "wait", "task": task, "trajectory": trajectory}
 
 
+def cheap_wait(service: Service, tmp_path: Path) -> None:
+    """The ``wait`` plugin measured cheap, by items that do not wait (its earlier batches may have waited)."""
+    item = waiting(tmp_path, "warm")
+    Path(item["task"]["until"]).touch()
+    cheap(service, item)
+
+
 def exists(tmp_path: Path, *names: str) -> bool:
     return all((tmp_path / name).exists() for name in names)
 
 
 def test_a_batch_whose_clients_all_hang_up_is_cancelled(service: Service, tmp_path: Path) -> None:
+    cheap_wait(service, tmp_path)
     gone = service.metrics().get(GONE, 0)
     before = gathered(service)
     opened = connections(service, 2)
@@ -394,6 +423,7 @@ def test_a_batch_whose_clients_all_hang_up_is_cancelled(service: Service, tmp_pa
 
 
 def test_one_client_hanging_up_leaves_the_others_answer(service: Service, tmp_path: Path) -> None:
+    cheap_wait(service, tmp_path)
     gone = service.metrics().get(GONE, 0)
     before = gathered(service)
     stays, leaves = connections(service, 2)
@@ -414,6 +444,63 @@ def test_one_client_hanging_up_leaves_the_others_answer(service: Service, tmp_pa
     stays.hang_up()
     assert (status, body["rewards"], body["verifiers"][0]["items"]) == (200, [3.0], 1)
     assert not exists(tmp_path, "a.cancelled")
+
+
+# --- slow plugins are not gathered ---------------------------------------------------------------------------
+
+
+def test_a_slow_plugins_requests_are_not_gathered_and_hold_no_cheap_one(service: Service, tmp_path: Path) -> None:
+    """The ``wait`` plugin measured slow (an item that waited 0.3 s): its next request goes alone, and cheap
+    requests that arrive with it are answered while its item still waits (gathered with it, they would wait)."""
+    slow = waiting(tmp_path, "slow")
+    timer = threading.Timer(0.3, Path(slow["task"]["until"]).touch)
+    timer.start()
+    try:
+        assert alone(service, *score_body([slow]))[0] == 200
+    finally:
+        timer.join()
+    seconds = service.metrics()[ITEM_SECONDS, (("verifier", "wait/verify:score"),)]
+    assert seconds > GATHER_CALL
+    before = gathered(service)
+    held, *cheap_ones = opened = connections(service, 4)
+    try:
+        with paused(service):
+            held.send("POST", "/v1/score", {"items": [waiting(tmp_path, "held", "2")]})
+            for n, connection in enumerate(cheap_ones):
+                connection.send("POST", "/v1/score", {"items": [echo(n)], "first_index": n})
+        wait_until(lambda: exists(tmp_path, "held.started"), 60, "the slow item never started")
+        for n, connection in enumerate(cheap_ones):  # answered while the slow item waits
+            check_result(connection.answer(), [echo(n)])
+        assert not exists(tmp_path, "held.until")
+        (tmp_path / "held.until").touch()
+        status, body = held.answer()
+        assert (status, body["rewards"]) == (200, [2.0])
+    finally:
+        (tmp_path / "held.until").touch()
+        for connection in opened:
+            connection.hang_up()
+    after = gathered(service)
+    assert after[0] - before[0] == 3  # the cheap ones only
+
+
+def test_a_service_told_to_gather_nothing_gathers_nothing(tmp_path: Path, endpoint: Server) -> None:
+    running = start_service(tmp_path, configured(tmp_path, endpoint.url), "--gather-items", "0")
+    try:
+        for _ in range(3):  # measured: it would be gathered now
+            assert alone(running, *score_body([echo(1)]))[0] == 200
+        answers = burst(running, [score_body([echo(n)], first_index=n) for n in range(8)])
+        for n, answer in enumerate(answers):
+            check_result(answer, [echo(n)])
+        assert gathered(running) == (0, 0)
+    finally:
+        code, err = stop(running)
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("value", [-1, 4097, 1.5])
+def test_gather_items_is_validated(value: Any) -> None:
+    with pytest.raises(ValueError, match="gather_items must be a whole number from 0 to 4096"):
+        ServeConfig(gather_items=value)
 
 
 # --- endpoint items are not gathered, and answer beside gathered ones ----------------------------------------
@@ -494,6 +581,7 @@ def test_more_items_than_one_batch_takes_are_all_scored_their_own(service: Servi
 def test_clients_gone_before_their_batch_starts_cancel_it(service: Service, tmp_path: Path) -> None:
     """Requests read whole, then their clients hang up before the batch is flushed: it starts, is watched,
     and is cancelled; the service answers the next request."""
+    cheap_wait(service, tmp_path)
     gone = service.metrics().get(GONE, 0)
     opened = connections(service, 2)
     with paused(service):
@@ -521,6 +609,7 @@ def stopping(tmp_path: Path, endpoint: Server) -> Iterator[Service]:
 
 
 def test_sigterm_answers_the_gathered_batch_in_flight_then_exits_0(stopping: Service, tmp_path: Path) -> None:
+    cheap_wait(stopping, tmp_path)
     opened = connections(stopping, 3)
     try:
         with paused(stopping):
@@ -541,6 +630,7 @@ def test_sigterm_answers_the_gathered_batch_in_flight_then_exits_0(stopping: Ser
 
 
 def test_sigterm_cancels_a_gathered_batch_still_running_at_the_deadline(stopping: Service, tmp_path: Path) -> None:
+    cheap_wait(stopping, tmp_path)
     opened = connections(stopping, 2)
     try:
         with paused(stopping):

@@ -65,7 +65,7 @@ class App:
         self.config = config
         self.admission = Admission(config.max_queued)
         self.open_requests = 0
-        self.metrics = Metrics(self._gauges, self._counters)
+        self.metrics = Metrics(self._gauges, self._counters, lambda: self.gatherer.costs)
         self.gatherer = Gatherer(engine, self.metrics.batch, self.metrics.failed, most=config.gather_items)
         self._token = config.token.encode() if config.token is not None else None
         self._routes: dict[tuple[str, str], Callable[[Scope, Receive], Awaitable[tuple[int, bytes, str]]]] = {
@@ -189,6 +189,7 @@ class App:
                     result = await self.engine.run(items, first_index=first_index)
                 except VerificationError as exc:
                     self.metrics.failed(exc)
+                    self.gatherer.learn_failure(exc)
                     raise
                 finally:
                     watch.cancel()
@@ -197,6 +198,7 @@ class App:
         if scope.cancelled_caught:
             raise Gone
         self.metrics.batch(result)
+        self.gatherer.learn(result)  # a plugin measured cheap has its next requests gathered
         return result
 
     async def _score(self, scope: Scope, receive: Receive) -> tuple[int, bytes, str]:

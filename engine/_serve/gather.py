@@ -9,7 +9,12 @@ batches grow with the load), for at most ``GATHER_WINDOW`` seconds or until ``MA
 wait; then they are scored as one batch, and each request gets its own slice of the result.
 Endpoint and rubric items are never gathered: their calls are the cost (a batch of one adds little
 to an HTTP call), and a failure of one request's item must not cost another request a second
-judge call.
+judge call. Nor are a plugin's until its batches have measured it cheap (``GATHER_CALL`` seconds an
+item or less, the mean of its items' latencies halved in with each batch's; a timeout sets it to
+``SLOW``): every request of a gathered batch waits for its slowest item, so a request for a cheap
+item gathered with one whose plugin takes seconds would wait seconds, where alone it would be
+answered at once; and a slow plugin's item costs far more than a batch of its own, so it gains
+nothing from sharing one. A plugin's first requests go alone, and measure it.
 
 Each request still gets exactly what it would have got alone:
 
@@ -37,12 +42,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine._core.report import BatchResult, VerifierReport
-from engine._core.stats import timed_out
+from engine._core.stats import error_key, timed_out
 from engine._errors import VerificationError
-from engine._serve.limits import GATHER_ITEMS, MAX_GATHERED
+from engine._serve.limits import GATHER_CALL, GATHER_ITEMS, MAX_GATHERED
 
-__all__ = ["GATHER_WINDOW", "WATCH_AFTER", "Gatherer", "Gone", "Scorer", "hung_up"]
+__all__ = ["GATHER_WINDOW", "SLOW", "WATCH_AFTER", "Gatherer", "Gone", "Scorer", "hung_up"]
 
+SLOW = 1.0  # seconds an item is taken to cost after its verifier timed out (halved by each batch measured after)
 GATHER_WINDOW = 0.002  # seconds the first request of a gathered batch waits for more, at most
 WATCH_AFTER = 0.05  # seconds a gathered batch runs before its clients are watched for a hang-up
 
@@ -56,6 +62,9 @@ class Scorer(Protocol):
     async def run(self, items: Iterable[Mapping[str, Any]], *, first_index: int = 0) -> BatchResult: ...
 
     def environment(self, name: str) -> Any: ...
+
+
+_UNKNOWN: Any = object()  # an environment not looked up yet
 
 
 class Gone(Exception):
@@ -108,7 +117,8 @@ class Gatherer:
         self._most = most  # items a request may have to be gathered (0: none is)
         self._scored = scored
         self._failed = failed
-        self._plugin: dict[str, bool] = {}  # environment name -> whether a plugin scores it
+        self._keys: dict[str, str | None] = {}  # environment name -> its plugin's verifier key (None: no plugin)
+        self._costs: dict[str, float] = {}  # verifier key -> seconds an item, recent batches' mean (decaying)
         self._pending: list[_Request] = []
         self._count = 0  # items pending
         self._generation = 0  # which hop chain is current: a flush at max size ends the one under way
@@ -125,22 +135,41 @@ class Gatherer:
         valid ``first_index``: one that is not is the engine's to refuse)."""
         if not 0 < len(items) <= self._most or type(first_index) is not int or first_index < 0:
             return False
-        plugin = self._plugin
+        keys, costs = self._keys, self._costs
         for item in items:
             if type(item) is not dict:
                 return False
             name = item.get("environment")
             if not isinstance(name, str):
                 return False
-            known = plugin.get(name)
-            if known is None:
+            key = keys.get(name, _UNKNOWN)
+            if key is _UNKNOWN:
                 try:
-                    known = plugin[name] = self.engine.environment(name).verifier.kind == "plugin"
+                    environment = self.engine.environment(name)
+                    key = keys[name] = environment.verifier_key if environment.verifier.kind == "plugin" else None
                 except Exception:  # not an environment: scored alone, where the engine says why
                     return False
-            if not known:
+            if key is None or not costs.get(key, SLOW) <= GATHER_CALL:  # not measured yet: alone, first
                 return False
         return True
+
+    @property
+    def costs(self) -> Mapping[str, float]:
+        """Per plugin (its verifier key), the seconds an item took on its recent batches' mean."""
+        return self._costs
+
+    def learn(self, result: BatchResult, means: list[float] | None = None) -> None:
+        """What a batch's plugins took an item (``means``: per report, when known already)."""
+        costs = self._costs
+        for report, mean in zip(result.verifiers, means or _means(result), strict=True):
+            if report.kind == "plugin" and report.items:
+                old = costs.get(report.key)
+                costs[report.key] = mean if old is None else (old + mean) / 2
+
+    def learn_failure(self, exc: VerificationError) -> None:
+        """A batch failed: a timeout makes its verifier slow (until batches measure it again)."""
+        if exc.kind == "plugin" and timed_out(exc):
+            self._costs[error_key(exc)] = SLOW
 
     async def run(self, items: list[Any], first_index: int, receive: Receive) -> BatchResult:
         """``items``' result, scored in a gathered batch; ``Gone`` if the client hung up meanwhile."""
@@ -254,6 +283,7 @@ class Gatherer:
             raise RuntimeError(f"the engine returned {len(result.rewards)} rewards for {len(items)} items")
         self._scored(result)
         parts = _Parts(result)
+        self.learn(result, parts.mean)
         for request in requests:
             if not request.future.done():
                 request.future.set_result(parts.of(request.start, len(request.items), request is requests[0]))
@@ -267,6 +297,7 @@ class Gatherer:
             await self._alone(requests)  # the error names no item of the batch: each request learns its own
             return
         if timed_out(exc):  # its time was not its item's alone: a chunk of cheap calls holds others' items too
+            self.learn_failure(exc)  # and its plugin is gathered no more until measured cheap again
             await self._alone(requests)
             return
         owner = requests[bisect.bisect_right(starts, place) - 1]
@@ -291,6 +322,7 @@ class Gatherer:
             result = await task
         except VerificationError as exc:
             self._failed(exc)
+            self.learn_failure(exc)
             if not request.future.done():
                 request.future.set_exception(exc)
             return
@@ -303,6 +335,7 @@ class Gatherer:
                 request.future.set_exception(exc)
             return
         self._scored(result)
+        self.learn(result)
         if not request.future.done():
             request.future.set_result(result)
 
@@ -326,11 +359,7 @@ class _Parts:
         self.result = result
         # per verifier, the mean seconds an item took: a request's items were in one of its calls (often its
         # only one: a gathered batch of a cheap plugin is one chunk), so their latency is not told apart
-        self.mean = [
-            sum(map(float.__mul__, report.latencies, report.latency_items or [1] * len(report.latencies)))
-            / max(1, sum(report.latency_items or [1] * len(report.latencies)))
-            for report in result.verifiers
-        ]
+        self.mean = _means(result)
 
     def of(self, start: int, count: int, first: bool) -> BatchResult:
         """The result of the items at ``start`` .. ``start + count``; ``first``: the batch's first request, which
@@ -359,6 +388,15 @@ class _Parts:
             for which, local in mine.items()
         ]
         return BatchResult(rewards, reports, result.elapsed, verifier_of, usage)
+
+
+def _means(result: BatchResult) -> list[float]:
+    """Per report, the mean seconds an item took (its calls' latencies, weighted by their items)."""
+    return [
+        sum(map(float.__mul__, report.latencies, report.latency_items or [1] * len(report.latencies)))
+        / max(1, sum(report.latency_items or [1] * len(report.latencies)))
+        for report in result.verifiers
+    ]
 
 
 def _part(report: VerifierReport, mean: float, items: int, reward_sum: float, first: bool) -> VerifierReport:

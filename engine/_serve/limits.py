@@ -14,6 +14,7 @@ from dataclasses import dataclass
 __all__ = [
     "DEFAULT_HOST",
     "DEFAULT_PORT",
+    "GATHER_CALL",
     "GATHER_ITEMS",
     "GRACEFUL_TIMEOUT",
     "MAX_BYTES",
@@ -35,6 +36,7 @@ GRACEFUL_TIMEOUT = 60.0  # seconds in-flight batches get to finish after SIGTERM
 RETRY_AFTER = 1  # seconds a saturated service asks a client to wait (Retry-After)
 GATHER_ITEMS = 256  # a request of at most this many plugin items may share an engine batch (engine._serve.gather)
 MAX_GATHERED = 4096  # items one gathered batch takes at most
+GATHER_CALL = 0.01  # seconds an item of a plugin takes, at most, on its recent batches' mean, to be gathered
 
 
 def is_loopback(host: str) -> bool:

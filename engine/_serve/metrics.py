@@ -7,7 +7,8 @@ scored, errors by type (and those that were timeouts), retries, the most calls o
 flight, the items' latency as a histogram, and what its calls spent (a judge's requests and tokens).
 Per route: requests by status, and their latency. Requests that shared an engine batch with others
 (``engine._serve.gather``), and those batches, are counted: more requests than batches is gathering
-at work. Items admitted and requests in progress are gauges of the moment.
+at work; per plugin, what its items take on its recent batches' mean says whether its requests are
+gathered. Items admitted and requests in progress are gauges of the moment.
 
 The figures are kept in plain counters and exposed by a collector of our own: a chunk of a cheap
 plugin's items shares one latency, added to a bucket as many times at once (prometheus-client's
@@ -20,7 +21,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -28,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from engine._core.report import BatchResult
 from engine._core.stats import error_key, timed_out
 from engine._errors import VerificationError
+from engine._serve.limits import GATHER_CALL
 
 __all__ = ["BUCKETS", "Metrics"]
 
@@ -63,10 +65,12 @@ class Metrics:
         self,
         gauges: Callable[[], dict[str, tuple[str, float]]] | None = None,
         counters: Callable[[], dict[str, tuple[str, float]]] | None = None,
+        item_costs: Callable[[], Mapping[str, float]] | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self._gauges = gauges or dict
         self._counters = counters or dict
+        self._item_costs = item_costs or dict
         self.items: Counter[Labels] = Counter()
         self.errors: Counter[Labels] = Counter()  # kind, verifier, type
         self.timeouts: Counter[Labels] = Counter()
@@ -132,6 +136,12 @@ class Metrics:
                        self.requests)
         yield _histogram("engine_http_request_seconds", "Seconds per request, per route.", ["route"],
                          self.request_latency)
+        cost = GaugeMetricFamily("engine_gather_item_seconds",
+                                 "Seconds an item of the plugin takes, its recent batches' mean: requests are gathered "
+                                 f"while it is at most {GATHER_CALL:g}.", labels=["verifier"])
+        for verifier_key, seconds in self._item_costs().items():
+            cost.add_metric([verifier_key], seconds)
+        yield cost
         for name, (doc, amount) in self._counters().items():
             yield CounterMetricFamily(name, doc, value=amount)
         for name, (doc, amount) in self._gauges().items():
