@@ -667,3 +667,23 @@ def test_five_thousand_one_item_requests_at_once_each_get_their_own(service: Ser
         check_result(answer, items)
     assert after[0] - before[0] == count
     assert 2 <= after[1] - before[1] < count / 10
+
+
+def test_a_gathered_requests_reward_sums_are_exact_as_alone(service: Service) -> None:
+    """Each verifier's ``reward_sum`` is its items' exact sum (``math.fsum``), as a warm cheap plugin's batch
+    of its own reports it (one chunk, summed by ``scheduler.total``): 0.1 + 0.2 + 0.3 added one by one is
+    0.6000000000000001, not 0.6."""
+    sums = [echo(100), echo(200), echo(300)]
+    mixed = [echo(100), echo(700, "echo2"), echo(200), echo(300), echo(100, "echo2"), echo(200, "echo2")]
+    bodies = [score_body([echo(n)], first_index=n) for n in range(10)]
+    bodies[3:3] = [score_body(sums, first_index=3), score_body(mixed)]
+    before = gathered(service)
+    answers = burst(service, bodies)
+    assert shared(before, gathered(service))
+    for (status, body), items in zip(answers[3:5], (sums, mixed), strict=True):
+        check_result((status, body), items)
+        own = [(report["items"], report["reward_sum"]) for report in body["verifiers"]]
+        names = dict.fromkeys(item["environment"] for item in items)
+        exact = {name: [expected(item) for item in items if item["environment"] == name] for name in names}
+        assert own == [(len(rewards), math.fsum(rewards)) for rewards in exact.values()]
+    assert [report["reward_sum"] for report in answers[3][1]["verifiers"]] == [0.6]

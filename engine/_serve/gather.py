@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine._core.report import BatchResult, VerifierReport
+from engine._core.scheduler import total
 from engine._core.stats import error_key, timed_out
 from engine._errors import VerificationError
 from engine._serve.limits import GATHER_CALL, GATHER_ITEMS, MAX_GATHERED
@@ -367,24 +368,22 @@ class _Parts:
         result = self.result
         rewards = result.rewards[start:start + count]
         usage = result.usage if first else {}
+        # reward sums as the engine makes them (``total``: exact), so a request's are those a batch of its own has
         if len(result.verifiers) == 1:  # one verifier scored the batch (the usual gathered batch): no lookups
-            report = _part(result.verifiers[0], self.mean[0], count, sum(rewards), first)
+            report = _part(result.verifiers[0], self.mean[0], count, total(rewards), first)
             return BatchResult(rewards, [report], result.elapsed, [0] * count, usage)
         mine: dict[int, int] = {}
         verifier_of = []
-        sums: list[float] = []
-        counts: list[int] = []
+        theirs: list[list[float]] = []  # per verifier of the request, its rewards
         for reward, which in zip(rewards, result.verifier_of[start:start + count], strict=True):
             local = mine.get(which)
             if local is None:
                 local = mine[which] = len(mine)
-                sums.append(0.0)
-                counts.append(0)
-            sums[local] += reward
-            counts[local] += 1
+                theirs.append([])
+            theirs[local].append(reward)
             verifier_of.append(local)
         reports = [
-            _part(result.verifiers[which], self.mean[which], counts[local], sums[local], first)
+            _part(result.verifiers[which], self.mean[which], len(theirs[local]), total(theirs[local]), first)
             for which, local in mine.items()
         ]
         return BatchResult(rewards, reports, result.elapsed, verifier_of, usage)
