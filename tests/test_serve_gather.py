@@ -15,6 +15,7 @@ a client that hangs up stops only its own wait, and a batch whose every client h
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 import re
@@ -34,6 +35,7 @@ from servers import Request, Response, Server
 from test_serve import Service, it, start_service, stop
 
 import engine
+from engine._serve.gather import Gatherer, Gone
 from engine._serve.limits import GATHER_CALL, ServeConfig
 
 pytestmark = pytest.mark.timeout(120)  # services are processes: slow to start on a loaded 2-core machine
@@ -687,3 +689,36 @@ def test_a_gathered_requests_reward_sums_are_exact_as_alone(service: Service) ->
         exact = {name: [expected(item) for item in items if item["environment"] == name] for name in names}
         assert own == [(len(rewards), math.fsum(rewards)) for rewards in exact.values()]
     assert [report["reward_sum"] for report in answers[3][1]["verifiers"]] == [0.6]
+
+
+# --- the gatherer closing ------------------------------------------------------------------------------------
+
+
+async def test_requests_still_in_the_window_when_the_gatherer_closes_are_gone_and_nothing_is_scored_after(
+    tmp_path: Path,
+) -> None:
+    """``aclose`` (the service stopping) ends the window too: a request read but not yet in a batch is answered
+    ``Gone``, and no batch starts after it (one would run on the engine being closed: "the engine is not open")."""
+    make_envs(tmp_path, "http://127.0.0.1:9")  # the endpoint is never called
+    async with engine.Engine(engine.EngineConfig(environments=tmp_path / "envs", allow_unpinned=True)) as eng:
+        gatherer = Gatherer(eng, lambda result: None, lambda exc: None)
+        item = echo(5)
+        for _ in range(100):  # scored alone until measured cheap, as the service does
+            if gatherer.takes([item], 0):
+                break
+            gatherer.learn(await eng.run([item]))
+        assert gatherer.takes([item], 0), gatherer.costs
+        hung_up = anyio.Event()
+
+        async def receive() -> dict[str, Any]:
+            await hung_up.wait()
+            return {"type": "http.disconnect"}
+
+        request = asyncio.ensure_future(gatherer.run([item], 0, receive))
+        await asyncio.sleep(0)  # read: it waits in the window for more
+        assert not request.done()
+        await gatherer.aclose()
+        with pytest.raises(Gone):
+            await request
+        await anyio.sleep(0.05)  # past the window
+        assert gatherer.batches == 0

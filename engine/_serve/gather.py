@@ -341,7 +341,16 @@ class Gatherer:
             request.future.set_result(result)
 
     async def aclose(self) -> None:
-        """Cancel the batches under way (the server has answered or cancelled every request)."""
+        """Cancel the batches under way (the server has answered or cancelled every request), and close the
+        window: a request still in it is ``Gone``, and no batch starts after this (the engine closes next)."""
+        if self._held is not None:
+            self._held.cancel()
+            self._held = None
+        self._generation += 1  # the pass of the loop under way, if any, flushes nothing
+        waiting, self._pending, self._count = self._pending, [], 0
+        for request in waiting:
+            if not request.future.done():
+                request.future.set_exception(Gone())
         for task in list(self._running):
             task.cancel()
         if self._running:
