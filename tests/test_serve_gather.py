@@ -23,7 +23,7 @@ import resource
 import signal
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -694,27 +694,32 @@ def test_a_gathered_requests_reward_sums_are_exact_as_alone(service: Service) ->
 # --- the gatherer closing ------------------------------------------------------------------------------------
 
 
-async def test_requests_still_in_the_window_when_the_gatherer_closes_are_gone_and_nothing_is_scored_after(
-    tmp_path: Path,
-) -> None:
-    """``aclose`` (the service stopping) ends the window too: a request read but not yet in a batch is answered
-    ``Gone``, and no batch starts after it (one would run on the engine being closed: "the engine is not open")."""
+@contextlib.asynccontextmanager
+async def measured_gatherer(tmp_path: Path, item: dict[str, Any]) -> AsyncIterator[Gatherer]:
+    """A gatherer on an engine of its own, ``item``'s plugin measured cheap (its requests are gathered)."""
     make_envs(tmp_path, "http://127.0.0.1:9")  # the endpoint is never called
     async with engine.Engine(engine.EngineConfig(environments=tmp_path / "envs", allow_unpinned=True)) as eng:
         gatherer = Gatherer(eng, lambda result: None, lambda exc: None)
-        item = echo(5)
         for _ in range(100):  # scored alone until measured cheap, as the service does
             if gatherer.takes([item], 0):
                 break
             gatherer.learn(await eng.run([item]))
         assert gatherer.takes([item], 0), gatherer.costs
-        hung_up = anyio.Event()
+        yield gatherer
 
-        async def receive() -> dict[str, Any]:
-            await hung_up.wait()
-            return {"type": "http.disconnect"}
 
-        request = asyncio.ensure_future(gatherer.run([item], 0, receive))
+async def never_hangs_up() -> dict[str, Any]:
+    await anyio.sleep_forever()
+    raise AssertionError("unreachable")
+
+
+async def test_requests_still_in_the_window_when_the_gatherer_closes_are_gone_and_nothing_is_scored_after(
+    tmp_path: Path,
+) -> None:
+    """``aclose`` (the service stopping) ends the window too: a request read but not yet in a batch is answered
+    ``Gone``, and no batch starts after it (one would run on the engine being closed: "the engine is not open")."""
+    async with measured_gatherer(tmp_path, echo(5)) as gatherer:
+        request = asyncio.ensure_future(gatherer.run([echo(5)], 0, never_hangs_up))
         await asyncio.sleep(0)  # read: it waits in the window for more
         assert not request.done()
         await gatherer.aclose()
@@ -722,3 +727,16 @@ async def test_requests_still_in_the_window_when_the_gatherer_closes_are_gone_an
             await request
         await anyio.sleep(0.05)  # past the window
         assert gatherer.batches == 0
+
+
+async def test_a_request_whose_batch_is_cancelled_before_it_begins_is_gone(tmp_path: Path) -> None:
+    """A batch's task cancelled before its first step never runs its own ``finally``: its requests must still be
+    answered (``Gone``), not left waiting forever."""
+    async with measured_gatherer(tmp_path, echo(5)) as gatherer:
+        request = asyncio.ensure_future(gatherer.run([echo(5)], 0, never_hangs_up))
+        await asyncio.sleep(0)  # read: it waits in the window for more
+        await asyncio.sleep(0)  # the window's next pass brought none: its batch is made, and has not begun
+        assert gatherer.batches == 1 and not request.done()
+        await gatherer.aclose()
+        with pytest.raises(Gone):
+            await asyncio.wait_for(request, 30)  # generous: it is answered at once, or never

@@ -214,11 +214,19 @@ class Gatherer:
         self._scoring += 1
         self._running.add(task)
         task.add_done_callback(self._running.discard)
-        task.add_done_callback(lambda _: self._scored_batch(batch))
+        task.add_done_callback(lambda _: self._ended(batch))
         for request in requests:
             request.future.add_done_callback(lambda _, batch=batch: self._answered(batch))  # type: ignore[misc]
         self.batches += 1
         self.gathered += len(requests)
+
+    def _ended(self, batch: _Batch) -> None:
+        """A gathered batch's task ended: whoever still waits is gone. Its own ``finally`` says so too, but a task
+        cancelled before its first step (by ``aclose``) never runs it, and its requests would wait forever."""
+        for request in batch.requests:
+            if not request.future.done():
+                request.future.set_exception(Gone())
+        self._scored_batch(batch)
 
     def _scored_batch(self, batch: _Batch) -> None:
         """A gathered batch's engine call ended (or its task ended before it began): the requests held for
