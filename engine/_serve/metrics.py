@@ -5,9 +5,9 @@ Per verifier (labels ``kind`` and ``verifier``, the key its limits are configure
 ``BatchResult`` each batch returns and the ``VerificationError`` each failed one raises: items
 scored, errors by type (and those that were timeouts), retries, the most calls one batch had in
 flight, the items' latency as a histogram, and what its calls spent (a judge's requests and tokens).
-Per route: requests by status, and their latency. Requests that shared an engine batch with others
-(``engine._serve.gather``), and those batches, are counted: more requests than batches is gathering
-at work; per plugin, what its items take on its recent batches' mean says whether its requests are
+Per route: requests by status, and their latency. Requests the gatherer took into engine batches it
+shares out (``engine._serve.gather``), and those batches, are counted: more requests than batches is
+gathering at work; per plugin, what its items take on its recent batches' mean says whether its requests are
 gathered. Items admitted and requests in progress are gauges of the moment.
 
 The figures are kept in plain counters and exposed by a collector of our own: a chunk of a cheap
