@@ -6,6 +6,8 @@
    same with the plugin's ``async def`` twin (no thread hop a batch), and the service's own layer
    over a stub engine that answers at once (what a request costs beyond the engine's batch of one).
    For the choice of the stack, the constant is also measured on uvicorn with h11 and on hypercorn.
+   The service gathers the one-item requests into engine batches (``engine._serve.gather``): how many
+   requests an engine batch took on average is read from its ``/metrics``.
 2. One 4,096-item batch of the same plugin through ``Engine.connect()`` against the same batch
    in-process (``Engine.from_config``), one after the other, ``--repeat`` times.
 
@@ -35,6 +37,7 @@ import anyio
 import httpx
 import orjson
 from _common import free_port, machine, table, wait_for_port, write_env
+from prometheus_client.parser import text_string_to_metric_families
 
 import engine
 
@@ -67,6 +70,8 @@ RESULT = BatchResult([0.0], [VerifierReport("plugin", "verify:score", "cheap/ver
 
 
 class Plugin:
+    verifier_key = "cheap/verify:score"
+
     class verifier:
         kind = "plugin"
 
@@ -175,6 +180,13 @@ async def _load(port: int, body: bytes, requests: int) -> float:
     return sum(counts) / (time.perf_counter() - start)
 
 
+def gathered(port: int) -> float:
+    """Requests per engine batch the service at ``port`` has gathered so far (its ``/metrics``)."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    counts = {sample.name: sample.value for family in text_string_to_metric_families(text) for sample in family.samples}
+    return counts["engine_gathered_requests_total"] / max(1.0, counts["engine_gathered_batches_total"])
+
+
 def load(port: int, body: bytes, requests: int) -> float:
     asyncio.run(_load(port, body, CONNECTIONS * 4))  # warm: connections, the plugin's import
     return asyncio.run(_load(port, body, requests))
@@ -207,6 +219,7 @@ def single_items(config: Path, requests: int, repeat: int) -> list[list[str]]:
             for _ in range(repeat):  # alternating, so that each run's figures share their moment
                 for name, port in ports.items():
                     rates[name].append(load(port, bodies.get(name, body), requests))
+            shared = {name: gathered(ports[name]) for name in ("serve", "async")}
 
     def ratio(name: str) -> str:
         return f"{statistics.median(r / c for r, c in zip(rates[name], rates['httptools'], strict=True)):.2f}x"
@@ -216,6 +229,8 @@ def single_items(config: Path, requests: int, repeat: int) -> list[list[str]]:
     return [
         ["engine serve, cheap plugin", f"{median['serve']:,.0f}", *constant, ratio("serve"), ">= 0.5x"],
         ["  engine serve, its async twin", f"{median['async']:,.0f}", *constant, ratio("async"), "(for the record)"],
+        ["  requests per engine batch: plugin / async twin", f"{shared['serve']:.1f} / {shared['async']:.1f}", "", "",
+         "", "(gathered)"],
         ["  the service over a stub engine", f"{median['stub']:,.0f}", *constant, ratio("stub"), "(for the record)"],
         ["  (stack) uvicorn+h11, constant", f"{median['h11']:,.0f}", "uvicorn+httptools, constant",
          f"{median['httptools']:,.0f}", f"{median['h11'] / median['httptools']:.2f}x", "(the choice)"],
