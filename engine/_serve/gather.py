@@ -293,9 +293,9 @@ class Gatherer:
         self._scored(result)
         parts = _Parts(result)
         self.learn(result, parts.mean)
-        for request in requests:
-            if not request.future.done():
-                request.future.set_result(parts.of(request.start, len(request.items), request is requests[0]))
+        waiting = [request for request in requests if not request.future.done()]
+        for request in waiting:  # the first still waiting carries the batch's retries, start-up and spending
+            request.future.set_result(parts.of(request.start, len(request.items), request is waiting[0]))
 
     async def _split_failure(self, requests: list[_Request], exc: VerificationError) -> None:
         """The failing item's request gets the error, in its own terms; the others are scored alone. The
@@ -380,8 +380,8 @@ class _Parts:
         self.mean = _means(result)
 
     def of(self, start: int, count: int, first: bool) -> BatchResult:
-        """The result of the items at ``start`` .. ``start + count``; ``first``: the batch's first request, which
-        carries what cannot be shared out (retries, startup, what the calls spent, the judge's usage)."""
+        """The result of the items at ``start`` .. ``start + count``; ``first``: the batch's first request still
+        waiting, which carries what cannot be shared out (retries, startup, what the calls spent, the judge's usage)."""
         result = self.result
         rewards = result.rewards[start:start + count]
         usage = result.usage if first else {}
@@ -418,7 +418,7 @@ def _part(report: VerifierReport, mean: float, items: int, reward_sum: float, fi
     ``latencies`` is the batch's mean seconds an item took, standing for these items; ``waited`` and
     ``busy`` this share of the batch's (so a request's figures add up to the batch's); ``active`` and
     ``peak_in_flight`` are the batch's; ``retries``, ``startup`` and ``spent`` go to the batch's first
-    request alone.
+    request still waiting alone.
     """
     share = items / report.items if report.items else 0.0
     return VerifierReport(
