@@ -207,13 +207,24 @@ def paused(service: Service) -> Iterator[None]:
 
 
 def warm(service: Service, requests: list[tuple[str, Any]]) -> None:
-    """The plugins ``requests`` name measured cheap (a loaded machine may have measured one slow since):
-    before a test counts what is gathered, as these requests, once measured cheap, are gathered too."""
+    """The plugins ``requests`` name measured cheap (a loaded machine may have measured one slow since); before
+    what is gathered is counted, as these requests, once measured cheap, are gathered too."""
     named: set[str] = {item["environment"] for _, body in requests
                        for item in body.get("items", body.get("labels", []))
                        if isinstance(item, dict) and isinstance(item.get("environment"), str)}
     for name in sorted(named & set(WARM)):
         cheap_plugin(service, WARM[name]())
+
+
+def counted_burst(
+    service: Service, requests: list[tuple[str, Any]]
+) -> tuple[list[tuple[int, Any]], tuple[float, float], tuple[float, float]]:
+    """A :func:`burst` of ``requests``, their plugins measured cheap first; with what the service had gathered
+    (:func:`gathered`) just before it and just after."""
+    warm(service, requests)
+    before = gathered(service)
+    answers = burst(service, requests)
+    return answers, before, gathered(service)
 
 
 def burst(service: Service, requests: list[tuple[str, Any]]) -> list[tuple[int, Any]]:
@@ -327,10 +338,7 @@ def test_a_burst_of_mixed_requests_each_get_their_own_result(service: Service) -
         wanted.append(items)
     labels = [{"environment": "echo2", "task": {}, "id": "g"}, {"environment": "echo", "task": {}}]
     bodies.append(("/get_reward", {"query": ["P:17", "P:905"], "prompts": ["P:", "P:"], "labels": labels}))
-    warm(service, bodies)
-    before = gathered(service)
-    answers = burst(service, bodies)
-    after = gathered(service)
+    answers, before, after = counted_burst(service, bodies)
     for answer, items in zip(answers, wanted, strict=False):
         check_result(answer, items)
     assert answers[-1] == (200, {"rewards": [-0.017, 0.905], "scores": [-0.017, 0.905], "extra_logs": {}})
@@ -356,10 +364,8 @@ def test_a_failing_item_is_its_own_requests_error_and_the_others_get_their_rewar
     on_its_own = alone(service, *bodies[place])
     errors = ("engine_verifier_errors_total", (("kind", "plugin"), ("type", "VerificationError"),
                                                ("verifier", f"{failing[position]['environment']}/verify:score")))
-    warm(service, bodies)
-    before, failed = gathered(service), service.metrics()[errors]
-    answers = burst(service, bodies)
-    after = gathered(service)
+    failed = service.metrics()[errors]
+    answers, before, after = counted_burst(service, bodies)
     assert service.metrics()[errors] == failed + 1  # counted once, as the request that got it
     assert answers[place] == on_its_own
     status, body = answers.pop(place)
@@ -380,10 +386,8 @@ def test_two_failing_requests_in_one_batch_each_get_their_own_error(service: Ser
     bodies[7] = score_body([it("echo", "boom", "b7", k=7), echo(6)], first_index=70)
     labels = [{"environment": "echo", "task": {"k": 3}, "id": "g"}] * 2
     bodies.append(("/get_reward", {"query": ["P:1", "P:boom"], "prompts": ["P:", "P:"], "labels": labels}))
-    warm(service, bodies)
-    before = gathered(service)
-    answers = burst(service, bodies)
-    assert shared(before, gathered(service))
+    answers, before, after = counted_burst(service, bodies)
+    assert shared(before, after), (before, after)
     errors = {n: body["error"] for n, (status, body) in enumerate(answers) if status != 200}
     assert {n: (e["environment"], e["index"], e["item_id"], e["message"]) for n, e in errors.items()} == {
         2: ("echo2", 21, "b2", "raised RuntimeError: boom on 2"),
@@ -400,10 +404,8 @@ def test_a_malformed_item_fails_its_own_request_only(service: Service) -> None:
     bodies.insert(4, score_body(bad, first_index=3))
     on_its_own = alone(service, *bodies[4])
     assert on_its_own[0] == 400
-    warm(service, bodies)
-    before = gathered(service)
-    answers = burst(service, bodies)
-    assert shared(before, gathered(service))
+    answers, before, after = counted_burst(service, bodies)
+    assert shared(before, after), (before, after)
     assert answers.pop(4) == on_its_own
     for n, answer in enumerate(answers):
         check_result(answer, [echo(n, ("echo", "echo2")[n % 2])])
@@ -536,10 +538,7 @@ def test_an_endpoint_request_and_plugin_requests_sent_together_both_answer(servi
     bodies = [score_body([it("remote", "abcd", "r")], first_index=2)]
     bodies += [score_body([echo(n)]) for n in range(6)]
     bodies.append(score_body([echo(9), it("remote", "ab")]))  # an endpoint item: the request is not gathered
-    warm(service, bodies)
-    before = gathered(service)
-    answers = burst(service, bodies)
-    after = gathered(service)
+    answers, before, after = counted_burst(service, bodies)
     assert answers[0][0] == 200 and answers[0][1]["rewards"] == [4.0]
     assert answers[0][1]["verifiers"][0]["kind"] == "endpoint"
     for n in range(6):
@@ -559,10 +558,9 @@ def test_items_slow_only_together_do_not_time_out_when_gathered(service: Service
     for _ in range(3):  # measured cheap: chunks of many items, one at a time, from now on
         assert alone(service, *score_body(cheap))[0] == 200
     bodies = [score_body([it("slow", "", n, seconds=TIMEOUT / 5)], first_index=n) for n in range(8)]
-    warm(service, bodies)
-    before, timeouts = gathered(service), service.metrics().get(SLOW_TIMEOUTS, 0)
-    answers = burst(service, bodies)
-    assert shared(before, gathered(service))
+    timeouts = service.metrics().get(SLOW_TIMEOUTS, 0)
+    answers, before, after = counted_burst(service, bodies)
+    assert shared(before, after), (before, after)
     assert [(status, body.get("rewards")) for status, body in answers] == [(200, [0.5])] * 8, answers
     assert service.metrics().get(SLOW_TIMEOUTS, 0) == timeouts  # no request failed: no failure counted
     # an item over the timeout by itself still gets its own timeout, named by its own index
@@ -581,10 +579,8 @@ def test_a_crashing_worker_fails_its_own_request_only(service: Service) -> None:
     bodies = [score_body([it("crash", str(n), n), it("crash", str(n + 1))], first_index=n) for n in range(8)]
     bodies.insert(5, score_body([it("crash", "9"), it("crash", "crash", "dies")], first_index=50))
     on_its_own = alone(service, *bodies[5])
-    warm(service, bodies)
-    before = gathered(service)
-    answers = burst(service, bodies)
-    assert shared(before, gathered(service))
+    answers, before, after = counted_burst(service, bodies)
+    assert shared(before, after), (before, after)
     status, body = answers.pop(5)
     assert (status, body["error"]["index"], body["error"]["item_id"]) == (422, 51, "dies")
     assert re.sub(r"pid \d+", "pid N", body["error"]["message"]) == re.sub(
@@ -599,10 +595,7 @@ def test_more_items_than_one_batch_takes_are_all_scored_their_own(service: Servi
     wanted = [[echo(n * 1000 + k, ("echo", "echo2")[k % 2], item_id=k) for k in range(256)] for n in range(20)]
     wanted.append([echo(k) for k in range(257)])
     bodies = [score_body(items, first_index=n) for n, items in enumerate(wanted)]
-    warm(service, bodies)
-    before = gathered(service)
-    answers = burst(service, bodies)
-    after = gathered(service)
+    answers, before, after = counted_burst(service, bodies)
     for answer, items in zip(answers, wanted, strict=True):
         check_result(answer, items)
     assert after[0] - before[0] == 20
@@ -692,10 +685,7 @@ def test_five_thousand_one_item_requests_at_once_each_get_their_own(service: Ser
     count = BURST
     wanted = [[echo(n, ("echo", "echo2")[n % 2], item_id=n)] for n in range(count)]
     bodies = [score_body(items, first_index=n) for n, items in enumerate(wanted)]
-    warm(service, bodies)
-    before = gathered(service)
-    answers = burst(service, bodies)
-    after = gathered(service)
+    answers, before, after = counted_burst(service, bodies)
     for answer, items in zip(answers, wanted, strict=True):
         check_result(answer, items)
     assert after[0] - before[0] == count
@@ -710,10 +700,8 @@ def test_a_gathered_requests_reward_sums_are_exact_as_alone(service: Service) ->
     mixed = [echo(100), echo(700, "echo2"), echo(200), echo(300), echo(100, "echo2"), echo(200, "echo2")]
     bodies = [score_body([echo(n)], first_index=n) for n in range(10)]
     bodies[3:3] = [score_body(sums, first_index=3), score_body(mixed)]
-    warm(service, bodies)
-    before = gathered(service)
-    answers = burst(service, bodies)
-    assert shared(before, gathered(service))
+    answers, before, after = counted_burst(service, bodies)
+    assert shared(before, after), (before, after)
     for (status, body), items in zip(answers[3:5], (sums, mixed), strict=True):
         check_result((status, body), items)
         own = [(report["items"], report["reward_sum"]) for report in body["verifiers"]]
