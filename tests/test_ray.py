@@ -132,6 +132,15 @@ def single(space: Workspace, *inputs: Path) -> dict[Any, tuple[float, Any]]:
     return expected
 
 
+def reap(process: subprocess.Popen[str]) -> None:
+    """``process`` killed if it still runs, waited for, and its stderr pipe closed."""
+    if process.poll() is None:
+        process.kill()
+        process.wait(timeout=30)
+    assert process.stderr is not None
+    process.stderr.close()
+
+
 def logged(log: Path) -> Counter[int]:
     return Counter(int(line) for line in log.read_text().split()) if log.exists() else Counter()
 
@@ -214,11 +223,7 @@ def test_the_driver_killed_mid_run_then_resume_gives_every_row_exactly_once(spac
         driver.send_signal(signal.SIGKILL)
         driver.wait(timeout=30)
     finally:
-        if driver.poll() is None:
-            driver.kill()
-            driver.wait(timeout=30)
-        assert driver.stderr is not None
-        driver.stderr.close()
+        reap(driver)
     assert driver.returncode == -signal.SIGKILL
     assert not (outdir / "_SUCCESS").exists()
     before = committed(outdir)
@@ -313,11 +318,7 @@ def test_every_actor_scores_through_one_engine_serve_with_url(space: Workspace, 
         try:
             service.wait(timeout=30)
         finally:
-            if service.poll() is None:
-                service.kill()
-                service.wait(timeout=30)
-            assert service.stderr is not None
-            service.stderr.close()
+            reap(service)
 
 
 # No Ray below: what imports it, how limits are split, and what an input names.
