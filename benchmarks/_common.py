@@ -81,6 +81,23 @@ def wait_for_port(port: int, timeout: float = 10.0) -> None:
     raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout:g} s")
 
 
+@contextlib.contextmanager
+def running(command: list[str], port: int, *, timeout: float = 10.0) -> Iterator[None]:
+    """``command`` in a process of its own while the block runs, once it listens on ``port`` (within ``timeout``
+    seconds); stopped by SIGTERM after, killed if it has not ended 30 s later."""
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_port(port, timeout)
+        yield
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 NGINX_CONF = """\
 worker_processes 1;
 daemon off;
@@ -141,16 +158,8 @@ def reward_server(body: str = REWARD_BODY) -> Iterator[tuple[str, str]]:
             script = Path(tmp, "server.py")
             script.write_text(textwrap.dedent(PYTHON_SERVER.format(body=body)))
             command, name = [sys.executable, str(script), str(port)], "python asyncio server"
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            wait_for_port(port)
+        with running(command, port):
             yield f"http://127.0.0.1:{port}/score", name
-        finally:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
 
 
 def table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -23,20 +23,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
 import httpx
 import orjson
-from _common import free_port, machine, table, wait_for_port, write_env
+from _common import free_port, machine, running, table, write_env
 from prometheus_client.parser import text_string_to_metric_families
 
 import engine
@@ -131,21 +128,6 @@ def item(n: int, environment: str = "cheap") -> dict[str, object]:
     return {"environment": environment, "task": {"reference": str(n % 3)}, "trajectory": "1", "id": n}
 
 
-@contextlib.contextmanager
-def process(command: list[str], port: int) -> Iterator[None]:
-    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        wait_for_port(port, timeout=60)
-        yield
-    finally:
-        child.send_signal(signal.SIGTERM)
-        try:
-            child.wait(30)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-
-
 async def _connection(port: int, request: bytes, count: int, deadline: float) -> int:
     """Send ``request`` ``count`` times on one keep-alive connection, each after the last answer; how many."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -197,7 +179,7 @@ def single_items(config: Path, requests: int, repeat: int) -> list[list[str]]:
     bodies = {"async": orjson.dumps({"items": [item(1, "cheap_async")]})}
     ports = {name: free_port() for name in ("serve", "async", "stub", "httptools", "h11", "hypercorn")}
     serve = [sys.executable, "-m", "engine", "serve", "--config", str(config), "--port", str(ports["serve"])]
-    with tempfile.TemporaryDirectory() as tmp, process(serve, ports["serve"]):
+    with tempfile.TemporaryDirectory() as tmp, running(serve, ports["serve"], timeout=60):
         # the constant is what the service answers one item with, byte for byte
         constant_answer = httpx.post(f"http://127.0.0.1:{ports['serve']}/v1/score", content=body).content
         script = Path(tmp, "constant.py")
@@ -214,7 +196,7 @@ def single_items(config: Path, requests: int, repeat: int) -> list[list[str]]:
         }
         with contextlib.ExitStack() as stack:
             for name, command in stacks.items():
-                stack.enter_context(process(command, ports[name]))
+                stack.enter_context(running(command, ports[name], timeout=60))
             rates: dict[str, list[float]] = {name: [] for name in ports}
             for _ in range(repeat):  # alternating, so that each run's figures share their moment
                 for name, port in ports.items():
@@ -260,7 +242,7 @@ async def _batch(config: Path, url: str, repeat: int) -> list[str]:
 def one_batch(config: Path, repeat: int) -> list[str]:
     port = free_port()
     serve = [sys.executable, "-m", "engine", "serve", "--config", str(config), "--port", str(port)]
-    with process(serve, port):
+    with running(serve, port, timeout=60):
         return anyio.run(_batch, config, f"http://127.0.0.1:{port}", repeat)
 
 
