@@ -723,7 +723,7 @@ async def measured_gatherer(tmp_path: Path, item: dict[str, Any]) -> AsyncIterat
         for _ in range(100):  # scored alone until measured cheap, as the service does
             if gatherer.takes([item], 0):
                 break
-            gatherer.learn(await eng.run([item]))
+            gatherer.scored(await eng.run([item]))
         assert gatherer.takes([item], 0), gatherer.costs
         yield gatherer
 

@@ -188,8 +188,7 @@ class App:
                 try:
                     result = await self.engine.run(items, first_index=first_index)
                 except VerificationError as exc:
-                    self.metrics.failed(exc)
-                    self.gatherer.learn_failure(exc)
+                    self.gatherer.failed(exc)  # the metrics count it; a timeout makes a plugin slow
                     raise
                 finally:
                     watch.cancel()
@@ -197,8 +196,7 @@ class App:
             self.admission.release(count)
         if scope.cancelled_caught:
             raise Gone
-        self.metrics.batch(result)
-        self.gatherer.learn(result)  # a plugin measured cheap has its next requests gathered
+        self.gatherer.scored(result)  # the metrics count it; a plugin measured cheap has its requests gathered
         return result
 
     async def _score(self, scope: Scope, receive: Receive) -> tuple[int, bytes, str]:

@@ -104,6 +104,8 @@ class Gatherer:
     """Gathers small plugin-only requests on one event loop into engine batches.
 
     ``scored`` and ``failed`` are told of each engine batch's result or failure (the service's metrics).
+    The service's batches that are not gathered go through :meth:`scored` and :meth:`failed` too: every
+    batch counted once, and every plugin's batch measured (whether its requests may be gathered).
     """
 
     def __init__(
@@ -159,16 +161,23 @@ class Gatherer:
         """Per plugin (its verifier key), the seconds an item took on its recent batches' mean."""
         return self._costs
 
-    def learn(self, result: BatchResult, means: list[float] | None = None) -> None:
-        """What a batch's plugins took an item (``means``: per report, when known already)."""
+    def scored(self, result: BatchResult, means: list[float] | None = None) -> None:
+        """A batch was scored (gathered or not): told to ``scored`` (the metrics), and what its plugins took an
+        item learnt (``means``: per report, when known already)."""
+        self._scored(result)
         costs = self._costs
         for report, mean in zip(result.verifiers, means or _means(result), strict=True):
             if report.kind == "plugin" and report.items:
                 old = costs.get(report.key)
                 costs[report.key] = mean if old is None else (old + mean) / 2
 
-    def learn_failure(self, exc: VerificationError) -> None:
-        """A batch failed: a timeout makes its verifier slow (until batches measure it again)."""
+    def failed(self, exc: VerificationError) -> None:
+        """A batch failed on a request's item: told to ``failed`` (the metrics), and a timeout makes its plugin
+        slow (until batches measure it again)."""
+        self._failed(exc)
+        self._slow_if_timed_out(exc)
+
+    def _slow_if_timed_out(self, exc: VerificationError) -> None:
         if exc.kind == "plugin" and timed_out(exc):
             self._costs[error_key(exc)] = SLOW
 
@@ -290,9 +299,8 @@ class Gatherer:
             return
         if len(result.rewards) != len(items):  # never pair rewards with the wrong requests
             raise RuntimeError(f"the engine returned {len(result.rewards)} rewards for {len(items)} items")
-        self._scored(result)
         parts = _Parts(result)
-        self.learn(result, parts.mean)
+        self.scored(result, parts.mean)
         waiting = [request for request in requests if not request.future.done()]
         for request in waiting:  # the first still waiting carries the batch's retries, start-up and spending
             request.future.set_result(parts.of(request.start, len(request.items), request is waiting[0]))
@@ -306,11 +314,11 @@ class Gatherer:
             await self._alone(requests)  # the error names no item of the batch: each request learns its own
             return
         if timed_out(exc):  # its time was not its item's alone: a chunk of cheap calls holds others' items too
-            self.learn_failure(exc)  # and its plugin is gathered no more until measured cheap again
+            self._slow_if_timed_out(exc)  # uncounted (no request fails), but its plugin is gathered no more
             await self._alone(requests)
             return
         owner = requests[bisect.bisect_right(starts, place) - 1]
-        self._failed(exc)
+        self.failed(exc)
         own = exc.at_item(exc.environment, owner.first_index + place - owner.start, exc.item_id)
         own.__cause__ = exc.__cause__
         if not owner.future.done():
@@ -330,8 +338,7 @@ class Gatherer:
         try:
             result = await task
         except VerificationError as exc:
-            self._failed(exc)
-            self.learn_failure(exc)
+            self.failed(exc)
             if not request.future.done():
                 request.future.set_exception(exc)
             return
@@ -343,8 +350,7 @@ class Gatherer:
             if not request.future.done():
                 request.future.set_exception(exc)
             return
-        self._scored(result)
-        self.learn(result)
+        self.scored(result)
         if not request.future.done():
             request.future.set_result(result)
 
