@@ -436,8 +436,11 @@ async def test_a_chunk_hanging_on_the_kept_thread_holds_up_no_later_batch(envs: 
 
 async def test_a_chunk_in_line_behind_one_that_hangs_is_refused_once_that_one_is_abandoned(envs: Path) -> None:
     shutil.copytree(envs / "cheap", envs / "hanging")
+    # a timeout of a second: its warm-up's first calls, one at a time in threads, overran half a second on a loaded
+    # machine (two suites at once); the hanging call outlasts it threefold
+    timeout = 1.0
     config = EngineConfig(
-        environments=envs, allow_unpinned=True, refs={"hanging/verify:score": Limits(timeout=0.5, max_abandoned=0)}
+        environments=envs, allow_unpinned=True, refs={"hanging/verify:score": Limits(timeout=timeout, max_abandoned=0)}
     )
     async with engine.Engine(config) as eng:
         assert len(await eng.score([item("hanging", "x", n=n) for n in range(2_000)])) == 2_000  # chunks now
@@ -456,7 +459,7 @@ async def test_a_chunk_in_line_behind_one_that_hangs_is_refused_once_that_one_is
             await eventually(lambda: verifier._chunk_lock.value == 0, message="the hanging chunk never started")
             tg.start_soon(score, "in line", [item("hanging", n=n) for n in range(1, 50)])
     hangs, in_line = outcomes["hangs"], outcomes["in line"]
-    assert isinstance(hangs, VerificationError) and hangs.reason == "timed out after 0.5 s"
+    assert isinstance(hangs, VerificationError) and hangs.reason == f"timed out after {timeout:g} s"
     # it waited for the plugin's thread while the first hung, and was not started once that one was abandoned
     assert isinstance(in_line, VerificationError)
     assert "refusing to start more until they finish (max_abandoned=0)" in in_line.reason
