@@ -135,12 +135,13 @@ async def test_a_malformed_item_inside_a_chunk_is_the_callers_error(config: Engi
 
 
 async def test_a_hanging_call_inside_a_chunk_times_out_naming_its_item(envs: Path) -> None:
-    config = EngineConfig(environments=envs, allow_unpinned=True, refs={KEY: Limits(timeout=0.5)})
+    timeout = 1.0  # a second: the warm-up's first calls, one at a time in threads, may overrun less under load
+    config = EngineConfig(environments=envs, allow_unpinned=True, refs={KEY: Limits(timeout=timeout)})
     async with engine.Engine(config) as eng:
         await warm(eng)
         with pytest.raises(VerificationError) as info:
             await eng.score(batch(at15000={"mode": "hang", "seconds": 3}))
-    assert (info.value.index, info.value.reason) == (15000, "timed out after 0.5 s")
+    assert (info.value.index, info.value.reason) == (15000, f"timed out after {timeout:g} s")
 
 
 async def test_chunks_of_one_plugin_never_run_at_once(envs: Path) -> None:
@@ -405,8 +406,11 @@ async def test_a_chunk_that_waited_while_the_engine_closed_leaves_no_thread(envs
 async def test_a_chunk_hanging_on_the_kept_thread_holds_up_no_later_batch(envs: Path) -> None:
     shutil.copytree(envs / "cheap", envs / "hanging")  # its threads' name is this test's alone
     key = "hanging/verify:score"
-    config = EngineConfig(environments=envs, allow_unpinned=True, refs={key: Limits(timeout=0.3, max_abandoned=1)})
-    release = 2.0  # seconds the hanging calls sleep: well past the timeout
+    # a timeout of a second (the warm-up's first calls, one at a time in threads, may overrun less under load); the
+    # hanging calls sleep until both have timed out and a third batch has been refused, and then some
+    timeout = 1.0
+    config = EngineConfig(environments=envs, allow_unpinned=True, refs={key: Limits(timeout=timeout, max_abandoned=1)})
+    release = 5.0  # seconds the hanging calls sleep: well past two timeouts
 
     def chunk_threads() -> int:
         return sum(t.name == "engine-chunk-hanging" for t in threading.enumerate())
@@ -422,14 +426,15 @@ async def test_a_chunk_hanging_on_the_kept_thread_holds_up_no_later_batch(envs: 
         for abandoned in (1, 2):
             with pytest.raises(VerificationError) as info:
                 await eng.score(hanging())
-            assert (info.value.index, info.value.reason) == (0, "timed out after 0.3 s")
+            assert (info.value.index, info.value.reason) == (0, f"timed out after {timeout:g} s")
             assert verifier._abandoned.count == abandoned
             if abandoned == 1:  # the next batch runs at once, on a thread of its own
                 assert await eng.score([item("hanging", n=n) for n in range(100)]) == expected
                 assert chunk_threads() == 2
         with pytest.raises(VerificationError, match=r"2 of its calls .* \(max_abandoned=1\)"):
             await eng.score([item("hanging", n=n) for n in range(100)])
-        await eventually(lambda: verifier._abandoned.count == 0, message="the hung calls never counted as ended")
+        await eventually(lambda: verifier._abandoned.count == 0, 2 * release,
+                         message="the hung calls never counted as ended")
         assert await eng.score([item("hanging", n=n) for n in range(100)]) == expected
         await eventually(lambda: chunk_threads() == 1, message="the hung chunks' threads did not end")
 
