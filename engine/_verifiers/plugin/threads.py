@@ -225,6 +225,15 @@ class Abandoned:
         return ThreadCall(self)
 
 
+class Interrupted(Exception):
+    """A ``KeyboardInterrupt`` a plugin's code raised in a thread: the plugin's failure, never a Ctrl-C
+    (Python delivers signals to the main thread only), carried to the loop as one."""
+
+    def __init__(self, raised: KeyboardInterrupt) -> None:
+        self.raised = raised
+        super().__init__(raised)
+
+
 class ThreadCall:
     """One call in a thread: counted as abandoned from when its caller gives up until it returns."""
 
@@ -243,6 +252,8 @@ class ThreadCall:
             self._state = "running"
         try:
             return fn(*args)
+        except KeyboardInterrupt as exc:
+            raise Interrupted(exc) from exc
         finally:
             with lock:
                 if self._state == "abandoned":

@@ -55,6 +55,8 @@ import concurrent.futures
 import contextlib
 import functools
 import os
+import signal
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -70,7 +72,7 @@ from engine._environments.manifest import Environment
 from engine._errors import DigestError, Failure
 from engine._verifiers.plugin.importer import PluginLoadError, forget, load_plugin, said
 from engine._verifiers.plugin.pool import WorkerFailure, WorkerPool, default_workers
-from engine._verifiers.plugin.threads import Abandoned, Turns, run_chunk, timed
+from engine._verifiers.plugin.threads import Abandoned, Interrupted, Turns, run_chunk, timed
 from engine._verifiers.plugin.wire import Cost, PluginSpec
 
 __all__ = ["PluginVerifier"]
@@ -92,15 +94,31 @@ MAX_CHUNK = 1 << 18  # items: bounds what one chunk holds (its values and reward
 
 
 def _ours(exc: BaseException) -> bool:
-    """Whether ``exc``, raised where a plugin's code ran, is not the plugin's failure but must pass:
-    ``KeyboardInterrupt``, or the event loop cancelling this task (a timeout, an abort). A
-    ``CancelledError`` the plugin raised itself, while nothing cancels the task, is its failure."""
+    """Whether ``exc``, raised where a plugin's code ran, is not the plugin's failure but must pass: a
+    ``KeyboardInterrupt`` a signal may have raised, or the event loop cancelling this task (a timeout, an
+    abort). A ``CancelledError`` the plugin raised itself, while nothing cancels the task, is its failure."""
     if isinstance(exc, KeyboardInterrupt):
-        return True
+        return _may_be_a_signal()
     if isinstance(exc, asyncio.CancelledError):
         task = asyncio.current_task()
         return task is None or task.cancelling() > 0
     return False
+
+
+def _may_be_a_signal() -> bool:
+    """Whether a ``KeyboardInterrupt`` on this thread may be Ctrl-C's: on the main thread, while SIGINT's handler
+    raises one (Python's own, or asyncio's runner's on a second Ctrl-C). Under any other (``engine serve``'s,
+    the CLI's during a run: they stop the loop instead) it can only be the plugin's own, as in a thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    handler = signal.getsignal(signal.SIGINT)
+    handler = getattr(handler, "func", handler)  # the runner installs a functools.partial of its method
+    return handler is signal.default_int_handler or isinstance(getattr(handler, "__self__", None), asyncio.Runner)
+
+
+def _raised(exc: BaseException) -> BaseException:
+    """What the plugin raised: a ``KeyboardInterrupt`` a thread carried as :class:`Interrupted` is itself."""
+    return exc.raised if isinstance(exc, Interrupted) else exc
 
 
 class PluginVerifier:
@@ -408,7 +426,7 @@ class PluginVerifier:
             except BaseException as exc:  # a plugin's sys.exit(), or any BaseException, must not end the trainer
                 if _ours(exc):
                     raise
-                raise self._fail(f"raised {said(exc)}") from exc
+                raise self._fail(f"raised {said(_raised(exc))}") from _raised(exc)
         assert deadline.cancelled_caught  # the only way here: the block returns or raises otherwise
         doing = " importing the module" if importing else ""
         failure = self._fail(f"timed out after {self.limits.timeout:g} s{doing}")
@@ -465,7 +483,7 @@ class PluginVerifier:
                 except BaseException as exc:  # the call at len(out) raised: SystemExit or any other, but ours
                     if _ours(exc):
                         raise
-                    raise self._fail(f"raised {said(exc)}", len(out)) from exc
+                    raise self._fail(f"raised {said(_raised(exc))}", len(out)) from _raised(exc)
         if deadline.cancelled_caught:
             # the call running at the deadline: the one after the last that returned, as the loop reads it now
             # (a loop that comes late may find a later one; one that finds every call returned blames the last)
