@@ -22,7 +22,7 @@ import httpx
 
 from engine._config import EngineConfig, load_config
 from engine._core import meters
-from engine._core.contract import Verifier
+from engine._core.contract import Verifier, check_first_index
 from engine._core.report import BatchResult
 from engine._core.scheduler import score_batch
 from engine._core.stats import Stats
@@ -173,8 +173,8 @@ class Engine:
         stream a chunk at a time (a backfill, a trainer's micro-batches) passes the chunk's first
         item's place in the stream, and an error names the item where the caller knows it.
         """
-        if type(first_index) is not int or first_index < 0:
-            raise ValueError(f"first_index must be a whole number >= 0, got {first_index!r}")
+        items = items if type(items) is list else list(items)
+        check_first_index(first_index, len(items))
         with self._batch_scope():
             batch = score_batch(items, self._registry.resolver(), self._in_flight, first_index=first_index)
             return await self._stats.counted(batch)

@@ -52,6 +52,7 @@ from engine._config import load_config
 from engine._environments.digest import digest_directory
 from engine._environments.manifest import RUBRIC_REF
 from engine._errors import EngineError, ResumeError, RubricError, VerificationError, WriteError
+from engine._http.headers import token_problem
 from engine._ray.plan import DEFAULT_BLOCK_ROWS
 from engine._serve import limits as _limits
 from engine._verifiers.rubric.registry import RubricRegistry
@@ -420,6 +421,8 @@ def _token(variable: str | None) -> str | None:
     token = os.environ.get(variable)
     if not token:
         _fail(EXIT_BAD_INPUT, f"--token-env {variable}: the variable is not set or empty")
+    if problem := token_problem(token):
+        _fail(EXIT_BAD_INPUT, f"--token-env {variable}: the token {problem}")
     return token
 
 

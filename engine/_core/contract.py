@@ -23,6 +23,7 @@ from engine._reasons import a_or_an
 
 __all__ = [
     "ENV_NAME",
+    "MAX_INDEX",
     "AsyncVerifyFn",
     "BadItem",
     "BadReward",
@@ -34,6 +35,7 @@ __all__ = [
     "Verifier",
     "VerifyFn",
     "as_rewards",
+    "check_first_index",
     "check_item",
     "check_reward",
     "is_async",
@@ -223,6 +225,19 @@ class MalformedItem(Exception):
 # an environment's name: a directory's, with no path separator, no leading dot, at most NAME_MAX (255)
 # bytes, as Linux allows
 ENV_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
+
+
+MAX_INDEX = 2**63 - 1  # the last place an item can have: what int64 holds (Parquet, numpy, every JSON reader)
+
+
+def check_first_index(first_index: Any, count: int) -> None:
+    """``ValueError`` unless ``first_index`` is a whole number >= 0 that leaves every one of ``count`` items a
+    place an int64 holds (a place past it could not be written into an error's ``index``)."""
+    if type(first_index) is not int or first_index < 0:
+        raise ValueError(f"first_index must be a whole number >= 0, got {first_index!r}")
+    if first_index + max(count, 1) - 1 > MAX_INDEX:
+        raise ValueError(f"first_index {first_index} leaves items of this batch of {count} past place {MAX_INDEX} "
+                         "(2**63 - 1), the last an index can hold")
 
 
 def which(index: int, item: Mapping[str, Any]) -> str:

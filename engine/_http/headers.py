@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-__all__ = ["HEADER_VARIABLE", "check_headers", "fill_headers"]
+__all__ = ["HEADER_VARIABLE", "check_headers", "fill_headers", "token_problem"]
 
 HEADER_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")  # ${NAME} in a header's value
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
@@ -67,3 +67,25 @@ def fill_headers(
 
         headers[name] = HEADER_VARIABLE.sub(value, template)
     return headers, secrets
+
+
+def token_problem(token: str) -> str | None:
+    """What keeps ``token`` from being a bearer token as given (``Authorization: Bearer <token>``), or None.
+
+    Printable ASCII without spaces: a token read from a file with its newline, or pasted with a space,
+    would never match the one the other side holds. The words never quote the token.
+    """
+    if not token:
+        return "is empty"
+    for where, char in (("at its end", token[-1]), ("at its start", token[0])):
+        if char.isspace():
+            return f"has {_named(char)} {where}: strip it"
+    bad = next((char for char in token if not "!" <= char <= "~"), None)
+    if bad is not None:
+        return f"holds {_named(bad)}: a token is printable ASCII without spaces"
+    return None
+
+
+def _named(char: str) -> str:
+    names = {"\n": "a newline", "\r": "a carriage return", "\t": "a tab", " ": "a space"}
+    return names.get(char, f"the character U+{ord(char):04X}")

@@ -27,6 +27,7 @@ import anyio
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from engine._core.contract import check_first_index
 from engine._core.report import BatchResult
 from engine._errors import VerificationError
 from engine._remote.wire import INTERNAL, JSON, dump_result, encode_error, error_status
@@ -43,6 +44,7 @@ Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
+STOPPED = "Stopped"  # the kind of error a request still running when the service stops is answered with
 GONE = 499  # the status a request whose client hung up is counted under (nginx's): none was sent
 
 
@@ -55,6 +57,10 @@ class _Refused(Exception):
         self.message = message
         self.headers = headers or []
         super().__init__(message)
+
+    @property
+    def body(self) -> bytes:
+        return orjson.dumps(encode_error(self, kind=self.kind, message=self.message))
 
 
 class App:
@@ -111,13 +117,19 @@ class App:
                     raise _Refused(404, "NotFound", f"no route {method} {path}")
                 status, body, content_type = await route(scope, receive)
             except _Refused as refused:
-                status, content_type, headers = refused.status, JSON, refused.headers
-                body = orjson.dumps(encode_error(refused, kind=refused.kind, message=refused.message))
+                status, body, content_type, headers = refused.status, refused.body, JSON, refused.headers
             except (VerificationError, ValueError, TypeError) as exc:
                 status, body, content_type = error_status(exc), orjson.dumps(encode_error(exc)), JSON
             await _respond(send, status, body, content_type, headers)
         except Gone:
             status = GONE
+        except asyncio.CancelledError:
+            # uvicorn cancels what still runs at --graceful-timeout after SIGTERM: not scored, and said so in the
+            # error's shape (the client asks again after Retry-After), not as uvicorn's 500 and a traceback
+            stopped = _Refused(503, STOPPED, "the service stopped before this batch was scored: send it again",
+                               [(b"retry-after", str(self.config.retry_after).encode())])
+            status = stopped.status
+            await _respond(send, status, stopped.body, JSON, stopped.headers)
         except Exception as exc:  # a bug: answered as one, never as a reward or a verifier's failure
             logger.exception("engine serve: internal error answering %s %s", method, path)
             status = 500
@@ -163,6 +175,7 @@ class App:
     async def _scored(self, items: list[Any], first_index: int, receive: Receive) -> BatchResult:
         """``items`` scored by the engine, admitted first; ``Gone`` if the client hangs up meanwhile."""
         count = len(items)
+        check_first_index(first_index, count)  # up front: a place past int64 could not be named in an error
         if count > self.config.max_items:
             raise _Refused(413, "TooLarge", f"the batch has {count} items, over this service's {self.config.max_items}")
         if not self.admission.admit(count):

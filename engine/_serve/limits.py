@@ -11,6 +11,8 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
+from engine._http.headers import token_problem
+
 __all__ = [
     "DEFAULT_HOST",
     "DEFAULT_PORT",
@@ -70,8 +72,8 @@ class ServeConfig:
                 f"refusing to serve on {self.host}, which is not a loopback address, without a token: "
                 "pass --token-env NAME (the token is read from that variable) or bind 127.0.0.1"
             )
-        if self.token is not None and not self.token:
-            raise ValueError("the token is empty")
+        if self.token is not None and (problem := token_problem(self.token)):
+            raise ValueError(f"the token {problem}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be 0..65535, got {self.port}")
         for name in ("max_items", "max_bytes", "max_queued", "retry_after"):

@@ -15,6 +15,7 @@ import signal
 import threading
 from collections.abc import Iterator
 
+import anyio
 import uvicorn
 
 from engine._config import EngineConfig
@@ -25,6 +26,7 @@ from engine._serve.limits import ServeConfig
 __all__ = ["serve"]
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SETTLE = 5.0  # seconds the requests cancelled at shutdown get to send their 503
 
 
 class _Server(uvicorn.Server):
@@ -78,5 +80,9 @@ async def serve(engine_config: EngineConfig, config: ServeConfig) -> list[int]:
         try:
             await server.serve()
         finally:
+            # requests cancelled at the graceful deadline answer 503 on their way out: let them, briefly
+            with anyio.move_on_after(SETTLE):
+                while server.server_state.tasks:
+                    await anyio.sleep(0.01)
             await app.aclose()
         return server.stopped_by
