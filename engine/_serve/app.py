@@ -21,7 +21,7 @@ import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import orjson
@@ -32,9 +32,13 @@ from engine._core.report import BatchResult
 from engine._errors import VerificationError
 from engine._remote.wire import INTERNAL, JSON, dump_result, encode_error, error_status
 from engine._serve import openrlhf
+from engine._serve.body import TooMany, parse
 from engine._serve.gather import Gatherer, Gone, Scorer, hung_up
 from engine._serve.limits import Admission, ServeConfig
 from engine._serve.metrics import Metrics
+
+if TYPE_CHECKING:
+    from engine._serve.connections import Guard  # uvicorn's: imported by the server only
 
 __all__ = ["App"]
 
@@ -66,9 +70,10 @@ class _Refused(Exception):
 class App:
     """The ASGI application around one open engine."""
 
-    def __init__(self, engine: Scorer, config: ServeConfig) -> None:
+    def __init__(self, engine: Scorer, config: ServeConfig, guard: Guard | None = None) -> None:
         self.engine = engine
         self.config = config
+        self.guard = guard
         self.admission = Admission(config.max_queued)
         self.open_requests = 0
         self.metrics = Metrics(self._gauges, self._counters, lambda: self.gatherer.costs)
@@ -83,13 +88,22 @@ class App:
         self._paths = {path for _, path in self._routes}
 
     def _gauges(self) -> dict[str, tuple[str, float]]:
-        return {
+        gauges: dict[str, tuple[str, float]] = {
             "engine_items_admitted": ("Items admitted across requests, queued or in flight.", self.admission.held),
             "engine_http_requests_in_progress": ("Requests being answered.", self.open_requests),
         }
+        if self.guard is not None:
+            gauges["engine_connections_open"] = ("Connections open.", self.guard.open)
+        return gauges
 
     def _counters(self) -> dict[str, tuple[str, float]]:
-        return {
+        counters: dict[str, tuple[str, float]] = {} if self.guard is None else {
+            "engine_connections_head_timeouts": ("Connections closed for a request head not in within --head-timeout.",
+                                                 self.guard.timed_out),
+            "engine_connections_made_room": ("Connections closed to make room past --max-connections.",
+                                              self.guard.made_room),
+        }
+        return counters | {
             "engine_gathered_batches": ("Engine batches of requests that may share one (a few plugin items).",
                                         self.gatherer.batches),
             "engine_gathered_requests": ("Requests those batches took: more than batches when they shared.",
@@ -151,26 +165,30 @@ class App:
                            [(b"www-authenticate", b"Bearer")])
 
     async def _read(self, scope: Scope, receive: Receive) -> Any:
-        """The request's JSON body, read no further than ``max_bytes``."""
+        """The request's JSON body, read no further than ``max_bytes`` and within ``body_timeout``."""
         limit = self.config.max_bytes
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > limit:
                 raise _Refused(413, "TooLarge", f"the body is {int(value)} bytes, over this service's {limit}")
         chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise Gone
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise _Refused(413, "TooLarge", f"the body is over this service's {limit} bytes")
-            chunks.append(chunk)
-            more = message.get("more_body", False)
+        with anyio.move_on_after(self.config.body_timeout) as deadline:
+            while more:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise Gone
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    raise _Refused(413, "TooLarge", f"the body is over this service's {limit} bytes")
+                chunks.append(chunk)
+                more = message.get("more_body", False)
+        if deadline.cancelled_caught:
+            raise _Refused(408, "Timeout", f"the body was not received within {self.config.body_timeout:g} s "
+                           f"({size} bytes came)", [(b"connection", b"close")])
         try:
-            return orjson.loads(b"".join(chunks))
-        except orjson.JSONDecodeError as exc:
-            raise ValueError(f"the body is not JSON: {exc}") from None
+            return await parse(b"".join(chunks), self.config.max_items)
+        except TooMany as exc:
+            raise _Refused(413, "TooLarge", f"the batch has more than {exc.limit} items, this service's most") from None
 
     async def _scored(self, items: list[Any], first_index: int, receive: Receive) -> BatchResult:
         """``items`` scored by the engine, admitted first; ``Gone`` if the client hangs up meanwhile."""

@@ -9,16 +9,20 @@ then bounds what runs at once of what was admitted.
 from __future__ import annotations
 
 import ipaddress
+import math
+import resource
 from dataclasses import dataclass
 
 from engine._http.headers import token_problem
 
 __all__ = [
+    "BODY_TIMEOUT",
     "DEFAULT_HOST",
     "DEFAULT_PORT",
     "GATHER_CALL",
     "GATHER_ITEMS",
     "GRACEFUL_TIMEOUT",
+    "HEAD_TIMEOUT",
     "MAX_BYTES",
     "MAX_GATHERED",
     "MAX_ITEMS",
@@ -38,6 +42,10 @@ GRACEFUL_TIMEOUT = 60.0  # seconds in-flight batches get to finish after SIGTERM
 RETRY_AFTER = 1  # seconds a saturated service asks a client to wait (Retry-After)
 GATHER_ITEMS = 256  # a request of at most this many plugin items may share an engine batch (engine._serve.gather)
 MAX_GATHERED = 4096  # items one gathered batch takes at most
+HEAD_TIMEOUT = 10.0  # seconds a connection has to send a request's head (line and headers) once it waits for one
+BODY_TIMEOUT = 60.0  # seconds a request has to send its whole body, once its head is in
+MAX_CONNECTIONS = 65_536  # connections at most where the open-file limit sets none
+FILES_KEPT = 256  # open files the service keeps for itself (plugin workers, endpoints' connections, logs)
 GATHER_CALL = 0.01  # seconds an item of a plugin takes, at most, on its recent batches' mean, to be gathered
 
 
@@ -65,6 +73,9 @@ class ServeConfig:
     graceful_timeout: float = GRACEFUL_TIMEOUT
     retry_after: int = RETRY_AFTER
     gather_items: int = GATHER_ITEMS  # 0: no request shares a batch
+    head_timeout: float = HEAD_TIMEOUT
+    body_timeout: float = BODY_TIMEOUT
+    max_connections: int | None = None  # None: as many as the open-file limit leaves (less FILES_KEPT)
 
     def __post_init__(self) -> None:
         if not is_loopback(self.host) and not self.token:
@@ -87,6 +98,21 @@ class ServeConfig:
             raise ValueError(f"gather_items must be a whole number from 0 to {MAX_GATHERED}, got {self.gather_items!r}")
         if not self.graceful_timeout >= 0:
             raise ValueError(f"graceful_timeout must be >= 0 seconds, got {self.graceful_timeout!r}")
+        for name in ("head_timeout", "body_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+        if self.max_connections is not None and (type(self.max_connections) is not int or self.max_connections < 1):
+            raise ValueError(f"max_connections must be a whole number >= 1, got {self.max_connections!r}")
+
+    def connections(self) -> int:
+        """The connections the service keeps open at most: ``max_connections``, within the open-file limit."""
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        room = None if soft == resource.RLIM_INFINITY else max(1, soft - FILES_KEPT)
+        wanted = self.max_connections
+        if wanted is None:
+            return room if room is not None else MAX_CONNECTIONS
+        return wanted if room is None else min(wanted, room)
 
 
 class Admission:

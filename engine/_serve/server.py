@@ -21,6 +21,7 @@ import uvicorn
 from engine._config import EngineConfig
 from engine._engine import Engine
 from engine._serve.app import App
+from engine._serve.connections import Guard
 from engine._serve.limits import ServeConfig
 
 __all__ = ["serve"]
@@ -58,13 +59,14 @@ class _Server(uvicorn.Server):
 async def serve(engine_config: EngineConfig, config: ServeConfig) -> list[int]:
     """Serve until a signal stops the service; the signals that did."""
     async with Engine(engine_config) as engine:
-        app = App(engine, config)
+        guard = Guard(config.head_timeout, config.connections())
+        app = App(engine, config, guard)
         server = _Server(
             uvicorn.Config(
                 app,
                 host=config.host,
                 port=config.port,
-                http="httptools",
+                http=guard.protocol(),  # uvicorn's httptools protocol, under the service's bounds on connections
                 lifespan="off",  # the engine is opened around the server
                 timeout_graceful_shutdown=math.ceil(config.graceful_timeout),  # typed int; whole seconds
                 log_level="info",  # says where it listens, and when it stops
