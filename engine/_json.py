@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
 
-__all__ = ["JSONDecodeError", "dumps", "loads"]
+__all__ = ["EXACT", "JSONDecodeError", "dumps", "loads"]
 
 JSONDecodeError = orjson.JSONDecodeError  # what loads raises, whichever parser found the fault
 # orjson reads an integer outside [-2**63, 2**64) as a float (rounded) and writes none: such an integer has
@@ -21,39 +22,75 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # as orjson refuses it: no float means a number that large
+        raise ValueError(f"{text[:40]} is too large for a float")
+    return value
+
+
+# the standard library's parser: every integer exact, NaN and infinities refused as orjson refuses them
+EXACT = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite)
+
+
+def _wide(data: bytes | str) -> bool:
+    """Whether ``data`` has a run of 19 digits: where an integer orjson would round (or refuse) may stand."""
+    raw = data.encode() if isinstance(data, str) else data
+    return raw.translate(_DIGITS).find(_WIDE) >= 0  # C speed, ~2 ns a byte
+
+
 def loads(data: bytes | str) -> Any:
     """``data`` parsed as orjson does (refusing NaN and infinities), except that wide integers stay exact.
 
     Raises:
         JSONDecodeError: ``data`` is not JSON.
     """
-    value = orjson.loads(data)
-    raw = data.encode() if isinstance(data, str) else data
-    if raw.translate(_DIGITS).find(_WIDE) < 0:  # C speed, ~2 ns a byte: no integer orjson could have rounded
-        return value
-    text = data if isinstance(data, str) else data.decode()  # orjson has read it: valid UTF-8, valid JSON
     try:
-        return json.loads(text, parse_constant=_refuse_constant)
-    except (ValueError, RecursionError) as exc:  # nested deeper than the standard parser goes
-        raise JSONDecodeError(f"cannot be read with its integers exact: {exc}", text, 0) from None
+        value = orjson.loads(data)
+    except JSONDecodeError:
+        if not _wide(data):
+            raise
+    else:
+        if not _wide(data):
+            return value
+    try:  # orjson rounded an integer, or refused one too wide for a float: the standard parser reads it exactly
+        text = data if isinstance(data, str) else data.decode()
+        return EXACT.decode(text)
+    except (ValueError, RecursionError) as exc:  # not JSON after all, or nested deeper than it goes
+        raise JSONDecodeError(f"cannot be read with its integers exact: {exc}", str(data[:100]), 0) from None
 
 
 def dumps(value: Any, default: Callable[[Any], Any] | None = None) -> bytes:
     """``value`` as orjson writes it, or, where it holds an integer orjson cannot write, as exact JSON.
 
     Raises:
-        TypeError: ``value`` holds something JSON cannot represent (``default`` aside).
+        TypeError: ``value`` holds something JSON cannot represent (``default`` aside), NaN and infinities too
+            (orjson would write them as ``null``: another value).
     """
     try:
-        return orjson.dumps(value, default=default)
+        written = orjson.dumps(value, default=default)
     except orjson.JSONEncodeError as exc:
         refused = exc
+    else:
+        if b"null" in written and _holds_non_finite(value):  # a value with no null needs no look
+            raise TypeError("NaN and infinities are not JSON numbers (orjson would write null)")
+        return written
     if not _holds_wide_integer(value):
         raise TypeError(str(refused)) from None
-    try:  # the standard writer, which writes every integer exactly (and refuses NaN, as orjson does)
+    try:  # the standard writer, which writes every integer exactly (and refuses NaN)
         return json.dumps(value, default=default, allow_nan=False, ensure_ascii=False, separators=(",", ":")).encode()
     except (ValueError, RecursionError) as exc:
         raise TypeError(str(exc)) from None
+
+
+def _holds_non_finite(value: Any) -> bool:
+    if isinstance(value, float):  # numpy's float64 too
+        return not math.isfinite(value)
+    if isinstance(value, list | tuple):
+        return any([_holds_non_finite(part) for part in value])
+    if isinstance(value, Mapping):
+        return any([_holds_non_finite(part) for part in value.values()])
+    return False
 
 
 def _holds_wide_integer(value: Any) -> bool:

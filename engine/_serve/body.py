@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import math
 import re
 import time
 from typing import Any
@@ -25,21 +23,6 @@ class TooMany(Exception):
     def __init__(self, limit: int) -> None:
         self.limit = limit
         super().__init__(limit)
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):  # orjson refuses these too: a float that large is no number JSON can mean
-        raise ValueError(f"{text[:40]} is too large for a float")
-    return value
-
-
-# the standard library's scanner (C), one value at a time: integers exact, as engine._json reads them
-_DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite)
 
 
 async def parse(body: bytes, max_items: int) -> Any:
@@ -93,7 +76,7 @@ class _Parser:
         """The value at ``at``: an array a value at a time, anything else whole."""
         if self.text.startswith("[", at):
             return await self._array(at)
-        value, end = _DECODER.raw_decode(self.text, at)
+        value, end = _json.EXACT.raw_decode(self.text, at)
         return value, end
 
     async def _object(self, at: int) -> tuple[dict[str, Any], int]:
@@ -103,7 +86,7 @@ class _Parser:
             return members, at + 1
         while True:
             self._expect(at, '"')
-            key, at = _DECODER.raw_decode(self.text, at)
+            key, at = _json.EXACT.raw_decode(self.text, at)
             self._expect(at := self._skip(at), ":")
             members[key], at = await self._value(self._skip(at + 1))
             if self._expect(at := self._skip(at), ",}") == "}":
@@ -117,7 +100,7 @@ class _Parser:
         if self.text.startswith("]", at):
             return values, at + 1
         while True:
-            value, at = _DECODER.raw_decode(self.text, at)
+            value, at = _json.EXACT.raw_decode(self.text, at)
             append(value)
             if len(values) > self.most:
                 raise TooMany(self.most)
