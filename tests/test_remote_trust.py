@@ -135,7 +135,7 @@ def _set(path: str, value: Any) -> Callable[[dict[str, Any]], object]:
 
 
 MALFORMED = {
-    "verifier_of names no report": (_set("verifier_of", [0, 1, 0]), "verifier_of[1] is 1, not the index of one"),
+    "verifier_of names no report": (_set("verifier_of", [0, 1, 0]), "verifier_of[1] is 1, not the index of one of"),
     "verifier_of a negative index": (_set("verifier_of", [0, -1, 0]), "verifier_of[1] is -1"),
     "verifier_of a bool": (_set("verifier_of", [0, True, 0]), "verifier_of[1] is a bool"),
     "verifier_of a float": (_set("verifier_of", [0, 0.0, 0]), "verifier_of[1] is 0.0"),
