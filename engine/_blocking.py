@@ -12,6 +12,7 @@ from typing import Any, Self
 from engine._config import EngineConfig, load_config
 from engine._core.portal import Blocking
 from engine._engine import Engine
+from engine._remote.client import TIMEOUT as REMOTE_TIMEOUT
 from engine._remote.client import BlockingRemoteEngine
 
 __all__ = ["BlockingEngine"]
@@ -28,9 +29,14 @@ class BlockingEngine(Blocking[Engine]):
         return cls(load_config(path), **kwargs)
 
     @staticmethod
-    def connect(url: str, *, token: str | None = None, **kwargs: Any) -> BlockingRemoteEngine:
-        """The engine served by ``engine serve`` at ``url``, used as this class is (see ``Engine.connect``)."""
-        return BlockingRemoteEngine(url, token=token, **kwargs)
+    def connect(
+        url: str, *, token: str | None = None, timeout: float | None = REMOTE_TIMEOUT, **kwargs: Any
+    ) -> BlockingRemoteEngine:
+        """The engine served by ``engine serve`` at ``url``, used as this class is (see ``Engine.connect``).
+
+        ``timeout``: seconds one request may take to be answered, 600 by default, ``None`` to wait forever.
+        """
+        return BlockingRemoteEngine(url, token=token, timeout=timeout, **kwargs)
 
     @property
     def config(self) -> EngineConfig:

@@ -33,6 +33,7 @@ from engine._http.network import Proxies, Routes, ssl_context
 from engine._http.retry import Sleep
 from engine._http.transport import PoolTransport
 from engine._registry import Registry, Shared
+from engine._remote.client import TIMEOUT as REMOTE_TIMEOUT
 from engine._remote.client import RemoteEngine
 from engine._verifiers.rubric.judge import Judge
 
@@ -82,15 +83,27 @@ class Engine:
         return cls(load_config(path), **kwargs)
 
     @staticmethod
-    def connect(url: str, *, token: str | None = None, **kwargs: Any) -> RemoteEngine:
+    def connect(
+        url: str, *, token: str | None = None, timeout: float | None = REMOTE_TIMEOUT, **kwargs: Any
+    ) -> RemoteEngine:
         """The engine served by ``engine serve`` at ``url``, with this class's ``score`` and ``run``.
 
         Use it as this class is used (``async with Engine.connect("http://127.0.0.1:8000") as eng``):
         the same rewards, reports, provenance and errors, raised here; every client of one service
-        shares its verifiers' limits. ``token`` is the service's bearer token (``--token-env``).
-        ``kwargs``: ``retry_budget`` (seconds a saturated service is asked again), ``sleep``, ``transport``.
+        shares its verifiers' limits. Every answer is checked against the batch sent (one finite float
+        reward per item, well-formed reports): anything else is ``ServiceError``.
+
+        Args:
+            url: The service's ``http://`` or ``https://`` URL.
+            token: The service's bearer token (``--token-env``): printable ASCII without spaces.
+            timeout: Seconds one request may take to be answered (connect, send, receive): 600 (ten
+                minutes) by default, ``None`` to wait forever; past it, ``ServiceError``.
+            kwargs: ``retry_budget`` (seconds a saturated service is asked again), ``sleep``, ``transport``.
+
+        Raises:
+            ValueError: The URL, token or timeout cannot be used (a token's message never holds it).
         """
-        return RemoteEngine(url, token=token, **kwargs)
+        return RemoteEngine(url, token=token, timeout=timeout, **kwargs)
 
     async def __aenter__(self) -> Self:
         if self._client is not None:

@@ -71,7 +71,8 @@ def test_transient_status_carries_status_retry_after_and_body() -> None:
 
 @pytest.mark.parametrize(
     ("value", "seconds"),
-    [("5", 5.0), (" 2.5 ", 2.5), ("0", 0.0), ("-3", 0.0), (None, None), ("soon", None), ("", None)],
+    [("5", 5.0), (" 2.5 ", 2.5), ("0", 0.0), ("-3", 0.0), ("-1", 0.0), (None, None), ("soon", None), ("", None),
+     ("nan", None), ("NaN", None), ("inf", None), ("-inf", None), ("Infinity", None)],  # no number of seconds
 )
 def test_parse_retry_after_seconds_and_garbage(value: str | None, seconds: float | None) -> None:
     assert parse_retry_after(value) == seconds
@@ -152,7 +153,20 @@ async def test_retries_transient_failures_then_succeeds(sleeps: SleepRecorder) -
     assert len(sleeps.calls) == 3
     assert BACKOFF_BASE / 2 <= sleeps.calls[0] <= BACKOFF_BASE
     assert 2 * BACKOFF_BASE / 2 <= sleeps.calls[1] <= 2 * BACKOFF_BASE
-    assert sleeps.calls[2] == 1.5  # Retry-After wins over the backoff
+    assert sleeps.calls[2] == 1.5  # a Retry-After longer than the backoff is waited for as asked
+
+
+@pytest.mark.parametrize("retry_after", ["0", "-1", "nan", "inf", "0.001"])
+async def test_a_retry_after_asking_for_no_wait_is_waited_the_backoff_at_least(
+    sleeps: SleepRecorder, retry_after: str
+) -> None:
+    # wait = max(Retry-After, backoff): a server answering 429 "Retry-After: 0" is not asked again at once
+    operation = Flaky(*(status(code, retry_after) for code in (429, 503, 429, 503, 429)))
+    assert await run(make_retrying(6, 60.0, sleeps), operation) == "done"
+    assert len(sleeps.calls) == 5
+    for attempt, wait in enumerate(sleeps.calls, start=1):
+        step = min(BACKOFF_MAX, BACKOFF_BASE * 2 ** (attempt - 1))
+        assert step / 2 <= wait <= step, (attempt, sleeps.calls)  # the backoff itself: nothing asked for is longer
 
 
 async def test_stops_after_max_attempts(sleeps: SleepRecorder) -> None:

@@ -10,6 +10,7 @@ fails verification (it fails the same way every time).
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -30,6 +31,7 @@ __all__ = [
     "last_failure",
     "make_retrying",
     "parse_retry_after",
+    "wait_before_retry",
 ]
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
@@ -62,14 +64,19 @@ def is_transient(exc: BaseException) -> bool:
 
 
 def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
-    """Seconds to wait from a ``Retry-After`` header (delta-seconds or an HTTP date), or None."""
+    """Seconds to wait from a ``Retry-After`` header (delta-seconds or an HTTP date), or None.
+
+    Never negative (a past date or ``-1`` is 0.0); None for what says no number of seconds (``nan``, ``inf``).
+    """
     if value is None:
         return None
     value = value.strip()
     try:
-        return max(0.0, float(value))
+        seconds = float(value)
     except ValueError:
         pass
+    else:
+        return max(0.0, seconds) if math.isfinite(seconds) else None
     try:
         when = parsedate_to_datetime(value)
     except (TypeError, ValueError):
@@ -85,11 +92,17 @@ def backoff(attempt: int, rng: Callable[[], float] = random.random) -> float:
     return step * (0.5 + 0.5 * rng())
 
 
-def _wait(state: tenacity.RetryCallState) -> float:
+def wait_before_retry(state: tenacity.RetryCallState) -> float:
+    """The wait before the next try: the backoff, or the failed try's ``Retry-After`` if that is longer.
+
+    The one retry driver's wait (``make_retrying``'s, and ``engine serve``'s client's): a server that says
+    ``Retry-After: 0`` is still not asked again at once, which would hammer it as fast as it answers.
+    """
     exc = state.outcome.exception() if state.outcome is not None else None
+    floor = backoff(state.attempt_number)
     if isinstance(exc, TransientStatus) and exc.retry_after is not None:
-        return exc.retry_after
-    return backoff(state.attempt_number)
+        return max(exc.retry_after, floor)
+    return floor
 
 
 def last_failure(exc: tenacity.RetryError) -> BaseException | None:
@@ -120,7 +133,7 @@ def make_retrying(
     origin = time.monotonic() if started is None else started
     return tenacity.AsyncRetrying(
         stop=tenacity.stop_after_attempt(max_attempts) | _StopBefore(deadline, origin),
-        wait=_wait,
+        wait=wait_before_retry,
         retry=tenacity.retry_if_exception(is_transient),
         sleep=sleep,
         reraise=False,

@@ -5,50 +5,71 @@ same reports and provenance, the same ``VerificationError`` (kind, ref, reason, 
 item id) raised here, and ``ValueError``/``TypeError`` with the same message for malformed items.
 What cannot cross: an error's chained ``__cause__`` (its words are in the reason), and items that are
 not JSON (a task holding a set, bytes, an object): ``TypeError`` before anything is sent. A service
-that is saturated (503) is asked again after its ``Retry-After``, within ``retry_budget`` seconds;
-anything else that is not an answer is ``ServiceError``.
+that is saturated (503) is asked again after its ``Retry-After`` (never sooner than the backoff), within
+``retry_budget`` seconds; anything else that is not an answer, an answer that is not one reward per
+item sent, or no answer within ``timeout`` seconds, is ``ServiceError``. No message repeats the token.
 
-Imports nothing above ``engine._core`` (and ``engine._http``'s retry policy): ``engine._engine`` sits above it.
+Imports nothing above ``engine._core`` (but ``engine._http``'s retry policy, and the words and JSON every layer
+shares): ``engine._engine`` sits above it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import Any, Self
 
 import anyio
 import httpx
-import orjson
 import tenacity
 
+from engine import _json as json
 from engine._core.portal import Blocking
 from engine._core.report import BatchResult
 from engine._core.stats import Stats
 from engine._errors import ServiceError
-from engine._http.retry import Sleep, backoff, parse_retry_after
+from engine._http.retry import Sleep, TransientStatus, last_failure, wait_before_retry
+from engine._reasons import Scrubber
 from engine._remote.wire import decode_error, decode_result
 
-__all__ = ["CONNECT_TIMEOUT", "RETRY_BUDGET", "BlockingRemoteEngine", "RemoteEngine"]
+__all__ = ["CONNECT_TIMEOUT", "RETRY_BUDGET", "TIMEOUT", "BlockingRemoteEngine", "RemoteEngine"]
 
 RETRY_BUDGET = 120.0  # seconds a batch keeps asking a saturated service (503) before it gives up
-CONNECT_TIMEOUT = 30.0  # seconds to connect; a batch itself may take as long as its verifiers do
+CONNECT_TIMEOUT = 30.0  # seconds to connect (within the request's own timeout)
+# seconds one request may take to be answered: longer than any sane training step's batch, short of forever
+TIMEOUT = 600.0
 SCORE = "/v1/score"
+_NAMED = {"\n": "a newline", "\r": "a carriage return", "\t": "a tab", " ": "a space"}
 
 
-class _Saturated(Exception):
-    """A 503: the service asks to be asked again after ``retry_after`` seconds."""
+def _check_token(token: str | None) -> None:
+    """``ValueError`` for a token no header can carry; the message says which character, never the token."""
+    if token is None:
+        return
+    if not isinstance(token, str):
+        raise TypeError(f"the token must be a string, got {type(token).__name__}")
+    if not token:
+        raise ValueError("the token is empty")
+    for position, char in enumerate(token):
+        if "\x21" <= char <= "\x7e":
+            continue
+        if char in _NAMED:
+            what = _NAMED[char]
+        elif char <= "\x7f":
+            what = f"a control character (0x{ord(char):02x})"
+        else:
+            what = "a non-ASCII character"
+        where = ("at its start" if position == 0 else "at its end" if position == len(token) - 1
+                 else f"at position {position + 1} of {len(token)}")
+        raise ValueError(f"the token holds {what} {where}: a token is printable ASCII without spaces (0x21-0x7e)")
 
-    def __init__(self, retry_after: float | None) -> None:
-        self.retry_after = retry_after
-        super().__init__(retry_after)
 
-
-def _wait(state: tenacity.RetryCallState) -> float:
-    exc = state.outcome.exception() if state.outcome is not None else None
-    if isinstance(exc, _Saturated) and exc.retry_after is not None:
-        return exc.retry_after
-    return backoff(state.attempt_number)
+def _check_timeout(timeout: float | None) -> None:
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError(f"timeout must be a number of seconds > 0, or None to wait forever; got {timeout!r}")
 
 
 def _jsonable(value: Any) -> Any:
@@ -61,8 +82,18 @@ def _jsonable(value: Any) -> Any:
 class RemoteEngine:
     """An engine served by ``engine serve`` at ``url``; use it as an async context manager.
 
-    ``token`` is sent as ``Authorization: Bearer``. ``sleep`` is what retries wait with (tests inject
-    one that takes no time); ``transport`` replaces httpx's.
+    Args:
+        url: Where the service is (``http://`` or ``https://``).
+        token: Sent as ``Authorization: Bearer``; printable ASCII without spaces (0x21-0x7e).
+        retry_budget: Seconds a saturated service (503) is asked again before ``ServiceError``.
+        timeout: Seconds one request may take to be answered (connect, send the batch, receive the
+            answer): 600 (ten minutes) unless given, ``None`` to wait forever.
+        sleep: What retries wait with (tests inject one that takes no time).
+        transport: Replaces httpx's.
+
+    Raises:
+        ValueError: ``url`` is not HTTP(S), ``token`` cannot be sent (the message never holds it), or
+            ``timeout`` is not a number of seconds > 0 nor None.
     """
 
     def __init__(
@@ -71,15 +102,20 @@ class RemoteEngine:
         *,
         token: str | None = None,
         retry_budget: float = RETRY_BUDGET,
+        timeout: float | None = TIMEOUT,
         sleep: Sleep = anyio.sleep,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"the service's URL must start with http:// or https://, got {url!r}")
+        _check_token(token)
+        _check_timeout(timeout)
         self.url = url.rstrip("/")
         self._headers = {"content-type": "application/json"}
         if token is not None:
             self._headers["authorization"] = f"Bearer {token}"
+        self._scrub = Scrubber([token] if token is not None else [])
+        self._timeout = timeout
         self._retry_budget = retry_budget
         self._sleep = sleep
         self._transport = transport
@@ -91,6 +127,7 @@ class RemoteEngine:
             raise RuntimeError("this engine is already open")
         self._client = httpx.AsyncClient(
             transport=self._transport,
+            # the whole request's timeout is the client's own (one deadline, not httpx's per read)
             timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT),
             trust_env=False,  # the service is named by the caller; no proxy chosen from the environment
         )
@@ -111,14 +148,21 @@ class RemoteEngine:
         """Score a batch on the service, as ``Engine.run`` would in process."""
         if type(first_index) is not int or first_index < 0:
             raise ValueError(f"first_index must be a whole number >= 0, got {first_index!r}")
-        try:
-            body = orjson.dumps({"items": list(items), "first_index": first_index}, default=_jsonable)
-        except orjson.JSONEncodeError as exc:
+        batch = list(items)
+        try:  # every integer exact, a wide one too
+            body = json.dumps({"items": batch, "first_index": first_index}, default=_jsonable)
+        except TypeError as exc:
             raise TypeError(f"the batch cannot be sent to the scoring service: {exc}") from None
-        return await self._stats.counted(self._scored(body))
+        return await self._stats.counted(self._scored(body, len(batch)))
 
-    async def _scored(self, body: bytes) -> BatchResult:
-        return decode_result(orjson.loads(await self._post(SCORE, body)))
+    async def _scored(self, body: bytes, count: int) -> BatchResult:
+        result = decode_result(await self._post(SCORE, body), self.url, self._scrub)
+        if len(result.rewards) != count:  # a reward short or over would shift every one after it in the trainer
+            raise ServiceError(
+                f"the scoring service at {self.url} answered {len(result.rewards)} rewards for {count} items sent",
+                status=200,
+            )
+        return result
 
     def stats(self, *, reset: bool = True) -> dict[str, float]:
         """Like ``Engine.stats``: this client's batches' figures since the last reset (the service's own, over
@@ -132,27 +176,35 @@ class RemoteEngine:
             raise RuntimeError("the engine is not open: use 'async with Engine.connect(url) as eng'")
         retrying = tenacity.AsyncRetrying(
             stop=tenacity.stop_before_delay(self._retry_budget),
-            wait=_wait,
-            retry=tenacity.retry_if_exception_type(_Saturated),
+            wait=wait_before_retry,
+            retry=tenacity.retry_if_exception_type(TransientStatus),  # raised for 503 only
             sleep=self._sleep,
         )
-        url = self.url + path
         try:
             async for attempt in retrying:
                 with attempt:
-                    try:
-                        response = await client.post(url, content=body, headers=self._headers)
-                    except httpx.HTTPError as exc:
-                        raise ServiceError(f"cannot reach the scoring service at {self.url}: {exc!r}") from exc
+                    response = await self._answer(client, self.url + path, body)
                     if response.status_code == 503:
-                        raise _Saturated(parse_retry_after(response.headers.get("retry-after")))
+                        raise TransientStatus(response, self._scrub)
         except tenacity.RetryError as exc:
             raise ServiceError(
                 f"the scoring service at {self.url} stayed saturated (503) for {self._retry_budget:g} s", status=503
-            ) from exc
-        if response.status_code != 200:
-            raise decode_error(response.status_code, response.content, self.url)
+            ) from last_failure(exc)
+        if response.status_code != 200:  # its words become an error's: the token taken out (a stranger may echo it)
+            raise decode_error(response.status_code, self._scrub.body(response.content), self.url)
         return response.content
+
+    async def _answer(self, client: httpx.AsyncClient, url: str, body: bytes) -> httpx.Response:
+        """One request's response, within the timeout; ``ServiceError`` if none came."""
+        try:
+            with anyio.fail_after(self._timeout):
+                return await client.post(url, content=body, headers=self._headers)
+        except TimeoutError:
+            raise ServiceError(
+                f"no answer came within {self._timeout:g} s from the scoring service at {self.url}"
+            ) from None
+        except httpx.HTTPError as exc:
+            raise ServiceError(f"cannot reach the scoring service at {self.url}: {self._scrub(repr(exc))}") from exc
 
 
 class BlockingRemoteEngine(Blocking[RemoteEngine]):
