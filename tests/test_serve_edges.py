@@ -23,6 +23,7 @@ from polling import wait_until
 from test_serve import Service, start_service, stop
 from test_serve_gather import WAIT, plugin
 
+import engine
 from engine._serve.body import SMALL
 
 pytestmark = pytest.mark.timeout(120)
@@ -112,6 +113,19 @@ def test_a_wide_integer_reaches_the_plugin_exactly(service: Service, wanted: str
     response = service.post("/v1/score", body.encode())
     assert response.status_code == 200, response.text
     assert response.json()["rewards"] == [1.0]
+
+
+@pytest.mark.parametrize("wanted", [WIDE, -(2**63) - 1, 10**40])
+async def test_a_wide_integer_crosses_the_client_and_the_service_exactly(service: Service, wanted: int) -> None:
+    async with engine.Engine.connect(service.url, token=TOKEN) as eng:
+        assert await eng.score([item("exact", wanted=wanted)] * 3) == [1.0] * 3
+
+
+async def test_a_nan_in_a_task_is_refused_by_the_client_not_sent_as_null(service: Service) -> None:
+    """orjson writes NaN as null: the plugin would have received None."""
+    async with engine.Engine.connect(service.url, token=TOKEN) as eng:
+        with pytest.raises(TypeError, match="NaN and infinities are not JSON numbers"):
+            await eng.score([item("exact", wanted=float("nan"))])
 
 
 @pytest.mark.parametrize("padding", [0, SMALL], ids=["small body", "large body"])
@@ -315,10 +329,10 @@ def test_a_request_cut_off_at_the_graceful_deadline_is_answered_503_with_retry_a
 
 
 @pytest.mark.parametrize(("token", "said"), [
-    (TOKEN + "\n", "has a newline at its end"),
-    (" " + TOKEN, "has a space at its start"),
-    ("edge token", "holds a space"),
-    ("edge-tökèn", "holds the character U+00F6"),
+    (TOKEN + "\n", "holds a newline at its end"),
+    (" " + TOKEN, "holds a space at its start"),
+    ("edge token", "holds a space at position 5 of 10"),
+    ("edge-tökèn", "holds a non-ASCII character at position 7 of 10"),
 ])
 def test_a_token_that_could_never_match_is_refused_at_start_naming_its_variable(
     tmp_path: Path, token: str, said: str

@@ -70,22 +70,27 @@ def fill_headers(
 
 
 def token_problem(token: str) -> str | None:
-    """What keeps ``token`` from being a bearer token as given (``Authorization: Bearer <token>``), or None.
+    """What keeps ``token`` from being sent as a bearer token (``Authorization: Bearer <token>``), or None.
 
-    Printable ASCII without spaces: a token read from a file with its newline, or pasted with a space,
-    would never match the one the other side holds. The words never quote the token.
+    Printable ASCII without spaces (0x21-0x7e): a token read from a file with its newline, or pasted with
+    a space, would never match the one the other side holds. The words never quote the token, nor any
+    character of it.
     """
     if not token:
         return "is empty"
-    for where, char in (("at its end", token[-1]), ("at its start", token[0])):
-        if char.isspace():
-            return f"has {_named(char)} {where}: strip it"
-    bad = next((char for char in token if not "!" <= char <= "~"), None)
-    if bad is not None:
-        return f"holds {_named(bad)}: a token is printable ASCII without spaces"
+    for position, char in enumerate(token):
+        if "\x21" <= char <= "\x7e":
+            continue
+        if char in _NAMED:
+            what = _NAMED[char]
+        elif char <= "\x7f":
+            what = f"a control character (0x{ord(char):02x})"
+        else:
+            what = "a non-ASCII character"
+        where = ("at its start" if position == 0 else "at its end" if position == len(token) - 1
+                 else f"at position {position + 1} of {len(token)}")
+        return f"holds {what} {where}: a token is printable ASCII without spaces (0x21-0x7e)"
     return None
 
 
-def _named(char: str) -> str:
-    names = {"\n": "a newline", "\r": "a carriage return", "\t": "a tab", " ": "a space"}
-    return names.get(char, f"the character U+{ord(char):04X}")
+_NAMED = {"\n": "a newline", "\r": "a carriage return", "\t": "a tab", " ": "a space"}

@@ -25,10 +25,12 @@ import httpx
 import tenacity
 
 from engine import _json as json
+from engine._core.contract import check_first_index
 from engine._core.portal import Blocking
 from engine._core.report import BatchResult
 from engine._core.stats import Stats
 from engine._errors import ServiceError
+from engine._http.headers import token_problem
 from engine._http.retry import Sleep, TransientStatus, last_failure, wait_before_retry
 from engine._reasons import Scrubber
 from engine._remote.wire import decode_error, decode_result
@@ -40,7 +42,6 @@ CONNECT_TIMEOUT = 30.0  # seconds to connect (within the request's own timeout)
 # seconds one request may take to be answered: longer than any sane training step's batch, short of forever
 TIMEOUT = 600.0
 SCORE = "/v1/score"
-_NAMED = {"\n": "a newline", "\r": "a carriage return", "\t": "a tab", " ": "a space"}
 
 
 def _check_token(token: str | None) -> None:
@@ -49,20 +50,8 @@ def _check_token(token: str | None) -> None:
         return
     if not isinstance(token, str):
         raise TypeError(f"the token must be a string, got {type(token).__name__}")
-    if not token:
-        raise ValueError("the token is empty")
-    for position, char in enumerate(token):
-        if "\x21" <= char <= "\x7e":
-            continue
-        if char in _NAMED:
-            what = _NAMED[char]
-        elif char <= "\x7f":
-            what = f"a control character (0x{ord(char):02x})"
-        else:
-            what = "a non-ASCII character"
-        where = ("at its start" if position == 0 else "at its end" if position == len(token) - 1
-                 else f"at position {position + 1} of {len(token)}")
-        raise ValueError(f"the token holds {what} {where}: a token is printable ASCII without spaces (0x21-0x7e)")
+    if problem := token_problem(token):
+        raise ValueError(f"the token {problem}")
 
 
 def _check_timeout(timeout: float | None) -> None:
@@ -146,9 +135,8 @@ class RemoteEngine:
 
     async def run(self, items: Iterable[Mapping[str, Any]], *, first_index: int = 0) -> BatchResult:
         """Score a batch on the service, as ``Engine.run`` would in process."""
-        if type(first_index) is not int or first_index < 0:
-            raise ValueError(f"first_index must be a whole number >= 0, got {first_index!r}")
         batch = list(items)
+        check_first_index(first_index, len(batch))  # as the engine checks it: one rule, on either side
         try:  # every integer exact, a wide one too
             body = json.dumps({"items": batch, "first_index": first_index}, default=_jsonable)
         except TypeError as exc:
