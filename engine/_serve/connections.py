@@ -13,12 +13,14 @@ __all__ = ["Guard"]
 class Guard:
     """What every connection of one service shares: its bounds, the connections waiting for a head, the counts.
 
-    A connection waits for a head from when it opens, and again after each answer it keeps alive for;
-    one whose head is not in after ``head_timeout`` seconds is closed (a client that sends a line and
-    stops holds nothing for long). Past ``most`` connections open, the one that has waited longest for
-    a head is closed to make room (a slow head, or an idle keep-alive: its client reconnects); while
-    every other connection is being answered, the new one is. No token is needed to open a connection
-    or send a head (the token is read from it): these bounds are what an unauthorised client meets.
+    A connection has ``head_timeout`` seconds for a request's head from when it opens, and from the
+    first byte of each later request: then it is closed (a client that sends a line and stops holds
+    nothing for long). A kept-alive connection idle between requests is uvicorn's keep-alive timeout's
+    to close (5 s): closing it sooner only races its client's next request. Past ``most`` connections
+    open, the one that has waited longest for a head is closed to make room (a slow head, or an idle
+    keep-alive: its client reconnects); while every other connection is being answered, the new one
+    is. No token is needed to open a connection or send a head (the token is read from it): these
+    bounds are what an unauthorised client meets.
     """
 
     def __init__(self, head_timeout: float, most: int) -> None:
@@ -50,6 +52,11 @@ class Guard:
                 self._uncount()
                 super().connection_lost(exc)
 
+            def on_message_begin(self) -> None:
+                super().on_message_begin()
+                if self._head_timer is None:  # a kept-alive connection's next request: its head starts now
+                    self._wait_for_head()
+
             def on_headers_complete(self) -> None:
                 self._stop_waiting()
                 super().on_headers_complete()
@@ -57,12 +64,13 @@ class Guard:
             def on_response_complete(self) -> None:
                 super().on_response_complete()
                 if self.timeout_keep_alive_task is not None:  # kept alive, and nothing pipelined: idle again
-                    self._wait_for_head()
+                    self._wait_for_head(timed=False)  # idle is uvicorn's keep-alive timeout's to end
 
-            def _wait_for_head(self) -> None:
+            def _wait_for_head(self, *, timed: bool = True) -> None:
                 self._stop_waiting()
                 guard.waiting[self] = None
-                self._head_timer = self.loop.call_later(guard.head_timeout, self._head_late)
+                if timed:
+                    self._head_timer = self.loop.call_later(guard.head_timeout, self._head_late)
 
             def _head_late(self) -> None:
                 guard.timed_out += 1
