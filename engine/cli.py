@@ -45,7 +45,8 @@ from rich.text import Text
 
 from engine._backfill.bench import DEFAULT_BATCH_SIZE, bench_file, summarise
 from engine._backfill.checkpoint import Checkpoint, state_path
-from engine._backfill.input import count_rows
+from engine._backfill.files import file_format
+from engine._backfill.input import JSON_TEXT_COLUMNS, count_rows, json_columns
 from engine._backfill.run import DEFAULT_CHUNK_SIZE, RunSummary, score_file
 from engine._check import check_environments
 from engine._config import load_config
@@ -97,6 +98,29 @@ config_option = click.option(
     show_default=True,
     help="The engine's TOML config.",
 )
+
+
+def _json_columns(ctx: click.Context, param: click.Parameter, value: str | None) -> frozenset[str]:
+    try:
+        return json_columns(value.split(",")) if value else frozenset()
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+json_columns_option = click.option(
+    "--json-columns",
+    "json_text",
+    metavar=",".join(JSON_TEXT_COLUMNS),
+    default=None,
+    callback=_json_columns,
+    help="Parquet input: these columns hold JSON text, decoded for the plugin (as are those the file's "
+    "engine.json_columns metadata lists, and a text task); any other text reaches it as text.",
+)
+
+
+def _refuse_json_columns_for_jsonl(input_path: Path, json_text: frozenset[str]) -> None:
+    if json_text and file_format(input_path) == "jsonl":
+        _fail(EXIT_BAD_INPUT, "--json-columns is for Parquet input: a JSON Lines file's values are JSON already")
 
 
 def _fail(code: int, message: str) -> NoReturn:
@@ -359,14 +383,17 @@ def _summary_table(summary: RunSummary) -> Table:
               help="With --ray: actors, one engine each; each verifier's limits are split over them [default: 2].")
 @click.option("--url", default=None, help="With --ray: every actor scores through this `engine serve` instead.")
 @click.option("--token-env", metavar="NAME", default=None, help="With --url: variable holding the service's token.")
+@json_columns_option
 def score(input_path: Path, output: Path, config_path: Path, resume: bool, chunk_size: int | None, on_ray: bool,
-          address: str | None, actors: int | None, url: str | None, token_env: str | None) -> None:
+          address: str | None, actors: int | None, url: str | None, token_env: str | None,
+          json_text: frozenset[str]) -> None:
     """Backfill rewards for a file of stored trajectories (JSON Lines or Parquet)."""
     ray_only = {"--address": address, "--actors": actors, "--url": url, "--token-env": token_env}
     if on_ray:
         _score_on_ray(input_path, output, config_path, resume, chunk_size or DEFAULT_BLOCK_ROWS, address, actors, url,
-                      token_env)
+                      token_env, json_text)
         return
+    _refuse_json_columns_for_jsonl(input_path, json_text)
     chunk_size = chunk_size or DEFAULT_CHUNK_SIZE
     if given := [name for name, value in ray_only.items() if value is not None]:
         _fail(EXIT_BAD_INPUT, f"{', '.join(given)} go(es) with --ray")
@@ -390,6 +417,7 @@ def score(input_path: Path, output: Path, config_path: Path, resume: bool, chunk
                     resume=resume,
                     chunk_size=chunk_size,
                     progress=progress,
+                    json_columns=json_text,
                 ),
                 kept=lambda: _kept(output),
             )
@@ -427,7 +455,8 @@ def _token(variable: str | None) -> str | None:
 
 
 def _score_on_ray(input_path: Path, output: Path, config_path: Path, resume: bool, block_rows: int,
-                  address: str | None, actors: int | None, url: str | None, token_env: str | None) -> None:
+                  address: str | None, actors: int | None, url: str | None, token_env: str | None,
+                  json_text: frozenset[str]) -> None:
     """``engine score --ray``: :func:`engine._ray.run.backfill`, with the single-machine command's errors and exits."""
     from engine._ray.run import DEFAULT_ACTORS, backfill  # Ray itself is imported only once a run starts
 
@@ -437,7 +466,8 @@ def _score_on_ray(input_path: Path, output: Path, config_path: Path, resume: boo
     try:
         with _progress(None) as progress:
             summary = backfill(input_path, output, config, resume=resume, actors=actors or DEFAULT_ACTORS, url=url,
-                               token=token, address=address, block_rows=block_rows, progress=progress)
+                               token=token, address=address, block_rows=block_rows, progress=progress,
+                               json_columns=json_text)
     except KeyboardInterrupt:
         _interrupted(f"; {kept}")
     except WriteError as exc:
@@ -445,6 +475,11 @@ def _score_on_ray(input_path: Path, output: Path, config_path: Path, resume: boo
     if summary.already_complete:
         stdout.print(f"{output} is already complete ({summary.rows:,} rows): nothing to do", soft_wrap=True)
         return
+    if summary.rescored:
+        count = len(summary.rescored)
+        shown = ", ".join(summary.rescored[:5]) + (f" and {count - 5:,} more" if count > 5 else "")
+        stdout.print(f"re-scored {count:,} part{'s' if count > 1 else ''} that {'were' if count > 1 else 'was'} "
+                     f"not whole (cut short or overwritten since committed): {shown}", soft_wrap=True)
     stdout.print(_summary_table(RunSummary(output, summary.rows, summary.resumed_at, summary.verifiers)))
     resumed = f" (resumed at {summary.resumed_at:,} rows committed)" if summary.resumed_at else ""
     stdout.print(f"{summary.rows:,} rewards written to {output} in {summary.blocks:,} parts{resumed}", soft_wrap=True)
@@ -457,12 +492,16 @@ def _score_on_ray(input_path: Path, output: Path, config_path: Path, resume: boo
 @click.option("--batch-size", type=click.IntRange(min=1), default=DEFAULT_BATCH_SIZE, show_default=True,
               help="Rows scored per batch, as a trainer's step would.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON instead of a table.")
-def bench(input_path: Path, config_path: Path, repeat: int, batch_size: int, as_json: bool) -> None:
+@json_columns_option
+def bench(input_path: Path, config_path: Path, repeat: int, batch_size: int, as_json: bool,
+          json_text: frozenset[str]) -> None:
     """Measure each verifier on a file of stored trajectories, writing no rewards."""
+    _refuse_json_columns_for_jsonl(input_path, json_text)
     config = load_config(config_path)
     if not input_path.is_file():
         _fail(EXIT_BAD_INPUT, f"{input_path}: no such input file")
-    runs = _run(lambda: bench_file(input_path=input_path, config=config, repeat=repeat, batch_size=batch_size))
+    runs = _run(lambda: bench_file(input_path=input_path, config=config, repeat=repeat, batch_size=batch_size,
+                                   json_columns=json_text))
     summary = summarise(runs)
     if as_json:
         click.echo(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())

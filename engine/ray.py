@@ -12,8 +12,10 @@ scores through one ``engine serve``, whose own engine holds them whole.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
+from engine._backfill.input import json_columns as columns_of_json
 from engine._config import EngineConfig
 from engine._ray.plan import DEFAULT_BLOCK_ROWS
 from engine._ray.run import DEFAULT_ACTOR_CPUS, DEFAULT_ACTORS, RaySummary, backfill, check_data_options, engine_error
@@ -41,6 +43,7 @@ def score_dataset(
     token: str | None = None,
     actor_cpus: float = DEFAULT_ACTOR_CPUS,
     batch_size: int = DEFAULT_BLOCK_ROWS,
+    json_columns: Collection[str] = (),
     **ray_remote_args: Any,
 ) -> ray.data.Dataset:
     """``dataset`` (columns ``id``, ``environment``, ``task``, ``trajectory``, and any others) with ``reward`` and
@@ -50,8 +53,9 @@ def score_dataset(
     above 0 drops rows; ``actor_task_retry_on_errors`` retries verification errors); its
     ``raise_original_map_exception`` is set, so that the engine's error is not flattened to text. An engine
     error reaches the consumer of the dataset inside Ray's wrapping; :func:`engine_error` finds it
-    there. A bad row's ``InputError`` names its row within its batch. ``ray_remote_args`` go to
-    ``map_batches``.
+    there. A bad row's ``InputError`` names its row within its batch. ``json_columns`` (``task``,
+    ``trajectory``) hold JSON text, as ``engine score --json-columns`` says of a file's (a text
+    ``task`` is decoded anyway; ``ValueError`` for another name). ``ray_remote_args`` go to ``map_batches``.
     """
     import ray.data
 
@@ -62,6 +66,7 @@ def score_dataset(
         raise ValueError(f"actors must be >= 1, got {actors}")
     if config is None and url is None:
         raise ValueError("a config is needed unless every actor scores through an engine serve (url)")
+    listed = sorted(columns_of_json(json_columns))  # ValueError now, not in an actor
     check_data_options(dataset.context)  # the dataset's own copy of the driver's DataContext
     per_actor = None if config is None else absolute(split_limits(config, actors) if url is None else config)
     return dataset.map_batches(
@@ -70,6 +75,6 @@ def score_dataset(
         batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(size=actors),
         num_cpus=actor_cpus,
-        fn_constructor_kwargs={"config": per_actor, "url": url, "token": token},
+        fn_constructor_kwargs={"config": per_actor, "url": url, "token": token, "json_columns": listed},
         **ray_remote_args,
     )

@@ -32,12 +32,12 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 import ray.data
-from cli_support import Workspace, child_env, engine_command, records, write_rows
+from cli_support import Workspace, child_env, copy_env, engine_command, records, write_rows
 from polling import wait_until
 
 import engine
-from engine import VerificationError
-from engine._backfill.parquet import read_records
+from engine import InputError, VerificationError, _json
+from engine._backfill.parquet import JSON_COLUMNS_KEY, read_records
 from engine._ray.actor import split_limits
 from engine._ray.plan import committed, make_plan, resolve_inputs
 from engine._ray.run import NO_PROGRESS_VARIABLE
@@ -274,14 +274,89 @@ def test_score_dataset_adds_reward_and_verifier_and_a_failure_fails_the_dataset(
     assert got == expected
     bad = rows(1_000)
     bad[321]["task"]["fail_unless"] = str(space.root / "never")
-    with pytest.raises(Exception) as raised:
+    with pytest.raises(Exception) as raised:  # Ray makes one struct of every row's task keys: never given as None
         score_dataset(ray.data.from_items(bad), config, actors=2, actor_cpus=0.5, batch_size=250).take_all()
+    error = engine_error(raised.value)
+    assert isinstance(error, InputError) and "task.fail_unless is null in a struct column" in error.reason, raised.value
+    as_text = [{**item, "task": orjson.dumps(item["task"]).decode()} for item in bad]  # each row's own keys
+    with pytest.raises(Exception) as raised:
+        score_dataset(ray.data.from_items(as_text), config, actors=2, actor_cpus=0.5, batch_size=250).take_all()
     error = engine_error(raised.value)
     assert isinstance(error, VerificationError) and error.item_id == "row-00321", raised.value
     dropping = ray.data.from_items(bad)
     dropping.context.max_errored_blocks = 1  # would drop the block of a failing row: refused
     with pytest.raises(ValueError, match="max_errored_blocks"):
         score_dataset(dropping, config)
+
+
+def test_wide_integers_and_text_trajectories_reach_the_plugins_exactly_on_ray(space: Workspace, cluster: str) -> None:
+    """Through the actors as through one process: a task's 2**64 + 1 stays an integer (JSON Lines, Parquet JSON
+    text), and a trajectory is decoded only where --json-columns says so; the plugins score 1.0 only then."""
+    copy_env("wide_int", space.envs)
+    copy_env("exact_trajectory", space.envs)
+    wide = [{"id": f"w{n}", "environment": "wide_int", "task": {"reference": 2**64 + 1}, "trajectory": "t"}
+            for n in range(300)]
+    nested = [{"id": f"x{n}", "environment": "exact_trajectory", "task": {"expected": [{"n": n}, "text"]},
+               "trajectory": [{"n": n}, "text"]} for n in range(300)]
+    indir = space.root / "in"
+    indir.mkdir()
+    (indir / "a.jsonl").write_bytes(b"".join(_json.dumps(item) + b"\n" for item in wide))
+
+    def as_json_text(items: list[dict[str, Any]]) -> pa.Table:
+        return pa.table({key: [_json.dumps(item[key]).decode() if key in ("task", "trajectory") else item[key]
+                               for item in items] for key in ("id", "environment", "task", "trajectory")})
+
+    pq.write_table(as_json_text([{**item, "id": f"p{n}"} for n, item in enumerate(wide)]), indir / "b.parquet",
+                   row_group_size=100)
+    pq.write_table(as_json_text(nested), indir / "c.parquet", row_group_size=100)
+    listed = as_json_text(nested).replace_schema_metadata({JSON_COLUMNS_KEY: b"trajectory"})
+    pq.write_table(listed, space.root / "listed.parquet", row_group_size=100)
+
+    ran = space.score(indir, space.root / "out", "--ray", "--chunk-size", "100", "--json-columns", "trajectory")
+    by_metadata = space.score(space.root / "listed.parquet", space.root / "meta", "--ray", "--chunk-size", "100")
+
+    assert ran.returncode == 0, ran.stderr
+    assert by_metadata.returncode == 0, by_metadata.stderr
+    got = by_id(space.root / "out")
+    assert len(got) == 900 and {reward for reward, _ in got.values()} == {1.0}
+    assert {reward for reward, _ in by_id(space.root / "meta").values()} == {1.0}
+
+
+def test_resume_scores_again_a_part_cut_short_or_overwritten_and_every_part_then_reads(
+    space: Workspace, cluster: str
+) -> None:
+    log = space.root / "calls.log"
+    source = write_rows(space.root / "in.jsonl", rows(800, log=str(log)))
+    outdir = space.root / "out"
+    first = space.score(source, outdir, "--ray", "--chunk-size", "200")
+    assert first.returncode == 0, first.stderr
+    parts = sorted(outdir.glob("part-*.parquet"))
+    assert len(parts) == 4
+    cut, garbage = parts[1], parts[2]
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])  # truncated by hand
+    garbage.write_bytes(b"not a parquet file at all")
+    (outdir / "_SUCCESS").unlink()  # as an interrupted run leaves it
+
+    resumed = space.score(source, outdir, "--ray", "--chunk-size", "200", "--resume")
+
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"re-scored 2 parts that were not whole (cut short or overwritten since committed): {cut.name}, " \
+           f"{garbage.name}" in resumed.stdout
+    for part in sorted(outdir.glob("part-*.parquet")):
+        start, stop = (int(n) for n in part.name.removeprefix("part-").removesuffix(".parquet").split("-"))
+        assert pq.read_table(part).num_rows == stop - start, part.name
+    assert pq.read_table(outdir).num_rows == 800
+    calls = logged(log)
+    assert [calls[n] for n in (0, 200, 400, 600)] == [1, 2, 2, 1]  # only the two broken blocks, again
+    assert by_id(outdir) == single(space, source)
+    assert (outdir / "_SUCCESS").is_file()
+
+    parts[3].write_bytes(parts[3].read_bytes()[:-100])  # after success: the output no longer is complete
+    again = space.score(source, outdir, "--ray", "--chunk-size", "200", "--resume", "--actors", "1")  # one block
+    assert again.returncode == 0, again.stderr
+    assert f"re-scored 1 part that was not whole (cut short or overwritten since committed): {parts[3].name}" \
+        in again.stdout
+    assert pq.read_table(outdir).num_rows == 800 and (outdir / "_SUCCESS").is_file()
 
 
 def free_port() -> int:

@@ -15,6 +15,7 @@ import pytest
 from engine import EngineError, InputError
 from engine._backfill.files import EMPTY_CHECKSUM
 from engine._backfill.input import BATCH_ROWS, Row, open_rows
+from engine._backfill.parquet import JSON_COLUMNS_KEY
 
 TASKS: list[dict[str, Any]] = [{"a": 1, "b": 2}, {"question": "2+2?", "answer": "4"}, {"nested": {"x": [1, 2, 3]}}]
 TRAJECTORIES: list[Any] = [
@@ -47,19 +48,30 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]], *, blank_every: int = 0)
     return path
 
 
-def write_parquet(path: Path, columns: dict[str, list[Any]], *, row_group_size: int | None = None) -> Path:
-    pq.write_table(pa.table(columns), path, row_group_size=row_group_size)
+def write_parquet(
+    path: Path, columns: dict[str, list[Any]], *, row_group_size: int | None = None, json_text: str | None = None
+) -> Path:
+    """``columns`` as Parquet; ``json_text``: the schema metadata ``engine.json_columns`` (the columns of JSON text)."""
+    table = pa.table(columns)
+    if json_text is not None:
+        table = table.replace_schema_metadata({JSON_COLUMNS_KEY: json_text.encode()})
+    pq.write_table(table, path, row_group_size=row_group_size)
     return path
 
 
 def nested_columns(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
-    """Parquet columns: ``task`` a struct; ``trajectory`` text, JSON text for lists and objects (it mixes shapes)."""
+    """Parquet columns: ``task`` a struct; ``trajectory`` JSON text (it mixes shapes), to be listed as such."""
     return {
         "id": [r["id"] for r in rows],
         "environment": [r["environment"] for r in rows],
         "task": [{"i": r["task"]["i"], "label": str(r["task"])} for r in rows],
-        "trajectory": [t if isinstance(t, str) else orjson.dumps(t).decode() for t in (r["trajectory"] for r in rows)],
+        "trajectory": [orjson.dumps(r["trajectory"]).decode() for r in rows],
     }
+
+
+def write_nested(path: Path, rows: list[dict[str, Any]], *, row_group_size: int | None = None) -> Path:
+    """``rows`` as :func:`nested_columns`, the file's metadata listing ``trajectory`` as JSON text."""
+    return write_parquet(path, nested_columns(rows), row_group_size=row_group_size, json_text="trajectory")
 
 
 # --- JSON Lines -------------------------------------------------------------------------------
@@ -173,42 +185,130 @@ def test_parquet_nested_values(tmp_path: Path) -> None:
     assert [r.trajectory for r in got] == trajectories
 
 
-def test_parquet_json_text_rule(tmp_path: Path) -> None:
-    """A string ``task`` is decoded; a string ``trajectory`` only when it is JSON text of an array or object."""
-    trajectories = [
-        '[{"role": "assistant", "content": "4"}]',  # JSON array: decoded
-        '  {"content": "obj"}',  # JSON object after whitespace: decoded
-        "the answer is 4",  # plain text: stays
-        "42",  # JSON, but a number: stays text
-        '"quoted"',  # JSON, but a string: stays text
-        "[not json",  # starts with a bracket, is not JSON: stays text
-    ]
+TEXTS = [
+    '[{"role": "assistant", "content": "4"}]',  # JSON text of an array: a completion in a JSON format, or a list
+    '  {"content": "obj"}',
+    "the answer is 4",
+    "42",
+    '"quoted"',
+]
+
+
+def text_columns(trajectories: list[str], **extra: list[Any]) -> dict[str, list[Any]]:
     n = len(trajectories)
-    path = write_parquet(
-        tmp_path / "in.parquet",
-        {
-            "id": [f"t{i}" for i in range(n)],
-            "environment": ["arith"] * n,
-            "task": [orjson.dumps({"i": i, "deep": {"k": [i]}}).decode() for i in range(n)],
-            "trajectory": trajectories,
-        },
-    )
+    return {
+        "id": [f"t{i}" for i in range(n)],
+        "environment": ["arith"] * n,
+        "task": [orjson.dumps({"i": i, "deep": {"k": [i]}}).decode() for i in range(n)],
+        "trajectory": trajectories,
+        **extra,
+    }
+
+
+def test_parquet_text_stays_text_unless_the_file_or_the_caller_says_it_is_json(tmp_path: Path) -> None:
+    """A text trajectory reaches the plugin as the text it is, as the same JSON Lines row's would: a string that
+    starts with a bracket is not decoded by guess. A text task is decoded: a task can only be an object."""
+    path = write_parquet(tmp_path / "in.parquet", text_columns(TEXTS))
+    same = write_jsonl(tmp_path / "in.jsonl", [
+        {"id": f"t{i}", "environment": "arith", "task": {"i": i, "deep": {"k": [i]}}, "trajectory": text}
+        for i, text in enumerate(TEXTS)
+    ])
+    with open_rows(path) as rows, open_rows(same) as lines:
+        got, expected = list(rows), list(lines)
+    assert [r.trajectory for r in got] == TEXTS
+    assert [(r.id, r.task, r.trajectory) for r in got] == [(r.id, r.task, r.trajectory) for r in expected]
+
+    decoded = [[{"role": "assistant", "content": "4"}], {"content": "obj"}, 42, "quoted"]
+    json_texts = [text for text in TEXTS if text != "the answer is 4"]
+    listed = write_parquet(tmp_path / "listed.parquet", text_columns(json_texts), json_text="trajectory")
+    with open_rows(listed) as rows:  # the file's metadata says so
+        assert [r.trajectory for r in rows] == decoded
+    flagged = write_parquet(tmp_path / "flagged.parquet", text_columns(json_texts))
+    with open_rows(flagged, json_columns={"trajectory"}) as rows:  # the caller says so
+        assert [r.trajectory for r in rows] == decoded
+    with open_rows(path, json_columns={"trajectory"}) as rows:
+        assert [next(rows).trajectory for _ in range(2)] == decoded[:2]
+        with pytest.raises(InputError) as info:
+            next(rows)  # plain text in a column said to hold JSON text
+    assert (info.value.unit, info.value.number) == ("row", 3)
+    assert "'trajectory' is text but not valid JSON" in info.value.reason
+
+
+def test_json_columns_are_task_and_trajectory_only_and_must_be_text(tmp_path: Path) -> None:
+    path = write_parquet(tmp_path / "in.parquet", text_columns(["a"], ignored=[1]))
+    for names in ({"id"}, {"trajectory", "ignored"}, {"verifier"}):
+        with pytest.raises(ValueError, match="task and trajectory only"):
+            open_rows(path, json_columns=names)
+    nested = write_parquet(tmp_path / "nested.parquet", {**text_columns(["a"]), "trajectory": [[1, 2]]})
+    with pytest.raises(InputError) as info:
+        open_rows(nested, json_columns={"trajectory"})
+    assert "--json-columns lists 'trajectory' as JSON text, but the column is list<" in str(info.value)
+    tagged = write_parquet(tmp_path / "tagged.parquet", {**text_columns(["a"]), "trajectory": [[1, 2]]},
+                           json_text="trajectory")
+    with pytest.raises(InputError, match=r"its metadata \(engine.json_columns\) lists 'trajectory'"):
+        open_rows(tagged)
+
+
+def test_a_struct_task_whose_rows_differ_in_keys_is_refused_naming_the_row_and_the_key(tmp_path: Path) -> None:
+    """Arrow gives a struct column every key any row has, None where a row has none: a plugin would get keys
+    of other rows (or lose a JSON null, were they dropped); a null field is refused, naming row and key."""
+    path = write_parquet(tmp_path / "in.parquet", {
+        "id": [1, 2, 3],
+        "environment": ["arith"] * 3,
+        "task": [{"a": 1, "b": {"c": 1}}, {"a": 2, "b": {"c": 2}}, {"a": 3, "b": {"d": "other"}}],
+        "trajectory": ["x"] * 3,
+    })
+    assert pq.read_schema(path).field("task").type.num_fields == 2  # a, and b: struct<c, d>
+    with open_rows(path) as rows, pytest.raises(InputError) as info:
+        next(rows)  # row 1 has no "d": Arrow gives it b.d = null
+    assert (info.value.unit, info.value.number) == ("row", 1)
+    assert "task.b.d is null in a struct column" in info.value.reason
+    assert "store 'task' as JSON text" in info.value.reason
+
+    messages = write_parquet(tmp_path / "messages.parquet", {
+        "id": [1, 2],
+        "environment": ["arith"] * 2,
+        "task": [{"a": 1}, {"a": 2}],
+        "trajectory": [[{"role": "user", "content": "q"}], [{"role": "assistant", "content": "a", "tool": "t"}]],
+    })
+    with open_rows(messages) as rows, pytest.raises(InputError) as info:
+        list(rows)
+    assert info.value.number == 1
+    assert "trajectory[0].tool is null" in info.value.reason and "pass --json-columns trajectory" in info.value.reason
+
+    same = write_parquet(tmp_path / "same.parquet", {  # every row has every key: read exactly
+        "id": [1, 2], "environment": ["arith"] * 2, "task": [{"a": 1, "b": [1]}, {"a": 2, "b": []}],
+        "trajectory": [[{"role": "user", "content": "q"}], []],
+    })
+    with open_rows(same) as rows:
+        assert [(r.task, r.trajectory) for r in rows] == [({"a": 1, "b": [1]}, [{"role": "user", "content": "q"}]),
+                                                          ({"a": 2, "b": []}, [])]
+
+
+def test_integers_wider_than_64_bits_are_read_exactly_in_tasks_and_trajectories(tmp_path: Path) -> None:
+    wide = [2**64 + 1, -(2**63) - 1, 10**39 + 7]
+    base = rows_data(1)[0]
+    path = tmp_path / "in.jsonl"
+    text = orjson.dumps({**base, "task": {"reference": "W"}, "trajectory": ["T"]})
+    path.write_bytes(text.replace(b'"W"', str(wide[0]).encode()).replace(b'"T"', b",".join(
+        str(n).encode() for n in wide)) + b"\n")
     with open_rows(path) as rows:
-        got = list(rows)
-    assert [r.task for r in got] == [{"i": i, "deep": {"k": [i]}} for i in range(n)]
-    assert [r.trajectory for r in got] == [
-        [{"role": "assistant", "content": "4"}],
-        {"content": "obj"},
-        "the answer is 4",
-        "42",
-        '"quoted"',
-        "[not json",
-    ]
+        row = next(rows)
+    assert row.task == {"reference": 2**64 + 1} and type(row.task["reference"]) is int
+    assert row.trajectory == wide
+    parquet = write_parquet(tmp_path / "in.parquet", {
+        "id": ["w"], "environment": ["arith"], "task": ['{"reference": 18446744073709551617}'],
+        "trajectory": [f"[{wide[1]}, {wide[2]}]"],
+    }, json_text="trajectory")
+    with open_rows(parquet) as rows:
+        row = next(rows)
+    assert row.task == {"reference": 2**64 + 1} and type(row.task["reference"]) is int
+    assert row.trajectory == wide[1:]
 
 
 def test_parquet_struct_task_and_text_trajectory_round_trip(tmp_path: Path) -> None:
     data = rows_data(5)
-    path = write_parquet(tmp_path / "in.parquet", nested_columns(data))
+    path = write_nested(tmp_path / "in.parquet", data)
     with open_rows(path) as rows:
         got = list(rows)
     assert [r.trajectory for r in got] == [d["trajectory"] for d in data]
@@ -281,7 +381,7 @@ def test_not_parquet(tmp_path: Path) -> None:
 def test_parquet_across_batches_and_row_groups(tmp_path: Path) -> None:
     n = BATCH_ROWS * 2 + 37
     data = rows_data(n)
-    path = write_parquet(tmp_path / "in.parquet", nested_columns(data), row_group_size=700)
+    path = write_nested(tmp_path / "in.parquet", data, row_group_size=700)
     with open_rows(path, start=BATCH_ROWS + 5) as rows:
         assert rows.rows_read == BATCH_ROWS + 5
         got = list(rows)
@@ -381,7 +481,7 @@ def test_checksum_is_stable_and_changes_with_a_read_row(tmp_path: Path, fmt: str
     def write(name: str, rows: list[dict[str, Any]], row_group_size: int | None = None) -> Path:
         if fmt == "jsonl":
             return write_jsonl(tmp_path / f"{name}.jsonl", rows)
-        return write_parquet(tmp_path / f"{name}.parquet", nested_columns(rows), row_group_size=row_group_size)
+        return write_nested(tmp_path / f"{name}.parquet", rows, row_group_size=row_group_size)
 
     original = write("a", data)
     first = checksums(original, 8)

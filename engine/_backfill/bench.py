@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from time import perf_counter
@@ -87,15 +88,17 @@ async def bench_file(
     repeat: int = 1,
     batch_size: int = DEFAULT_BATCH_SIZE,
     transport: httpx.AsyncBaseTransport | None = None,
+    json_columns: Collection[str] = (),
 ) -> list[BenchRun]:
-    """Score ``input_path`` ``repeat`` times on one engine (imports and connections are kept)."""
+    """Score ``input_path`` ``repeat`` times on one engine (imports and connections are kept); ``json_columns``: its
+    Parquet columns holding JSON text (:func:`engine._backfill.input.open_rows`)."""
     if repeat < 1 or batch_size < 1:
         raise ValueError(f"repeat and batch_size must be >= 1, got {repeat} and {batch_size}")
     runs: list[BenchRun] = []
     async with Engine(config, transport=transport) as engine:
         for _ in range(repeat):
             run, started = BenchRun(0, 0.0, 0.0, {}), perf_counter()
-            with open_rows(input_path) as rows:
+            with open_rows(input_path, json_columns=json_columns) as rows:
                 await score_chunks(engine, rows, batch_size, run.verifiers, run.add)
             run.seconds = perf_counter() - started
             for measured in run.measured.values():

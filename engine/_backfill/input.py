@@ -1,41 +1,14 @@
 """A backfill's input: stored trajectories, read as a stream, validated and checksummed (``engine score``, ``bench``).
 
-An input file holds one row per rollout with the fields ``id``, ``environment``, ``task`` and
-``trajectory``. Two formats are read, chosen by the file's extension:
-
-* JSON Lines (``.jsonl``, ``.ndjson``, ``.json-lines``): one JSON object a line. Blank lines are
-  skipped but still counted, so a row's number is its line number in an editor.
-* Parquet (``.parquet``): the same four columns, read in batches of :data:`BATCH_ROWS` rows; other
-  columns are ignored. A row's number is its 1-based position in the file. Because Parquet tables
-  are often written from data frames that hold nested values as text, ``task`` and
-  ``trajectory`` may each be nested values (struct, list) or JSON text:
-
-  - a ``task`` that is a string is always decoded as JSON (a task must be an object);
-  - a ``trajectory`` that is a string is decoded only if it is JSON text of an array or an object;
-    any other string (plain text, ``"42"``) stays the string it is, since a bare string is a
-    legitimate trajectory.
-
-  In JSON Lines no such decoding happens: the values are already JSON.
-
-Memory stays flat whatever the file's size: JSON Lines is read one line at a time, Parquet one
-batch at a time, and only the current row (or batch) is ever held.
-
-**Checksum.** A resumed run must refuse an input that changed under it, so the reader keeps a
-running sha256 of what it has consumed; :meth:`RowReader.checksum` is that digest through the
-rows read so far. For JSON Lines it is the sha256 of the file's bytes up to the end of the last
-row's line (blank lines before it included, blank lines after it not): reading on to the end of
-the file, as the last short chunk does, must not change it, since a resume skipping those rows
-stops right after the last one. For Parquet, whose
-bytes depend on the writer, it is the sha256 of the rows' values: each row's four values, as read
-and before any JSON-text decoding, encoded as one orjson array.
+What each column may hold in JSON Lines and in Parquet, and what a plugin receives from it, is one
+table in the README (section "Input"). Memory stays flat: one line, or one Parquet batch, at a time.
+:meth:`RowReader.checksum` lets a resume refuse an input that changed (see its docstring).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -45,17 +18,46 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from engine import _json
 from engine._backfill.files import Closing, checksum, file_format, unsupported
+from engine._backfill.parquet import JSON_COLUMNS_KEY
 from engine._errors import InputError
 
-__all__ = ["BATCH_ROWS", "COUNT_BLOCK", "FIELDS", "Row", "RowReader", "count_rows", "open_rows"]
+__all__ = [
+    "BATCH_ROWS",
+    "COUNT_BLOCK",
+    "FIELDS",
+    "JSON_TEXT_COLUMNS",
+    "Row",
+    "RowReader",
+    "count_rows",
+    "json_columns",
+    "open_rows",
+]
 
 FIELDS: tuple[str, ...] = ("id", "environment", "task", "trajectory")
+JSON_TEXT_COLUMNS: tuple[str, ...] = ("task", "trajectory")  # what a caller may say a Parquet file holds as JSON text
 BATCH_ROWS = 1024  # Parquet rows decoded at once: small enough to keep memory flat, big enough to be fast
 COUNT_BLOCK = 1 << 20  # bytes read at a time to count a JSON Lines file's lines
 
 Unit = Literal["line", "row"]
 UNITS: dict[str, Unit] = {"jsonl": "line", "parquet": "row"}  # what a row's number counts, per format
+_WIDEST = (-(2**63), 2**64)  # the integers an output can hold (orjson writes them; int64 or JSON text in Parquet)
+
+
+def json_columns(names: Iterable[str]) -> frozenset[str]:
+    """``names`` as the columns a Parquet input holds as JSON text, checked (``--json-columns``).
+
+    Raises:
+        ValueError: a name is not one of :data:`JSON_TEXT_COLUMNS`.
+    """
+    chosen = frozenset(name.strip() for name in names)
+    unknown = sorted(chosen - set(JSON_TEXT_COLUMNS))
+    if unknown:
+        raise ValueError(
+            f"JSON text columns can be {' and '.join(JSON_TEXT_COLUMNS)} only, not {', '.join(map(repr, unknown))}"
+        )
+    return chosen
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,15 +79,17 @@ class RowReader(Closing):
     """An iterator of :class:`Row` over one input file; use :func:`open_rows` to get one.
 
     It is also a context manager that closes the file. ``rows_read`` counts the rows consumed so
-    far, skipped ones included; :meth:`checksum` covers exactly those rows.
+    far, skipped ones included; :meth:`checksum` covers exactly those rows. ``json_columns``
+    (:func:`json_columns`) names Parquet columns holding JSON text besides those the file's
+    metadata names; JSON Lines values are JSON already and are never decoded.
     """
 
     _raw: Iterator[tuple[int, Any]]
 
-    def __init__(self, path: Path, *, start: int = 0) -> None:
+    def __init__(self, path: Path, *, start: int = 0, json_columns: Collection[str] = ()) -> None:
         if isinstance(start, bool) or not isinstance(start, int) or start < 0:
             raise ValueError(f"start must be a whole number >= 0, got {start!r}")
-        self._empty(path)
+        self._empty(path, json_columns)
         try:
             self._raw = self._open_jsonl() if self.unit == "line" else self._open_parquet()
             # Skipping happens now, not on the first next(), so checksum() covers the skipped rows
@@ -96,11 +100,14 @@ class RowReader(Closing):
             self.close()
             raise
 
-    def _empty(self, path: Path) -> None:
+    def _empty(self, path: Path, listed: Collection[str]) -> None:
         """Set up a reader of ``path`` that has read nothing and opened nothing."""
         fmt = file_format(path)
         if fmt is None:
             raise InputError(path, unsupported(path))
+        self._listed = json_columns(listed)
+        self._decoded: frozenset[str] = frozenset()  # the columns read as JSON text (Parquet: see use_schema)
+        self._structs: dict[str, pa.DataType] = {}  # the columns holding a struct, each with its type
         self.unit: Unit = UNITS[fmt]
         self.path = path
         self.rows_read = 0
@@ -111,16 +118,46 @@ class RowReader(Closing):
         self._raw = iter(())
 
     @classmethod
-    def done(cls, path: str | Path, rows_read: int) -> RowReader:
+    def done(cls, path: str | Path, rows_read: int, *, json_columns: Collection[str] = ()) -> RowReader:
         """A reader past the last of ``rows_read`` rows that never opens ``path``: nothing is left to read.
 
         For a run that had already finished: completing its cleanup must not need the input, which
-        may have been edited or moved since. Its :meth:`checksum` covers nothing.
+        may have been edited or moved since. Its :meth:`checksum` covers nothing. The Ray actors
+        use one to check rows they read themselves (:meth:`use_schema` first, for Parquet's).
         """
         reader = cls.__new__(cls)
-        reader._empty(Path(path))
+        reader._empty(Path(path), json_columns)
         reader.rows_read = rows_read
         return reader
+
+    def use_schema(self, schema: pa.Schema) -> None:
+        """Read Parquet rows of ``schema`` from now on: which columns are JSON text, which hold structs.
+
+        A column is JSON text if the schema's metadata (``engine.json_columns``) or ``json_columns``
+        lists it, or if it is a text ``task`` (a task must be an object: text can only be JSON).
+
+        Raises:
+            InputError: a column is missing, or one listed as JSON text is not text.
+        """
+        names = set(schema.names)
+        missing = [name for name in FIELDS if name not in names]
+        if missing:
+            raise InputError(self.path, f"missing column(s) {', '.join(map(repr, missing))} (a row needs {FIELDS})")
+        in_file = set((schema.metadata or {}).get(JSON_COLUMNS_KEY, b"").decode(errors="replace").split(","))
+        decoded: set[str] = set()
+        self._structs = {}
+        for name in FIELDS:
+            kind = schema.field(name).type
+            if name in in_file or name in self._listed:
+                if not _is_text(kind):
+                    whence = f"its metadata ({JSON_COLUMNS_KEY.decode()})" if name in in_file else "--json-columns"
+                    raise InputError(self.path, f"{whence} lists {name!r} as JSON text, but the column is {kind}")
+                decoded.add(name)
+            elif name == "task" and _is_text(kind):
+                decoded.add(name)
+            elif _holds_struct(kind):
+                self._structs[name] = kind
+        self._decoded = frozenset(decoded)
 
     def _fail(self, number: int, reason: str) -> InputError:
         return InputError(self.path, reason, unit=self.unit, number=number)
@@ -152,10 +189,9 @@ class RowReader(Closing):
             self._parquet = pq.ParquetFile(self.path)
         except (OSError, pa.ArrowException) as exc:
             raise InputError(self.path, f"cannot read as Parquet: {exc}") from exc
-        names = set(self._parquet.schema_arrow.names)
-        missing = [name for name in FIELDS if name not in names]
-        if missing:
-            raise InputError(self.path, f"missing column(s) {', '.join(map(repr, missing))} (a row needs {FIELDS})")
+        self.use_schema(self._parquet.schema_arrow)
+        if also := ",".join(sorted(self._decoded - {"task"})):  # a resume decoding otherwise reads other rows
+            self._hash.update(f"json_columns:{also}\n".encode())
         return self._parquet_rows(self._parquet)
 
     def _parquet_rows(self, file: pq.ParquetFile) -> Iterator[tuple[int, Any]]:
@@ -167,8 +203,8 @@ class RowReader(Closing):
                 for values in zip(*columns, strict=True):
                     number += 1
                     try:
-                        self._hash.update(orjson.dumps(values))
-                    except orjson.JSONEncodeError as exc:
+                        self._hash.update(_json.dumps(values))
+                    except TypeError as exc:
                         raise self._fail(number, f"holds a value JSON cannot represent: {exc}") from exc
                     self.rows_read += 1
                     yield number, values
@@ -178,8 +214,8 @@ class RowReader(Closing):
     def _decode(self, number: int, raw: Any) -> Row:
         if self.unit == "line":
             try:
-                data = orjson.loads(raw)
-            except orjson.JSONDecodeError as exc:
+                data = _json.loads(raw)  # every integer exact: a task's 2**64 + 1 reaches the plugin as it is
+            except _json.JSONDecodeError as exc:
                 raise self._fail(number, _invalid_json(raw, number, exc)) from None
             if not isinstance(data, dict):
                 raise self._fail(number, f"must be a JSON object, got {type(data).__name__}")
@@ -187,33 +223,59 @@ class RowReader(Closing):
             if missing:
                 raise self._fail(number, f"missing field(s) {', '.join(map(repr, missing))} (a row needs {FIELDS})")
             row_id, environment, task, trajectory = (data[name] for name in FIELDS)
-            if not isinstance(row_id, str | int | None):  # a float, a list or an object: rare, and checked
-                try:
-                    orjson.dumps({"id": row_id})  # as the output's record will hold it
-                except orjson.JSONEncodeError as exc:  # nested deeper than orjson writes (and _has_float recurses)
-                    raise self._fail(number, f"'id' cannot be written to the output as JSON: {exc}") from None
-                if _has_float(row_id) and (exact := _rounded(raw, row_id)):
-                    what = "an integer id" if isinstance(row_id, float) else "an integer in an id"
-                    reason = f"'id' {_id_text(exact[0])}: {what} must fit in 64 bits; write it as a string"
-                    raise self._fail(number, reason)
         else:
+            if self._decoded or self._structs:
+                raw = [self._stored(number, name, value) for name, value in zip(FIELDS, raw, strict=True)]
             row_id, environment, task, trajectory = raw
-            if isinstance(task, str):
-                try:
-                    task = orjson.loads(task)
-                except orjson.JSONDecodeError as exc:
-                    raise self._fail(number, f"'task' is text but not valid JSON: {exc}") from None
-            if isinstance(trajectory, str) and trajectory.lstrip()[:1] in ("[", "{"):
-                with contextlib.suppress(orjson.JSONDecodeError):  # text that merely starts with a bracket stays text
-                    trajectory = orjson.loads(trajectory)
+        if not (row_id is None or isinstance(row_id, str) or (type(row_id) is int and _fits(row_id))):
+            self._check_id(number, row_id)
         if not isinstance(environment, str) or not environment:
             raise self._fail(number, f"'environment' must be an environment's name, got {environment!r}")
         if not isinstance(task, dict):
             raise self._fail(number, f"'task' must be an object, got {type(task).__name__}")
         return Row(number=number, id=row_id, environment=environment, task=task, trajectory=trajectory)
 
+    def _stored(self, number: int, name: str, value: Any) -> Any:
+        """Column ``name``'s ``value`` in a Parquet row: decoded if the column is JSON text, refused if it is a
+        struct (at any depth) with a null field, which may be a key only other rows have."""
+        if name in self._decoded:
+            if value is None:
+                return None
+            try:
+                return _json.loads(value)
+            except _json.JSONDecodeError as exc:
+                raise self._fail(number, f"{name!r} is text but not valid JSON: {exc}") from None
+        kind = self._structs.get(name)
+        if kind is not None and (where := _null_field(kind, value, name)) is not None:
+            store = "as JSON text" if name == "task" else f"as JSON text and pass --json-columns {name}"
+            raise self._fail(
+                number,
+                f"{where} is null in a struct column: Arrow gives a struct every key any row has, null where a row "
+                f"has none, so a key this row lacks cannot be told from one holding null; store {name!r} {store}",
+            )
+        return value
+
+    def _check_id(self, number: int, row_id: Any) -> None:
+        """Refuse an id the output cannot hold as it is: an integer outside 64 bits (in it, at any depth), or one
+        nested deeper than orjson writes."""
+        wide = _wide_integer(row_id)
+        if wide is not None:
+            what = "an integer id" if wide is row_id else "an integer in an id"  # shown exactly, as it was written
+            raise self._fail(number, f"'id' {_id_text(row_id)}: {what} must fit in 64 bits; write it as a string")
+        try:
+            orjson.dumps({"id": row_id})  # as the output's record will hold it
+        except orjson.JSONEncodeError as exc:
+            raise self._fail(number, f"'id' cannot be written to the output as JSON: {exc}") from None
+
     def checksum(self) -> str:
-        """``sha256:<hex>`` of the rows consumed so far (see the module docstring)."""
+        """``sha256:<hex>`` of the rows consumed so far, which a resume compares with its state.
+
+        JSON Lines: the file's bytes up to the end of the last row's line (blank lines before it
+        included, after it not: reading on to the end of the file, as the last short chunk does,
+        must leave what a resume skipping those rows finds). Parquet, whose bytes depend on the
+        writer: each row's four values as stored (before any decoding), each as a JSON array, after
+        the names of the columns decoded besides ``task``, if any (a resume decoding others is refused).
+        """
         done = self._hash if self._through_last_row is None else self._through_last_row
         return checksum(done)
 
@@ -233,41 +295,60 @@ class RowReader(Closing):
             self._parquet.close()
 
 
-def _has_float(value: Any) -> bool:
-    """Whether ``value`` is a float or holds one (in a list or an object, at any depth)."""
-    if isinstance(value, float):
+def _fits(value: int) -> bool:
+    return _WIDEST[0] <= value < _WIDEST[1]
+
+
+def _is_text(kind: pa.DataType) -> bool:
+    if pa.types.is_dictionary(kind):  # a data frame's categorical column
+        kind = kind.value_type
+    return bool(pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind))
+
+
+def _list_item(kind: pa.DataType) -> pa.DataType | None:
+    """The item type of a list type; None for any other type."""
+    lists = (pa.types.is_list, pa.types.is_large_list, pa.types.is_fixed_size_list, pa.types.is_list_view,
+             pa.types.is_large_list_view)
+    item: pa.DataType | None = kind.value_type if any(test(kind) for test in lists) else None  # type: ignore[attr-defined]
+    return item
+
+
+def _holds_struct(kind: pa.DataType) -> bool:
+    if pa.types.is_struct(kind):
         return True
-    if isinstance(value, list):
-        return any(map(_has_float, value))
-    if isinstance(value, dict):
-        return any(map(_has_float, value.values()))
-    return False
+    item = _list_item(kind)
+    return item is not None and _holds_struct(item)
 
 
-def _rounded(line: bytes, row_id: Any) -> tuple[Any] | None:
-    """``(the id as written,)`` if orjson rounded an integer in ``row_id``, the row's id as it read it; else None.
-
-    orjson reads integers from -2**63 to 2**64 - 1 exactly and any other as a float: two different
-    wider ids (or ids holding one, as a list or an object can) could then be written as one. The
-    standard parser keeps every integer exactly, so where the two read the id differently, one was
-    rounded; it runs only for ids holding a float, which are rare.
-    """
-    try:
-        exact = json.loads(line).get("id")
-    except (ValueError, RecursionError):
+def _null_field(kind: pa.DataType, value: Any, where: str) -> str | None:
+    """Where in ``value``, of Arrow type ``kind``, a struct's field is null (``task.a[2].b``); None if nowhere."""
+    if value is None:
         return None
-    return None if _same(exact, row_id) else (exact,)
+    if pa.types.is_struct(kind):
+        for field in kind:
+            inner = value.get(field.name)
+            if inner is None:
+                return f"{where}.{field.name}"
+            if (found := _null_field(field.type, inner, f"{where}.{field.name}")) is not None:
+                return found
+        return None
+    item = _list_item(kind)
+    if item is not None and _holds_struct(item):
+        for index, inner in enumerate(value):
+            if (found := _null_field(item, inner, f"{where}[{index}]")) is not None:
+                return found
+    return None
 
 
-def _same(a: Any, b: Any) -> bool:
-    """Whether two parsed JSON values are the same, types included (2**64 and its float are equal numbers)."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, list):
-        return len(a) == len(b) and all(map(_same, a, b))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[key], b[key]) for key in a)
-    return bool(a == b)
+def _wide_integer(value: Any) -> int | None:
+    """The first integer in ``value`` (itself, or in a list or an object at any depth) an output cannot hold."""
+    if type(value) is int:
+        return None if _fits(value) else value
+    parts = value if isinstance(value, list) else value.values() if isinstance(value, dict) else ()
+    for part in parts:
+        if (found := _wide_integer(part)) is not None:
+            return found
+    return None
 
 
 def _id_text(row_id: Any) -> str:
@@ -275,7 +356,7 @@ def _id_text(row_id: Any) -> str:
     return text if len(text) <= 40 else f"{text[:20]}...{text[-10:]}"
 
 
-def _invalid_json(line: bytes, number: int, exc: orjson.JSONDecodeError) -> str:
+def _invalid_json(line: bytes, number: int, exc: _json.JSONDecodeError) -> str:
     """Why a line is not JSON; for bytes that are not UTF-8, where (orjson's own message says "surrogates")."""
     try:
         line.decode("utf-8")
@@ -287,15 +368,16 @@ def _invalid_json(line: bytes, number: int, exc: orjson.JSONDecodeError) -> str:
     return f"invalid JSON: {exc}"
 
 
-def open_rows(path: str | Path, *, start: int = 0) -> RowReader:
+def open_rows(path: str | Path, *, start: int = 0, json_columns: Collection[str] = ()) -> RowReader:
     """A :class:`RowReader` over ``path``, after skipping its first ``start`` rows.
 
     Skipped rows are not validated (a resumed run validated them the first time) but are read
     and hashed, so :meth:`RowReader.checksum` covers them. If the file has fewer than ``start``
     rows, ``rows_read`` says how many it had. Raises :class:`InputError` for an unsupported
-    extension or an unreadable file, and on iteration for a bad row.
+    extension or an unreadable file, and on iteration for a bad row. ``json_columns``: see
+    :class:`RowReader` (``ValueError`` for a name that is not one of :data:`JSON_TEXT_COLUMNS`).
     """
-    return RowReader(Path(path), start=start)
+    return RowReader(Path(path), start=start, json_columns=json_columns)
 
 
 def count_rows(path: Path) -> int | None:

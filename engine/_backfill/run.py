@@ -16,7 +16,7 @@ stopped after its output was complete, while cleaning up, only completes the cle
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -60,7 +60,7 @@ class RunSummary:
 
 @contextlib.contextmanager
 def open_run(
-    input_path: str | Path, output: str | Path, *, resume: bool = False
+    input_path: str | Path, output: str | Path, *, resume: bool = False, json_columns: Collection[str] = ()
 ) -> Iterator[tuple[RowReader, RewardWriter]]:
     """The rows still to score and the writer of their rewards, checked against each other.
 
@@ -70,7 +70,8 @@ def open_run(
     (``writer.already_finished``), the reader has nothing left to read and the input is not
     opened. Both are closed on exit; the run is complete only once the caller has called
     ``writer.finish()``. The run holds ``OUT.lock`` all along: a second run for the same output
-    is refused (:class:`OutputError`) while it does.
+    is refused (:class:`OutputError`) while it does. ``json_columns``: Parquet columns holding JSON
+    text (:func:`engine._backfill.input.open_rows`).
     """
     with contextlib.ExitStack() as stack:
         stack.enter_context(hold_lock(Path(output)))
@@ -79,10 +80,10 @@ def open_run(
             if writer.already_finished:  # only the cleanup is left: the input is neither needed nor read
                 rows = RowReader.done(input_path, writer.rows_written)
             else:
-                rows = stack.enter_context(open_rows(input_path, start=writer.rows_written))
+                rows = stack.enter_context(open_rows(input_path, start=writer.rows_written, json_columns=json_columns))
                 _check_input(writer, rows)
         else:
-            rows = stack.enter_context(open_rows(input_path))
+            rows = stack.enter_context(open_rows(input_path, json_columns=json_columns))
             writer = stack.enter_context(open_output(output, input_path=input_path, resume=False))
         yield rows, writer
 
@@ -145,6 +146,7 @@ async def score_file(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     progress: Progress | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
+    json_columns: Collection[str] = (),
 ) -> RunSummary:
     """Score every row of ``input_path`` into ``output``; see the module docstring.
 
@@ -155,7 +157,7 @@ async def score_file(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     async with Engine(config, transport=transport) as engine:
-        with open_run(input_path, output, resume=resume) as (rows, writer):
+        with open_run(input_path, output, resume=resume, json_columns=json_columns) as (rows, writer):
             resumed_at = writer.rows_written
             totals = _previous_totals(writer) if resume else {}
             if writer.already_finished:

@@ -20,18 +20,18 @@ import contextlib
 import math
 import os
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import ExitStack
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 from anyio.from_thread import start_blocking_portal
 
+from engine import _json
 from engine._backfill.files import file_format, fsync
 from engine._backfill.input import BATCH_ROWS, FIELDS, Row, RowReader
 from engine._backfill.parquet import PARQUET_BATCH_ROWS, ids_kind, output_batch, output_schema, verifier_problem
@@ -96,10 +96,10 @@ class Carried(Exception):
         return _rebuild, (type(error), error.args, dict(error.__dict__))
 
 
-def _rows_of(path: Path, block: Block) -> tuple[RowReader, list[Row]]:
-    """The rows of ``block`` of file ``path``, read and checked as ``engine score`` reads them; the reader names
-    the file in errors."""
-    reader = RowReader.done(path, 0)  # opens nothing: its checks (_decode) and its file's name for errors
+def _rows_of(path: Path, block: Block, json_columns: Collection[str]) -> tuple[RowReader, list[Row]]:
+    """The rows of ``block`` of file ``path``, read and checked as ``engine score`` reads them (``json_columns``
+    too); the reader names the file in errors."""
+    reader = RowReader.done(path, 0, json_columns=json_columns)  # opens nothing: its checks, its file's name
     rows: list[Row] = []
     if file_format(path) == "jsonl":
         try:
@@ -118,6 +118,7 @@ def _rows_of(path: Path, block: Block) -> tuple[RowReader, list[Row]]:
         number = block.number
         try:
             with pq.ParquetFile(path) as file:
+                reader.use_schema(file.schema_arrow)
                 for batch in file.iter_batches(batch_size=BATCH_ROWS, columns=list(FIELDS), row_groups=groups):
                     columns = [batch.column(name).to_pylist() for name in FIELDS]
                     for values in zip(*columns, strict=True):
@@ -146,27 +147,20 @@ def _verifiers(rows: list[Row], result: BatchResult) -> list[Mapping[str, Any]]:
     return verifiers
 
 
-def _table(rows: list[Row], result: BatchResult, reader: RowReader) -> pa.Table:
-    """The records of a scored block, with the single-machine Parquet output's schema for their ids."""
+def _table(rows: list[Row], result: BatchResult) -> pa.Table:
+    """The records of a scored block, with the single-machine Parquet output's schema for their ids (each one the
+    reader checked the output can hold)."""
     ids = [row.id for row in rows]
-    for row in rows:
-        if not isinstance(row.id, str | int | None):  # a float, a list, an object: JSON text, if JSON can hold it
-            try:
-                orjson.dumps(row.id)
-            except orjson.JSONEncodeError as exc:
-                raise InputError(
-                    reader.path, f"'id' cannot be written to the output: {exc}", unit=reader.unit, number=row.number
-                ) from None
     schema = output_schema(ids_kind(ids))
     rewards = [float(reward) for reward in result.rewards]
     return pa.Table.from_batches([output_batch(schema, ids, rewards, _verifiers(rows, result))])
 
 
-def commit(outdir: Path, block: Block, rows: list[Row], result: BatchResult, reader: RowReader) -> None:
+def commit(outdir: Path, block: Block, rows: list[Row], result: BatchResult) -> None:
     """Write ``block``'s part file whole: a temporary file, fsync, rename into place, fsync the directory."""
     scratch = tmp_dir(outdir)
     scratch.mkdir(exist_ok=True)
-    table = _table(rows, result, reader)
+    table = _table(rows, result)
     target = scratch / f"{part_name(block)}.{uuid.uuid4().hex}"  # two attempts at one block never share a file
     try:
         pq.write_table(table, target, row_group_size=PARQUET_BATCH_ROWS)
@@ -186,9 +180,11 @@ class BlockScorer:
     raised as :class:`Carried`: Ray does not retry it.
     """
 
-    def __init__(self, outdir: str, config: EngineConfig | None, url: str | None, token: str | None) -> None:
+    def __init__(self, outdir: str, config: EngineConfig | None, url: str | None, token: str | None,
+                 json_columns: Collection[str] = ()) -> None:
         # small arguments: Ray keeps large ones in its object store, and a restarted actor needs them again
         self._outdir = Path(outdir)
+        self._json_columns = tuple(json_columns)
         self._stack = ExitStack()
         portal = self._stack.enter_context(start_blocking_portal(backend="asyncio"))
         self._local: Engine | None = None
@@ -208,7 +204,7 @@ class BlockScorer:
     def score_block(self, path: Path, block: Block) -> dict[str, Any]:
         """Score ``block`` of input file ``path`` and commit its part; its totals per verifier."""
         try:
-            reader, rows = _rows_of(path, block)
+            reader, rows = _rows_of(path, block, self._json_columns)
             if self._local is not None:
                 _refuse_unknown_environments(self._local, reader, rows)
             try:
@@ -219,7 +215,7 @@ class BlockScorer:
                 if exc.index is not None and block.start <= exc.index < block.stop:
                     exc.add_note(f"input: {reader.path}, {reader.unit} {rows[exc.index - block.start].number}")
                 raise
-            commit(self._outdir, block, rows, result, reader)
+            commit(self._outdir, block, rows, result)
         except EngineError as exc:
             raise Carried(exc) from None
         totals: dict[str, VerifierTotals] = {}
@@ -229,9 +225,9 @@ class BlockScorer:
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         starts, counts, totals = [], [], []
         for encoded in batch["block"]:
-            path, fields = orjson.loads(encoded)
+            path, fields = _json.loads(encoded)
             block = Block(*fields)
-            totals.append(orjson.dumps(self.score_block(Path(path), block)).decode())
+            totals.append(_json.dumps(self.score_block(Path(path), block)).decode())
             starts.append(block.start)
             counts.append(block.rows)
         return {"start": starts, "rows": counts, "totals": totals}

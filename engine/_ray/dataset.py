@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Collection
 from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
@@ -27,19 +28,20 @@ DATASET_NAME = Path("dataset.parquet")  # how a bad row's errors name the datase
 class RowScorer:
     """A Ray Data callable class: one engine per actor; each batch of rows is one engine batch.
 
-    Rows are read as ``engine score`` reads a Parquet file's (``task`` or ``trajectory`` may be JSON
-    text); a bad row is an ``InputError`` naming its row in the batch. The columns ``reward``
+    Rows are read as ``engine score`` reads a Parquet file's (a text ``task``, and the ``json_columns``,
+    are JSON text); a bad row is an ``InputError`` naming its row in the batch. The columns ``reward``
     (float64) and ``verifier`` (the single-machine output's struct) are added.
     """
 
-    def __init__(self, config: EngineConfig | None, url: str | None, token: str | None) -> None:
+    def __init__(self, config: EngineConfig | None, url: str | None, token: str | None,
+                 json_columns: Collection[str] = ()) -> None:
         self._stack = ExitStack()
         portal = self._stack.enter_context(start_blocking_portal(backend="asyncio"))
         engine: Any = Engine.connect(url, token=token) if url is not None else Engine(config)  # type: ignore[attr-defined,unused-ignore]
         self._engine = engine
         self._stack.enter_context(portal.wrap_async_context_manager(engine))
         self._portal = portal
-        self._reader = RowReader.done(DATASET_NAME, 0)
+        self._reader = RowReader.done(DATASET_NAME, 0, json_columns=json_columns)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
@@ -47,6 +49,7 @@ class RowScorer:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         try:
+            self._reader.use_schema(batch.schema)  # each batch's own: Ray may type two blocks differently
             columns = [batch.column(name).to_pylist() for name in FIELDS]
             rows = [self._reader._decode(n, values) for n, values in enumerate(zip(*columns, strict=True), 1)]
             result: BatchResult = self._portal.call(partial(self._engine.run, [row.as_item() for row in rows]))

@@ -7,7 +7,8 @@ starts at a byte offset (found by one pass over the file); a Parquet block is a 
 groups (found in the footer), so that an actor reads only its own rows.
 
 OUTDIR holds, besides one ``part-<start>-<stop>.parquet`` per committed block (rows
-``start <= n < stop``): ``_plan.json`` (the plan, written first: a resume must find the same),
+``start <= n < stop``; a resume counts it done only if its footer holds that many rows, see
+:func:`whole_parts`): ``_plan.json`` (the plan, written first: a resume must find the same),
 ``_SUCCESS`` (written only once every block's part is in), ``_run.lock`` while a driver runs, and
 ``_tmp/`` (parts being written). Names starting with ``_`` are skipped by Parquet readers
 (pyarrow, Ray Data, Spark), so OUTDIR reads as one table.
@@ -18,7 +19,7 @@ from __future__ import annotations
 import glob
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, astuple, dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from engine._backfill.files import file_format, fsync, unsupported
-from engine._backfill.input import FIELDS
+from engine._backfill.input import RowReader
+from engine._backfill.input import json_columns as columns_of_json
+from engine._backfill.parquet import output_schema
 from engine._errors import InputError, OutputError, ResumeError
 
 __all__ = [
@@ -46,6 +49,7 @@ __all__ = [
     "save_json",
     "success_path",
     "tmp_dir",
+    "whole_parts",
 ]
 
 DEFAULT_BLOCK_ROWS = 8192  # rows per block: per-block overhead (~ms) stays small; a resume re-scores < one a actor
@@ -86,23 +90,27 @@ class Block:
 
 @dataclass(frozen=True)
 class Plan:
-    """The input files and their blocks; equal plans mean an unchanged input."""
+    """The input files and their blocks, and the columns read as JSON text; equal plans mean an unchanged input."""
 
     files: tuple[InputFile, ...]
     block_rows: int
     blocks: tuple[Block, ...]
+    json_columns: tuple[str, ...] = ()  # --json-columns, sorted: a resume must read the rows alike
 
     @property
     def rows(self) -> int:
         return sum(f.rows for f in self.files)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        data = {
             "format": PLAN_FORMAT,
             "block_rows": self.block_rows,
             "files": [asdict(f) for f in self.files],
             "blocks": [astuple(block) for block in self.blocks],
         }
+        if self.json_columns:  # only then: a plan saved before the option was added reads back equal
+            data["json_columns"] = list(self.json_columns)
+        return data
 
     @classmethod
     def from_json(cls, data: Any) -> Plan:
@@ -112,7 +120,7 @@ class Plan:
         try:
             files = tuple(InputFile(**f) for f in data["files"])
             blocks = tuple(Block(*b) for b in data["blocks"])
-            return cls(files, int(data["block_rows"]), blocks)
+            return cls(files, int(data["block_rows"]), blocks, tuple(map(str, data.get("json_columns", ()))))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a plan: {exc}") from None
 
@@ -136,11 +144,38 @@ def part_name(block: Block) -> str:
 
 
 def committed(outdir: Path) -> set[str]:
-    """The part files in ``outdir`` (each was renamed into place whole: its block is done)."""
+    """The files in ``outdir`` named as parts (each was renamed into place whole, unless edited since)."""
     try:
         return {entry.name for entry in os.scandir(outdir) if _PART.fullmatch(entry.name)}
     except FileNotFoundError:
         return set()
+
+
+def whole_parts(outdir: Path, plan: Plan) -> tuple[set[str], list[str]]:
+    """``(the parts of plan's blocks that are whole, the files named as one that are not)``.
+
+    A part is whole when it reads as Parquet with the output's columns and its footer counts its
+    block's rows. A file cut short or overwritten since it was committed is not: its block is scored
+    again, never counted as done (``_SUCCESS`` over a directory Parquet cannot read).
+    """
+    present = committed(outdir)
+    columns = output_schema("null").names
+    whole: set[str] = set()
+    broken: list[str] = []
+    for block in plan.blocks:
+        name = part_name(block)
+        if name not in present:
+            continue
+        try:
+            meta = pq.read_metadata(outdir / name)
+            ok = meta.num_rows == block.rows and meta.schema.to_arrow_schema().names == columns
+        except (OSError, pa.ArrowException):
+            ok = False
+        if ok:
+            whole.add(name)
+        else:
+            broken.append(name)
+    return whole, broken
 
 
 def _hidden(path: Path, root: Path) -> bool:
@@ -189,16 +224,17 @@ def _jsonl_blocks(index: int, path: Path, first: int, block_rows: int) -> Iterat
         yield Block(index, first + rows, count, start_number, start_offset)
 
 
-def _parquet_blocks(index: int, path: Path, first: int, block_rows: int) -> Iterator[Block]:
-    """Blocks of a Parquet file: runs of whole row groups of about ``block_rows`` rows (at least one group)."""
+def _parquet_blocks(
+    index: int, path: Path, first: int, block_rows: int, json_columns: tuple[str, ...]
+) -> Iterator[Block]:
+    """Blocks of a Parquet file: runs of whole row groups of about ``block_rows`` rows (at least one group); its
+    columns checked first as an actor will read them (``json_columns``: see :meth:`RowReader.use_schema`)."""
     try:
         meta = pq.ParquetFile(path).metadata
+        schema = meta.schema.to_arrow_schema()
     except (OSError, pa.ArrowException) as exc:
         raise InputError(path, f"cannot read as Parquet: {exc}") from exc
-    names = set(meta.schema.to_arrow_schema().names)
-    missing = [name for name in FIELDS if name not in names]
-    if missing:
-        raise InputError(path, f"missing column(s) {', '.join(map(repr, missing))} (a row needs {FIELDS})")
+    RowReader.done(path, 0, json_columns=json_columns).use_schema(schema)  # its columns, checked before any block
     rows = group = 0
     while group < meta.num_row_groups:
         start, count = group, 0
@@ -210,10 +246,12 @@ def _parquet_blocks(index: int, path: Path, first: int, block_rows: int) -> Iter
         rows += count
 
 
-def make_plan(inputs: list[Path], block_rows: int = DEFAULT_BLOCK_ROWS) -> Plan:
-    """Plan the blocks of ``inputs`` (see the module docstring); ``InputError`` for an unreadable file."""
+def make_plan(inputs: list[Path], block_rows: int = DEFAULT_BLOCK_ROWS, json_columns: Iterable[str] = ()) -> Plan:
+    """Plan the blocks of ``inputs`` (see the module docstring), their Parquet ``json_columns`` read as JSON text;
+    ``InputError`` for an unreadable file, ``ValueError`` for a column that cannot be JSON text."""
     if block_rows < 1:
         raise ValueError(f"block_rows must be >= 1, got {block_rows}")
+    listed = tuple(sorted(columns_of_json(json_columns)))
     files: list[InputFile] = []
     blocks: list[Block] = []
     first = 0
@@ -222,16 +260,18 @@ def make_plan(inputs: list[Path], block_rows: int = DEFAULT_BLOCK_ROWS) -> Plan:
             stat = path.stat()
         except OSError as exc:
             raise InputError(path, f"cannot read: {exc}") from exc
-        cut = _jsonl_blocks if file_format(path) == "jsonl" else _parquet_blocks
         try:
-            found = list(cut(index, path, first, block_rows))
+            if file_format(path) == "jsonl":
+                found = list(_jsonl_blocks(index, path, first, block_rows))
+            else:
+                found = list(_parquet_blocks(index, path, first, block_rows, listed))
         except OSError as exc:
             raise InputError(path, f"cannot read: {exc}") from exc
         rows = sum(b.rows for b in found)
         files.append(InputFile(str(path.resolve()), stat.st_size, stat.st_mtime_ns, rows))
         blocks += found
         first += rows
-    return Plan(tuple(files), block_rows, tuple(blocks))
+    return Plan(tuple(files), block_rows, tuple(blocks), listed)
 
 
 def save_json(path: Path, data: Any) -> None:

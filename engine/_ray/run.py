@@ -9,9 +9,10 @@ error or a bad row aborts the job (``max_errored_blocks`` stays 0, so no block i
 **Exactly once.** A block's rows are committed as one part file named by its row range, renamed
 into place whole (:func:`engine._ray.actor.commit`); a block scored twice (a retry, a resume)
 replaces its part with the same rows. So whatever stops the job (driver killed, actor or node
-lost, an abort), ``--resume`` scores only the blocks without a part, and ``_SUCCESS`` is written
-only when every planned block's part is there. A run after success finds ``_SUCCESS`` and the same
-plan and does nothing.
+lost, an abort), ``--resume`` scores only the blocks without a whole part (a part cut short or
+overwritten since is scored again, :func:`engine._ray.plan.whole_parts`), and ``_SUCCESS`` is written
+only when every planned block's part is there. A run after success finds ``_SUCCESS``, the same
+plan and every part whole, and does nothing.
 
 Ray is imported here only when a backfill runs: ``import engine`` never imports it.
 """
@@ -24,13 +25,12 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import astuple, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import orjson
-
+from engine import _json
 from engine._backfill.checkpoint import hold_lock
 from engine._config import EngineConfig
 from engine._core.report import VerifierTotals
@@ -50,6 +50,7 @@ from engine._ray.plan import (
     save_json,
     success_path,
     tmp_dir,
+    whole_parts,
 )
 
 __all__ = [
@@ -79,7 +80,8 @@ class RaySummary:
     """What :func:`backfill` did: rows in the output, rows committed before this run, this run's verifier totals.
 
     ``already_complete``: the output was complete before this run, which did nothing. ``seconds``:
-    time to start (or join) Ray, and to score the blocks.
+    time to start (or join) Ray, and to score the blocks. ``rescored``: the part files found not
+    whole (cut short, overwritten) and scored again.
     """
 
     output: Path
@@ -89,6 +91,7 @@ class RaySummary:
     verifiers: dict[str, VerifierTotals]
     already_complete: bool = False
     seconds: dict[str, float] = field(default_factory=dict)
+    rescored: list[str] = field(default_factory=list)
 
 
 def no_progress_timeout() -> float:
@@ -181,8 +184,8 @@ def _prepare(outdir: Path, plan: Plan, resume: bool) -> bool:
         )
     if not same:
         raise ResumeError(
-            f"the input changed since the run started (its files, sizes, times or rows differ from "
-            f"{plan_path(outdir)}): resume with that input, or delete {outdir} to start over"
+            f"the input changed since the run started (its files, sizes, times or rows, or --json-columns, differ "
+            f"from {plan_path(outdir)}): resume with that input, or delete {outdir} to start over"
         )
     return False
 
@@ -201,8 +204,12 @@ def backfill(
     block_rows: int = DEFAULT_BLOCK_ROWS,
     no_progress_timeout: float | None = None,
     progress: Progress | None = None,
+    json_columns: Collection[str] = (),
 ) -> RaySummary:
     """Score every row of ``input_spec`` into Parquet parts in ``outdir`` on Ray; see the module docstring.
+
+    ``json_columns``: the columns of its Parquet files holding JSON text (``--json-columns``,
+    :func:`engine._backfill.input.open_rows`).
 
     ``config`` is split over the ``actors`` (:func:`engine._ray.actor.split_limits`) unless ``url``
     names an ``engine serve`` every actor scores through. Ray is joined if this process already
@@ -217,24 +224,31 @@ def backfill(
     if config is None and url is None:
         raise ValueError("a config is needed unless every actor scores through an engine serve (url)")
     outdir = Path(outdir)
-    plan = make_plan(resolve_inputs(input_spec), block_rows)
+    plan = make_plan(resolve_inputs(input_spec), block_rows, json_columns)
     check_outdir(outdir)
     try:
         outdir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise OutputError(f"cannot create {outdir}: {exc}") from exc
     with hold_lock(outdir / "_run"):
-        if _prepare(outdir, plan, resume):
-            return RaySummary(outdir, plan.rows, plan.rows, len(plan.blocks), {}, already_complete=True)
+        complete = _prepare(outdir, plan, resume)
+        whole, broken = whole_parts(outdir, plan)
+        if complete:
+            if len(whole) == len(plan.blocks):
+                return RaySummary(outdir, plan.rows, plan.rows, len(plan.blocks), {}, already_complete=True)
+            success_path(outdir).unlink()  # a part was cut short, overwritten or removed since: no longer complete
         shutil.rmtree(tmp_dir(outdir), ignore_errors=True)  # parts a stopped run was writing
-        todo = list(blocks_to_do(plan, committed(outdir)))
+        for name in broken:  # never left beside the whole ones: the directory is read as one table
+            (outdir / name).unlink(missing_ok=True)
+        todo = list(blocks_to_do(plan, whole))
         done = plan.rows - sum(block.rows for _, block in todo)
-        summary = RaySummary(outdir, plan.rows, done, len(plan.blocks), {})
+        summary = RaySummary(outdir, plan.rows, done, len(plan.blocks), {}, rescored=broken)
         if progress is not None:
             progress(done)
         if todo:
             _score_blocks(todo, outdir, config, summary, actors=actors, url=url, token=token, address=address,
-                          actor_cpus=actor_cpus, no_progress_timeout=no_progress_timeout, progress=progress)
+                          actor_cpus=actor_cpus, no_progress_timeout=no_progress_timeout, progress=progress,
+                          json_columns=plan.json_columns)
         missing = [part_name(block) for block in plan.blocks if part_name(block) not in committed(outdir)]
         if missing:  # Ray said every block was done: a part missing now is a bug, never a complete output
             raise RuntimeError(f"{len(missing)} part file(s) missing after every block was scored: {missing[:3]}")
@@ -256,6 +270,7 @@ def _score_blocks(
     actor_cpus: float,
     no_progress_timeout: float | None,
     progress: Progress | None,
+    json_columns: tuple[str, ...],
 ) -> None:
     import ray
     import ray.data
@@ -267,7 +282,7 @@ def _score_blocks(
     try:
         summary.seconds["ray_start"] = time.monotonic() - began
         per_actor = None if config is None else absolute(split_limits(config, actors) if url is None else config)
-        items = [{"block": orjson.dumps([path, astuple(block)]).decode()} for path, block in todo]
+        items = [{"block": _json.dumps([path, astuple(block)]).decode()} for path, block in todo]
         blocks = ray.data.from_items(items, override_num_blocks=len(items))
         set_data_options(blocks.context, no_progress_timeout)  # shared by the map below, and by nothing else
         dataset = blocks.map_batches(
@@ -280,13 +295,14 @@ def _score_blocks(
                 "config": per_actor,
                 "url": url,
                 "token": token,
+                "json_columns": json_columns,
             },
         )
         done = summary.resumed_at
         scoring = time.monotonic()
         try:
             for row in dataset.iter_rows():
-                _merge(summary.verifiers, orjson.loads(row["totals"]))
+                _merge(summary.verifiers, _json.loads(row["totals"]))
                 done += int(row["rows"])
                 if progress is not None:
                     progress(done)
