@@ -22,6 +22,7 @@ import httpx
 import orjson
 import tenacity
 
+from engine._core.forks import Owner
 from engine._core.portal import Blocking
 from engine._core.report import BatchResult
 from engine._core.stats import Stats
@@ -63,7 +64,12 @@ class RemoteEngine:
 
     ``token`` is sent as ``Authorization: Bearer``. ``sleep`` is what retries wait with (tests inject
     one that takes no time); ``transport`` replaces httpx's.
+
+    As an in-process engine, an open client belongs to the process that opened it: a child forked since
+    (whose copies of its connections are the parent's) is refused, and closing it there closes nothing.
     """
+
+    _opened_as = "async with Engine.connect(url) as eng"
 
     def __init__(
         self,
@@ -84,6 +90,7 @@ class RemoteEngine:
         self._sleep = sleep
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
+        self._owner: Owner | None = None  # the process that opened it
         self._stats = Stats()  # figures from the batches it scored: as an in-process engine's, from the same reports
 
     async def __aenter__(self) -> Self:
@@ -94,11 +101,15 @@ class RemoteEngine:
             timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT),
             trust_env=False,  # the service is named by the caller; no proxy chosen from the environment
         )
+        self._owner = Owner()
         return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if self._owner is not None and not self._owner.here:  # a forked child's copy: its connections are the parent's
+            return
+        self._owner = None
         client, self._client = self._client, None
         if client is not None:
             await client.aclose()
@@ -111,6 +122,8 @@ class RemoteEngine:
         """Score a batch on the service, as ``Engine.run`` would in process."""
         if type(first_index) is not int or first_index < 0:
             raise ValueError(f"first_index must be a whole number >= 0, got {first_index!r}")
+        if self._owner is not None:
+            self._owner.check("this engine", self._opened_as)
         try:
             body = orjson.dumps({"items": list(items), "first_index": first_index}, default=_jsonable)
         except orjson.JSONEncodeError as exc:
@@ -129,7 +142,7 @@ class RemoteEngine:
         """The answer's body; the error it stands for raised; 503 asked again within the budget."""
         client = self._client
         if client is None:
-            raise RuntimeError("the engine is not open: use 'async with Engine.connect(url) as eng'")
+            raise RuntimeError(f"the engine is not open: use '{self._opened_as}'")
         retrying = tenacity.AsyncRetrying(
             stop=tenacity.stop_before_delay(self._retry_budget),
             wait=_wait,
