@@ -23,6 +23,7 @@ import httpx
 from engine._config import EngineConfig, load_config
 from engine._core import meters
 from engine._core.contract import Verifier, check_first_index
+from engine._core.forks import Owner
 from engine._core.report import BatchResult
 from engine._core.scheduler import score_batch
 from engine._core.stats import Stats
@@ -57,7 +58,13 @@ class Engine:
 
     ``transport`` replaces the HTTP transport under the shared client; ``sleep`` is what retries
     wait with (tests inject one that takes no time).
+
+    An open engine belongs to the process that opened it: in a child forked since (its connections,
+    threads and worker processes are the parent's), ``load`` and ``run`` raise ``RuntimeError``, and
+    leaving its ``async with`` block there closes nothing.
     """
+
+    _opened_as = "async with Engine(...) as eng"
 
     def __init__(
         self,
@@ -72,6 +79,7 @@ class Engine:
         self._routes: Routes | None = None
         self._sleep = sleep
         self._client: httpx.AsyncClient | None = None
+        self._owner: Owner | None = None  # the process that opened it
         self._in_flight = meters.slots(self.config.max_in_flight)
         self._registry = Registry(self.config, sleep=sleep)
         self.rubrics = self._registry.rubrics
@@ -132,11 +140,20 @@ class Engine:
         threads = meters.threads(self.config.threads)
         graded_by = Judge(judge, self._client, sleep=self._sleep) if judge is not None else None
         self._registry.open(Shared(self._routes, threads, graded_by))
+        self._owner = Owner()
         return self
+
+    def _check_process(self) -> None:
+        """``RuntimeError`` if it was opened in another process (this one was forked from it since)."""
+        if self._owner is not None:
+            self._owner.check("this engine", self._opened_as)
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if self._owner is not None and not self._owner.here:  # a forked child's copy: all it holds is the parent's
+            return
+        self._owner = None
         client, self._client, self._batch_scope = self._client, None, contextlib.nullcontext
         routes, self._routes = self._routes, None
         try:
@@ -159,6 +176,7 @@ class Engine:
         cannot be resolved fails here). Raises ``VerificationError`` naming the verifier if it
         cannot be made ready, ``ValueError`` if there is no such environment.
         """
+        self._check_process()
         verifier = self._verifier(name)
         try:
             await verifier.load()
@@ -188,6 +206,7 @@ class Engine:
         """
         items = items if type(items) is list else list(items)
         check_first_index(first_index, len(items))
+        self._check_process()
         with self._batch_scope():
             batch = score_batch(items, self._registry.resolver(), self._in_flight, first_index=first_index)
             return await self._stats.counted(batch)

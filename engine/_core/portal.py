@@ -2,21 +2,70 @@
 
 One event loop runs in a background thread for the face's whole life (an anyio blocking portal),
 so every call reuses what the engine holds: its connections, threads and imported plugins.
+
+The face belongs to the process that opened it: a child forked since has its objects but not the
+loop's thread, so a call there raises at once (instead of waiting for ever), and leaving its ``with``
+block there closes nothing of the parent's (``engine._core.forks``).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import functools
+import threading
 from collections.abc import Iterable, Mapping
-from contextlib import AbstractAsyncContextManager, ExitStack
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from types import TracebackType
 from typing import Any, Generic, Protocol, Self, TypeVar
 
-from anyio.from_thread import BlockingPortal, start_blocking_portal
+import anyio
+from anyio.from_thread import BlockingPortal
 
+from engine._core.forks import Owner
 from engine._core.report import BatchResult
 
-__all__ = ["Blocking"]
+__all__ = ["Blocking", "LoopThread"]
+
+
+class LoopThread:
+    """An event loop in a daemon thread of its own, reached through its anyio blocking portal; :meth:`stop` ends it.
+
+    Not anyio's ``start_blocking_portal``: a context manager made of a generator stops its loop when
+    it is collected, and a forked child collects what its parent opened (at the latest as its
+    interpreter ends), where the loop's thread is not: it would wait for it for ever. Nothing of this
+    runs when it is collected. A daemon thread (older anyio releases' ``start_blocking_portal`` use a
+    pool's thread, not a daemon): the interpreter joins every thread that is not a daemon before it
+    runs ``atexit`` hooks, so a loop in one would hang the exit before a hook that ends it ran. (The
+    adapters have a twin, ``engine.adapters._runtime._Background``: they import only the public face.)
+    """
+
+    def __init__(self, name: str) -> None:
+        ready: concurrent.futures.Future[BlockingPortal] = concurrent.futures.Future()
+        self.thread = threading.Thread(target=self._run, args=(ready,), name=name, daemon=True)
+        self.thread.start()
+        self.portal = ready.result()
+
+    @staticmethod
+    def _run(ready: concurrent.futures.Future[BlockingPortal]) -> None:
+        async def host() -> None:
+            async with BlockingPortal() as portal:
+                ready.set_result(portal)
+                await portal.sleep_until_stopped()
+
+        try:
+            anyio.run(host, backend="asyncio")
+        except BaseException as exc:
+            if ready.done():
+                raise
+            ready.set_exception(exc)  # the loop never started: the caller waiting for it hears why
+
+    def stop(self, *, cancel: bool = False, timeout: float | None = None) -> None:
+        """Let the calls under way finish (``cancel``: cancel them), stop the loop, and wait up to ``timeout`` s
+        (None: as long as it takes) for its thread to end."""
+        with contextlib.suppress(RuntimeError):  # stopped already
+            self.portal.call(self.portal.stop, cancel)
+        self.thread.join(timeout)
 
 
 class _Scores(AbstractAsyncContextManager[Any], Protocol):
@@ -39,27 +88,42 @@ class Blocking(Generic[E]):
 
     def __init__(self, engine: E) -> None:
         self._engine = engine
-        self._stack: ExitStack | None = None
-        self._portal: BlockingPortal | None = None
+        self._loop: LoopThread | None = None
+        self._opened: AbstractContextManager[Any] | None = None  # the engine, opened on the loop
+        self._owner: Owner | None = None  # the process that opened it
 
     def __enter__(self) -> Self:
-        with ExitStack() as stack:
-            self._portal = stack.enter_context(start_blocking_portal(backend="asyncio"))
-            stack.enter_context(self._portal.wrap_async_context_manager(self._engine))
-            self._stack = stack.pop_all()
+        loop = LoopThread(name=f"engine-blocking-{id(self):x}")
+        try:
+            opened = loop.portal.wrap_async_context_manager(self._engine)
+            opened.__enter__()
+        except BaseException:
+            loop.stop(cancel=True)
+            raise
+        self._loop, self._opened, self._owner = loop, opened, Owner()
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        stack, self._stack, self._portal = self._stack, None, None
-        if stack is not None:
-            stack.__exit__(exc_type, exc, tb)
+        loop, opened, owner = self._loop, self._opened, self._owner
+        self._loop = self._opened = self._owner = None
+        if loop is None or opened is None or owner is None:
+            return
+        if not owner.here:  # a forked child's copy: the loop, and what the engine holds, are the parent's
+            return
+        try:
+            opened.__exit__(exc_type, exc, tb)
+        except BaseException:
+            loop.stop(cancel=True)
+            raise
+        loop.stop(cancel=exc_type is not None)
 
     def _open_portal(self) -> BlockingPortal:
-        if self._portal is None:
+        if self._loop is None or self._owner is None:
             raise RuntimeError(f"the engine is not open: use '{self._opened_as}'")
-        return self._portal
+        self._owner.check("this engine", self._opened_as)
+        return self._loop.portal
 
     def score(self, items: Iterable[Mapping[str, Any]], *, first_index: int = 0) -> list[float]:
         """Like the engine's ``score``, blocking until the batch is scored or has failed."""

@@ -26,6 +26,7 @@ import tenacity
 
 from engine import _json as json
 from engine._core.contract import check_first_index
+from engine._core.forks import Owner
 from engine._core.portal import Blocking
 from engine._core.report import BatchResult
 from engine._core.stats import Stats
@@ -71,6 +72,9 @@ def _jsonable(value: Any) -> Any:
 class RemoteEngine:
     """An engine served by ``engine serve`` at ``url``; use it as an async context manager.
 
+    As an in-process engine, an open client belongs to the process that opened it: a child forked since
+    (whose copies of its connections are the parent's) is refused, and closing it there closes nothing.
+
     Args:
         url: Where the service is (``http://`` or ``https://``).
         token: Sent as ``Authorization: Bearer``; printable ASCII without spaces (0x21-0x7e).
@@ -84,6 +88,8 @@ class RemoteEngine:
         ValueError: ``url`` is not HTTP(S), ``token`` cannot be sent (the message never holds it), or
             ``timeout`` is not a number of seconds > 0 nor None.
     """
+
+    _opened_as = "async with Engine.connect(url) as eng"
 
     def __init__(
         self,
@@ -109,6 +115,7 @@ class RemoteEngine:
         self._sleep = sleep
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
+        self._owner: Owner | None = None  # the process that opened it
         self._stats = Stats()  # figures from the batches it scored: as an in-process engine's, from the same reports
 
     async def __aenter__(self) -> Self:
@@ -120,11 +127,15 @@ class RemoteEngine:
             timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT),
             trust_env=False,  # the service is named by the caller; no proxy chosen from the environment
         )
+        self._owner = Owner()
         return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if self._owner is not None and not self._owner.here:  # a forked child's copy: its connections are the parent's
+            return
+        self._owner = None
         client, self._client = self._client, None
         if client is not None:
             await client.aclose()
@@ -137,6 +148,8 @@ class RemoteEngine:
         """Score a batch on the service, as ``Engine.run`` would in process."""
         batch = list(items)
         check_first_index(first_index, len(batch))  # as the engine checks it: one rule, on either side
+        if self._owner is not None:
+            self._owner.check("this engine", self._opened_as)
         try:  # every integer exact, a wide one too
             body = json.dumps({"items": batch, "first_index": first_index}, default=_jsonable)
         except TypeError as exc:
@@ -161,7 +174,7 @@ class RemoteEngine:
         """The answer's body; the error it stands for raised; 503 asked again within the budget."""
         client = self._client
         if client is None:
-            raise RuntimeError("the engine is not open: use 'async with Engine.connect(url) as eng'")
+            raise RuntimeError(f"the engine is not open: use '{self._opened_as}'")
         retrying = tenacity.AsyncRetrying(
             stop=tenacity.stop_before_delay(self._retry_budget),
             wait=wait_before_retry,

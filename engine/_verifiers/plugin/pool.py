@@ -44,6 +44,11 @@ group is killed before the worker is reaped (while the unreaped worker holds the
 the signal cannot reach anyone else). A worker that sees the engine's process die kills its own
 group. Only a process that leaves the group on purpose (``setsid``) escapes this.
 
+Workers belong to the process that started them. A child forked from it (a trainer's ``os.fork``,
+multiprocessing's fork start method) inherits their objects, and the exit hook that kills the workers
+still running: there nothing kills them (the parent's batch in flight would fail on an innocent item),
+and the child holds no copy of the pipe that tells them their process died (see ``engine._core.forks``).
+
 A worker that is killed (a timeout, an abort, a crash) is reaped, and its thread, pipe and pidfd
 released, as soon as it has died, not when the engine closes: a trainer aborts batches for hours.
 """
@@ -74,6 +79,7 @@ from typing import Any, TypeVar
 
 from engine._core import meters
 from engine._core.contract import BadItem, MalformedItem
+from engine._core.forks import Owner
 from engine._core.threads import in_thread, wait_future
 from engine._errors import Failure
 from engine._reasons import describe
@@ -246,11 +252,27 @@ _live: set[_Worker] = set()  # every worker not yet closed, killed at interprete
 @atexit.register
 def _kill_live_workers() -> None:
     for worker in list(_live):
-        worker.kill()
+        if worker.process.ours:  # a forked child's exit leaves its parent's workers alone
+            worker.kill()
 
 
 _alive_pipe: tuple[int, int] | None = None
 _alive_lock = threading.Lock()
+
+
+def _forget_alive_pipe() -> None:
+    """In a forked child: close its copy of the parent's pipe (while a child holds the write end, the parent's
+    workers would outlive the parent's death); a worker the child starts gets a pipe of the child's own."""
+    global _alive_pipe, _alive_lock
+    _alive_lock = threading.Lock()  # another thread of the parent may have held it as the process forked
+    if _alive_pipe is not None:
+        for fd in _alive_pipe:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        _alive_pipe = None
+
+
+os.register_at_fork(after_in_child=_forget_alive_pipe)
 
 
 def _alive_fd() -> int:
@@ -279,10 +301,12 @@ class _Child:
     ``sentinel`` is a pidfd (readable once the process has exited) where the platform has them,
     else None and its pipe's end-of-file says it died. The process leads a new session, so a
     process group of its own: :meth:`kill` kills the group, and :meth:`poll` and :meth:`join`
-    kill what is left of the group once the process has exited, before they reap it.
+    kill what is left of the group once the process has exited, before they reap it. Only the
+    process that made it kills it (:attr:`ours`): in a child forked since, it is the parent's.
     """
 
     def __init__(self, fds: Sequence[int], spec: PluginSpec) -> None:
+        self._owner = Owner()  # the process that starts it (its worker's thread runs there)
         self._fds = tuple(fds)
         self._argv = worker_argv(self._fds, spec)
         self._popen: subprocess.Popen[bytes] | None = None
@@ -301,6 +325,11 @@ class _Child:
         self.pid = self._popen.pid
         with contextlib.suppress(AttributeError, OSError):  # not Linux, or an old kernel
             self.sentinel = os.pidfd_open(self.pid)
+
+    @property
+    def ours(self) -> bool:
+        """Whether this process made it (and not a parent this process was forked from)."""
+        return self._owner.here
 
     @property
     def exitcode(self) -> int | None:
@@ -334,9 +363,10 @@ class _Child:
         """SIGKILL its process group, it and whatever the plugin started (from any thread).
 
         Not once it is reaped: until then its process, even exited, holds the group's id, so the
-        signal cannot reach a group that reused the number.
+        signal cannot reach a group that reused the number. Nor from a child forked since: it is
+        the parent's worker (and the parent's to reap).
         """
-        if self._popen is not None and self._popen.returncode is None:
+        if self._popen is not None and self._popen.returncode is None and self.ours:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self._popen.pid, signal.SIGKILL)
 
