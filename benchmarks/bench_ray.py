@@ -43,6 +43,9 @@ import pyarrow.parquet as pq
 from _common import machine, table, write_env
 
 ROOT = Path(__file__).resolve().parent.parent
+# the local Rays the children start listen on 127.0.0.1 only (Ray takes 127.0.0.1 for the machine's interface
+# otherwise); the children inherit it
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 CHILD_LIMIT = 1200.0  # seconds any one child may run
 ROW_GROUP = 1024
 WRITE_BLOCK = 65_536

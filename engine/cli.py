@@ -670,6 +670,8 @@ def rubrics_show(group_config: Path, ref: str, config_path: Path | None) -> None
               show_default=True, help="Requests of at most this many plugin items share engine batches (0: none).")
 @click.option("--head-timeout", type=click.FloatRange(min=0, min_open=True), default=_limits.HEAD_TIMEOUT,
               show_default=True, help="Seconds a connection has to send a request's line and headers.")
+@click.option("--keep-alive", type=click.IntRange(min=1), default=_limits.KEEP_ALIVE, show_default=True,
+              help="Seconds an idle kept-alive connection stays open.")
 @click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True), default=_limits.BODY_TIMEOUT,
               show_default=True, help="Seconds a request has to send its whole body (408 after).")
 @click.option("--max-connections", type=click.IntRange(min=1), default=None,
@@ -677,7 +679,7 @@ def rubrics_show(group_config: Path, ref: str, config_path: Path | None) -> None
                    f"limit less {_limits.FILES_KEPT}]")
 def serve(config_path: Path, host: str, port: int, token_env: str | None, environment: str | None, max_items: int,
           max_bytes: int, max_queued: int, graceful_timeout: float, gather_items: int, head_timeout: float,
-          body_timeout: float, max_connections: int | None) -> None:
+          keep_alive: int, body_timeout: float, max_connections: int | None) -> None:
     """Serve one engine over HTTP to every process of a training job (POST /v1/score, /get_reward)."""
     from engine._serve.server import serve as run_service  # uvicorn: imported by this command only
 
@@ -686,7 +688,7 @@ def serve(config_path: Path, host: str, port: int, token_env: str | None, enviro
         settings = _limits.ServeConfig(host=host, port=port, token=token, environment=environment,
                                        max_items=max_items, max_bytes=max_bytes, max_queued=max_queued,
                                        graceful_timeout=graceful_timeout, gather_items=gather_items,
-                                       head_timeout=head_timeout, body_timeout=body_timeout,
+                                       head_timeout=head_timeout, keep_alive=keep_alive, body_timeout=body_timeout,
                                        max_connections=max_connections)
     except ValueError as exc:
         _fail(EXIT_BAD_INPUT, str(exc))

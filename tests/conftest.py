@@ -8,6 +8,7 @@ that private copy.
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from collections.abc import Iterator
@@ -22,6 +23,9 @@ import pytest
 import engine
 
 ENVS = Path(__file__).parent / "envs"
+# Ray started by a test (here, or in a subprocess, which inherits this) listens on 127.0.0.1 only: it takes a
+# 127.0.0.1 given as its node's address for the machine's own interface, unless told it is a one-machine cluster
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 # seconds, per test, unless a test says otherwise: it catches a hang, and is sized so that a test of a few
 # seconds' work still passes on a loaded 2-core machine (CI may run while the machine is busy)
 TEST_TIMEOUT = 30.0

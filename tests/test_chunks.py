@@ -23,6 +23,7 @@ from polling import eventually
 
 import engine
 from engine import EngineConfig, Limits, VerificationError
+from engine._verifiers.plugin.pool import PIECE
 from engine._verifiers.plugin.verifier import PluginVerifier
 
 SIZE = 20_000
@@ -282,31 +283,36 @@ async def test_a_process_plugins_items_are_read_off_the_event_loop(envs: Path) -
 
 
 async def test_a_process_chunks_bad_items_are_named_past_its_first_piece(envs: Path) -> None:
-    """A chunk's pairs are built and pickled a piece at a time: a failure names the item, not its place in a piece."""
+    """A chunk's pairs are built and pickled a piece at a time: a failure names the item, not its place in a piece.
+
+    The bad items stand past the first piece of the first chunk, as far as the chunk measured just before
+    reaches (its size is the machine's: a loaded one measures calls slower, and makes chunks smaller)."""
     name = process_twin(envs, "cheap", workers=1)
     items = [item(name, f"answer {n}", item_id=f"row-{n}", n=n) for n in range(SIZE)]
     async with engine.Engine(EngineConfig(environments=envs, allow_unpinned=True)) as eng:
         await eng.score(items[:2_000])
-        assert eng._verifier(name).chunk_size(SIZE) > 5_000  # the items below are past a chunk's first piece
+        chunk = eng._verifier(name).chunk_size(SIZE)
+        assert chunk > 1
+        task_at, trajectory_at, lock_at = (min(chunk - 1 - k, PIECE + 1 + k * 900) for k in range(3))
         broken = [*items]
-        broken[5_001] = {**items[5_001], "task": Watched({"n": 5_001}, set(), broken=True)}
+        broken[task_at] = {**items[task_at], "task": Watched({"n": task_at}, set(), broken=True)}
         with pytest.raises(VerificationError) as info:
             await eng.score(broken)
         check_error(
-            info.value, "verify:score", "cannot read the item's task", kind="plugin", environment=name, index=5_001,
-            item_id="row-5001",
+            info.value, "verify:score", "cannot read the item's task", kind="plugin", environment=name, index=task_at,
+            item_id=f"row-{task_at}",
         )
         broken = [*items]
-        broken[9_001] = {key: value for key, value in items[9_001].items() if key != "trajectory"}
-        with pytest.raises(ValueError, match=r"item 9001 has no 'trajectory'"):
+        broken[trajectory_at] = {key: value for key, value in items[trajectory_at].items() if key != "trajectory"}
+        with pytest.raises(ValueError, match=rf"item {trajectory_at} has no 'trajectory'"):
             await eng.score(broken)
         unpicklable = [*items]
-        unpicklable[7_003] = item(name, item_id="row-7003", n=7_003, lock=threading.Lock())
+        unpicklable[lock_at] = item(name, item_id=f"row-{lock_at}", n=lock_at, lock=threading.Lock())
         with pytest.raises(VerificationError) as info:
             await eng.score(unpicklable)
         check_error(
-            info.value, "verify:score", "cannot pass the item", kind="plugin", environment=name, index=7_003,
-            item_id="row-7003",
+            info.value, "verify:score", "cannot pass the item", kind="plugin", environment=name, index=lock_at,
+            item_id=f"row-{lock_at}",
         )
         assert await eng.score(items) == [(n % 7) / 7 for n in range(SIZE)]  # its worker still scores
 

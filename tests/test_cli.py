@@ -895,7 +895,9 @@ def test_check_says_when_a_cpu_bound_thread_plugin_would_use_every_core(tmp_path
 
     for name in ("spin", "spin_process", "sleepy", PLUGIN_ENV):
         assert check_row(result.stdout, name)[-1] == "yes"
-    said = [line for line in result.stdout.splitlines() if line.startswith("hint: ")]
+    # the cheap plugin is left out: whether its one cold call measures past 50 us is the machine's load's to say
+    said = {line.split(":")[1].strip(): line for line in result.stdout.splitlines() if line.startswith("hint: ")}
     cores = default_workers()
-    assert len(said) == 1 and said[0].startswith("hint: spin: CPU-bound ("), result.stdout
-    assert said[0].endswith(f'"executor": "process" in its manifest\'s verifier would use {cores} cores')
+    assert said.keys() - {PLUGIN_ENV} == {"spin"}, result.stdout  # not the process plugin, not the sleepy one
+    assert said["spin"].startswith("hint: spin: CPU-bound ("), result.stdout
+    assert said["spin"].endswith(f'"executor": "process" in its manifest\'s verifier would use {cores} cores')

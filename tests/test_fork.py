@@ -28,16 +28,15 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import httpx
 import orjson
 import pytest
 from cli_support import child_env
 from conftest import item
 from polling import wait_until
+from servers import Request, Response, Server
+from test_remote_trust import answer as well_formed
 
 from engine import BlockingEngine, Engine, EngineConfig
-from engine._core.report import BatchResult
-from engine._remote.wire import dump_result
 from engine._verifiers.plugin import pool
 
 CHILD_TIMEOUT = 20.0  # seconds a forked child has to answer and end; then it is killed and the test fails
@@ -268,21 +267,22 @@ def test_a_child_does_not_keep_the_parents_workers_watching_it(envs: Path) -> No
 # --- a child that uses its parent's engine is told, at once ---
 
 
-def reward_of_every_item(request: httpx.Request) -> httpx.Response:
-    count = len(orjson.loads(request.content)["items"])
-    return httpx.Response(200, content=dump_result(BatchResult([0.5] * count, [], 0.0, [0] * count)))
+async def reward_of_every_item(request: Request) -> Response:
+    return Response.json(well_formed([0.5] * len(request.json()["items"])))
 
 
 @pytest.mark.parametrize("face", ["in_process", "client"])
 def test_a_blocking_engine_used_in_a_forked_child_raises(config: EngineConfig, face: str) -> None:
     items = [item("twin_a")]
+    service = contextlib.ExitStack()
     if face == "in_process":
         eng: Any = BlockingEngine(config)
         expected = [0.25]
-    else:  # BlockingEngine.connect: the client of a service, which shares the blocking face
-        eng = BlockingEngine.connect("http://127.0.0.1:9", transport=httpx.MockTransport(reward_of_every_item))
+    else:  # BlockingEngine.connect: the client of a service (a real server here), which shares the blocking face
+        server = service.enter_context(Server(reward_of_every_item))
+        eng = BlockingEngine.connect(server.url)
         expected = [0.5]
-    with eng:
+    with service, eng:
         assert eng.score(items) == expected
         with answer_pipe() as (write_end, read):
 

@@ -16,7 +16,7 @@ class Guard:
     A connection has ``head_timeout`` seconds for a request's head from when it opens, and from the
     first byte of each later request: then it is closed (a client that sends a line and stops holds
     nothing for long). A kept-alive connection idle between requests is uvicorn's keep-alive timeout's
-    to close (5 s): closing it sooner only races its client's next request. Past ``most`` connections
+    to close (``--keep-alive``): closing it sooner only races its client's next request. Past ``most`` connections
     open, the one that has waited longest for a head is closed to make room (a slow head, or an idle
     keep-alive: its client reconnects); while every other connection is being answered, the new one
     is. No token is needed to open a connection or send a head (the token is read from it): these

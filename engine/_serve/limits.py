@@ -23,6 +23,7 @@ __all__ = [
     "GATHER_ITEMS",
     "GRACEFUL_TIMEOUT",
     "HEAD_TIMEOUT",
+    "KEEP_ALIVE",
     "MAX_BYTES",
     "MAX_GATHERED",
     "MAX_ITEMS",
@@ -43,6 +44,7 @@ RETRY_AFTER = 1  # seconds a saturated service asks a client to wait (Retry-Afte
 GATHER_ITEMS = 256  # a request of at most this many plugin items may share an engine batch (engine._serve.gather)
 MAX_GATHERED = 4096  # items one gathered batch takes at most
 HEAD_TIMEOUT = 10.0  # seconds a connection has to send a request's head (line and headers) once it waits for one
+KEEP_ALIVE = 5  # seconds an idle kept-alive connection stays open (uvicorn's default)
 BODY_TIMEOUT = 60.0  # seconds a request has to send its whole body, once its head is in
 MAX_CONNECTIONS = 65_536  # connections at most where the open-file limit sets none
 FILES_KEPT = 256  # open files the service keeps for itself (plugin workers, endpoints' connections, logs)
@@ -74,6 +76,7 @@ class ServeConfig:
     retry_after: int = RETRY_AFTER
     gather_items: int = GATHER_ITEMS  # 0: no request shares a batch
     head_timeout: float = HEAD_TIMEOUT
+    keep_alive: int = KEEP_ALIVE
     body_timeout: float = BODY_TIMEOUT
     max_connections: int | None = None  # None: as many as the open-file limit leaves (less FILES_KEPT)
 
@@ -102,6 +105,8 @@ class ServeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+        if type(self.keep_alive) is not int or self.keep_alive < 1:
+            raise ValueError(f"keep_alive must be a whole number of seconds >= 1, got {self.keep_alive!r}")
         if self.max_connections is not None and (type(self.max_connections) is not int or self.max_connections < 1):
             raise ValueError(f"max_connections must be a whole number >= 1, got {self.max_connections!r}")
 

@@ -68,6 +68,7 @@ async def serve(engine_config: EngineConfig, config: ServeConfig) -> list[int]:
                 port=config.port,
                 http=guard.protocol(),  # uvicorn's httptools protocol, under the service's bounds on connections
                 lifespan="off",  # the engine is opened around the server
+                timeout_keep_alive=config.keep_alive,
                 timeout_graceful_shutdown=math.ceil(config.graceful_timeout),  # typed int; whole seconds
                 log_level="info",  # says where it listens, and when it stops
                 access_log=False,
