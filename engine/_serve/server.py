@@ -59,7 +59,7 @@ class _Server(uvicorn.Server):
 async def serve(engine_config: EngineConfig, config: ServeConfig) -> list[int]:
     """Serve until a signal stops the service; the signals that did."""
     async with Engine(engine_config) as engine:
-        guard = Guard(config.head_timeout, config.connections())
+        guard = Guard(config.head_timeout, config.body_timeout, config.connections())
         app = App(engine, config, guard)
         server = _Server(
             uvicorn.Config(
@@ -87,5 +87,6 @@ async def serve(engine_config: EngineConfig, config: ServeConfig) -> list[int]:
             with anyio.move_on_after(SETTLE):
                 while server.server_state.tasks:
                     await anyio.sleep(0.01)
+            guard.cancel()
             await app.aclose()
         return server.stopped_by
