@@ -32,7 +32,7 @@ from engine._core.report import BatchResult
 from engine._errors import VerificationError
 from engine._remote.wire import INTERNAL, JSON, dump_result, encode_error, error_status
 from engine._serve import openrlhf
-from engine._serve.body import TooMany, parse
+from engine._serve.body import SMALL, TooMany, parse, parse_small
 from engine._serve.gather import Gatherer, Gone, Scorer, hung_up
 from engine._serve.limits import Admission, ServeConfig
 from engine._serve.metrics import Metrics
@@ -183,8 +183,9 @@ class App:
                 raise _Refused(413, "TooLarge", f"the body is over this service's {limit} bytes")
             chunks.append(chunk)
             more = message.get("more_body", False)
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         try:
-            return await parse(b"".join(chunks), self.config.max_items)
+            return parse_small(data) if len(data) <= SMALL else await parse(data, self.config.max_items)
         except TooMany as exc:
             raise _Refused(413, "TooLarge", f"the batch has more than {exc.limit} items, this service's most") from None
 

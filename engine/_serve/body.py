@@ -10,7 +10,7 @@ import anyio
 
 from engine import _json
 
-__all__ = ["SMALL", "TooMany", "parse"]
+__all__ = ["SMALL", "TooMany", "parse", "parse_small"]
 
 SMALL = 1 << 20  # bytes of a body orjson parses whole: ~10 ms at most, even of empty items
 SLICE = 0.005  # seconds a larger body is parsed for before the loop gets a turn
@@ -25,17 +25,24 @@ class TooMany(Exception):
         super().__init__(limit)
 
 
+def parse_small(body: bytes) -> Any:
+    """A body of at most :data:`SMALL` bytes as JSON, parsed whole (integers exact): its arrays are the caller's
+    to count. ``ValueError`` if it is not JSON."""
+    try:
+        return _json.loads(body)
+    except _json.JSONDecodeError as exc:
+        raise ValueError(f"the body is not JSON: {exc}") from None
+
+
 async def parse(body: bytes, max_items: int) -> Any:
-    """``body`` as JSON (integers exact); each array at its top level, or in its top-level object, holds at most
-    ``max_items`` values.
+    """``body`` as JSON (integers exact), parsed a value of its top-level arrays at a time, each array (at its top
+    level, or in its top-level object) holding at most ``max_items`` values; :func:`parse_small` for small bodies.
 
     Raises:
         ValueError: ``body`` is not JSON (nor UTF-8).
-        TooMany: an array there holds more values (a small body's arrays are the caller's to count).
+        TooMany: an array there holds more values.
     """
     try:
-        if len(body) <= SMALL:
-            return _json.loads(body)
         return await _Parser(body.decode(), max_items).document()
     except UnicodeDecodeError as exc:
         raise ValueError(f"the body is not UTF-8: {exc}") from None
