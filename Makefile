@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_loop.py
 	$(BIN)/python benchmarks/bench_cores.py
 	$(BIN)/python benchmarks/bench_serve.py
+	$(BIN)/python benchmarks/soak_serve.py
 	$(BIN)/python benchmarks/bench_adapters.py
 	$(BIN)/python benchmarks/bench_ray.py
 
