@@ -121,6 +121,18 @@ async def test_a_wide_integer_crosses_the_client_and_the_service_exactly(service
         assert await eng.score([item("exact", wanted=wanted)] * 3) == [1.0] * 3
 
 
+async def test_a_wide_integer_id_of_a_failing_item_comes_back_exactly(service: Service) -> None:
+    """The service read it exactly, and could not write it into the error: a 500."""
+    body = f'{{"items": [{{"environment": "fails", "task": {{}}, "trajectory": "boom", "id": {WIDE}}}]}}'
+    response = service.post("/v1/score", body.encode())
+    assert response.status_code == 422, response.text
+    assert f'"item_id":{WIDE}' in response.text
+    async with engine.Engine.connect(service.url, token=TOKEN) as eng:
+        with pytest.raises(engine.VerificationError) as info:
+            await eng.score([{**item("fails", "boom"), "id": WIDE}])
+    assert info.value.item_id == WIDE
+
+
 async def test_a_nan_in_a_task_is_refused_by_the_client_not_sent_as_null(service: Service) -> None:
     """orjson writes NaN as null: the plugin would have received None."""
     async with engine.Engine.connect(service.url, token=TOKEN) as eng:

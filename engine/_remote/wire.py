@@ -26,6 +26,7 @@ __all__ = [
     "JSON",
     "decode_error",
     "decode_result",
+    "dump_error",
     "dump_result",
     "encode_error",
     "error_status",
@@ -205,6 +206,11 @@ def encode_error(exc: BaseException, *, kind: str | None = None, message: str | 
         fields.update(kind=exc.kind, ref=exc.ref, environment=exc.environment, index=exc.index,
                       item_id=exc.item_id, message=exc.reason)
     return {"error": fields}
+
+
+def dump_error(exc: BaseException, *, kind: str | None = None, message: str | None = None) -> bytes:
+    """:func:`encode_error` as JSON, every integer exact (an item's id may be wider than 64 bits)."""
+    return json.dumps(encode_error(exc, kind=kind, message=message))
 
 
 def decode_error(status: int, body: bytes, url: str) -> Exception:

@@ -30,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from engine._core.contract import check_first_index
 from engine._core.report import BatchResult
 from engine._errors import VerificationError
-from engine._remote.wire import INTERNAL, JSON, dump_result, encode_error, error_status
+from engine._remote.wire import INTERNAL, JSON, dump_error, dump_result, error_status
 from engine._serve import openrlhf
 from engine._serve.body import SMALL, TooMany, parse, parse_small
 from engine._serve.gather import Gatherer, Gone, Scorer, hung_up
@@ -64,7 +64,7 @@ class _Refused(Exception):
 
     @property
     def body(self) -> bytes:
-        return orjson.dumps(encode_error(self, kind=self.kind, message=self.message))
+        return dump_error(self, kind=self.kind, message=self.message)
 
 
 class App:
@@ -135,7 +135,7 @@ class App:
             except _Refused as refused:
                 status, body, content_type, headers = refused.status, refused.body, JSON, refused.headers
             except (VerificationError, ValueError, TypeError) as exc:
-                status, body, content_type = error_status(exc), orjson.dumps(encode_error(exc)), JSON
+                status, body, content_type = error_status(exc), dump_error(exc), JSON
             await _respond(send, status, body, content_type, headers)
         except Gone:
             status = GONE
@@ -149,7 +149,7 @@ class App:
         except Exception as exc:  # a bug: answered as one, never as a reward or a verifier's failure
             logger.exception("engine serve: internal error answering %s %s", method, path)
             status = 500
-            await _respond(send, status, orjson.dumps(encode_error(exc, kind=INTERNAL)), JSON, [])
+            await _respond(send, status, dump_error(exc, kind=INTERNAL), JSON, [])
         finally:
             self.open_requests -= 1
         self.metrics.request(label, status, time.perf_counter() - started)

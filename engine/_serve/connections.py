@@ -6,10 +6,9 @@ import asyncio
 import time
 from typing import Any
 
-import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from engine._remote.wire import encode_error
+from engine._remote.wire import dump_error
 
 __all__ = ["Guard"]
 
@@ -123,7 +122,7 @@ class Guard:
                 guard.bodies.pop(self, None)
                 if self.cycle is not None and not self.cycle.response_started and not self.transport.is_closing():
                     message = f"the body was not received within {timeout:g} s"
-                    body = orjson.dumps(encode_error(TimeoutError(message), kind="Timeout", message=message))
+                    body = dump_error(TimeoutError(message), kind="Timeout", message=message)
                     self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
                                          b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
                 self.drop()
