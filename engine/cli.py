@@ -675,8 +675,8 @@ def rubrics_show(group_config: Path, ref: str, config_path: Path | None) -> None
 @click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True), default=_limits.BODY_TIMEOUT,
               show_default=True, help="Seconds a request has to send its whole body (408 after).")
 @click.option("--max-connections", type=click.IntRange(min=1), default=None,
-              help="Connections open at most; past it the one idle longest is closed.  [default: the open-file "
-                   f"limit less {_limits.FILES_KEPT}]")
+              help="Connections open at most; past it, one waiting for a head (or idle) is closed.  "
+                   f"[default: the open-file limit less {_limits.FILES_KEPT}]")
 def serve(config_path: Path, host: str, port: int, token_env: str | None, environment: str | None, max_items: int,
           max_bytes: int, max_queued: int, graceful_timeout: float, gather_items: int, head_timeout: float,
           keep_alive: int, body_timeout: float, max_connections: int | None) -> None:

@@ -694,7 +694,8 @@ def assert_rate_held(server: Server, count: int, rate: float) -> None:
     """
     times = sorted(server.request_times)
     assert len(times) == count
-    assert times[-1] - times[0] >= (count - rate) / rate * 0.8
+    # every pair, the first and the last too, within the bucket and that jitter: the span's own bound (an
+    # absolute 80% of the ideal, which a lagging loop stamping the first arrivals late went under) is in it
     slack = 2 + rate * 0.25
     for i in range(count):
         for j in range(i + 1, count):

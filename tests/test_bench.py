@@ -311,16 +311,27 @@ def test_bench_says_when_a_cpu_bound_thread_plugin_would_use_every_core(tmp_path
     items = rows(300) + [dict(r, environment=name) for name in (spin, twin, sleepy) for r in rows(60)]
     inp = write_rows(space.root / "in.jsonl", items)
 
-    result = space.run("bench", inp, "--config", space.config, "--json")
-    assert result.returncode == EXIT_OK, result.stderr
-    hints = {v["verifier"]: v["process_hint"] for v in orjson.loads(result.stdout)["verifiers"]}
-    hint = hints.pop(f"{spin}/verify:score")
-    assert hints == {f"{PLUGIN_ENV}/verify:score": None, f"{twin}/verify:score": None, f"{sleepy}/verify:score": None}
+    # The spinner is CPU-bound by the share of its calls' time on a CPU: a machine loaded past its cores
+    # gives it less, and then no hint is the right answer. So up to three runs, until one measures it so;
+    # the others must never get one.
+    for _ in range(3):
+        result = space.run("bench", inp, "--config", space.config, "--json")
+        assert result.returncode == EXIT_OK, result.stderr
+        hints = {v["verifier"]: v["process_hint"] for v in orjson.loads(result.stdout)["verifiers"]}
+        hint = hints.pop(f"{spin}/verify:score")
+        assert hints == {f"{PLUGIN_ENV}/verify:score": None, f"{twin}/verify:score": None,
+                         f"{sleepy}/verify:score": None}
+        if hint is not None:
+            break
     assert hint is not None and hint["cores"] == default_workers()
     assert hint["cpu_share"] > 0.5 and hint["call_ms"] >= 0.05
     assert f'"executor": "process" in its manifest\'s verifier would use {default_workers()} cores' in hint["says"]
 
-    table = space.run("bench", inp, "--config", space.config)
-    assert table.returncode == EXIT_OK, table.stderr
-    said = [line for line in table.stdout.splitlines() if line.startswith("hint: ")]
-    assert len(said) == 1 and said[0].startswith(f"hint: plugin {spin}/verify:score: CPU-bound ("), table.stdout
+    for _ in range(3):
+        table = space.run("bench", inp, "--config", space.config)
+        assert table.returncode == EXIT_OK, table.stderr
+        said = [line for line in table.stdout.splitlines() if line.startswith("hint: ")]
+        assert all(line.startswith(f"hint: plugin {spin}/verify:score: CPU-bound (") for line in said), table.stdout
+        if said:
+            break
+    assert len(said) == 1, table.stdout

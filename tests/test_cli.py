@@ -891,13 +891,18 @@ def test_check_says_when_a_cpu_bound_thread_plugin_would_use_every_core(tmp_path
             data = orjson.loads((space.envs / name / "manifest.json").read_bytes())
             data["verifier"].update({"executor": "process", "workers": 1})
             (space.envs / name / "manifest.json").write_bytes(orjson.dumps(data))
-    result = done(space.run("check", "--config", space.config))
-
-    for name in ("spin", "spin_process", "sleepy", PLUGIN_ENV):
-        assert check_row(result.stdout, name)[-1] == "yes"
-    # the cheap plugin is left out: whether its one cold call measures past 50 us is the machine's load's to say
-    said = {line.split(":")[1].strip(): line for line in result.stdout.splitlines() if line.startswith("hint: ")}
+    # the cheap plugin is left out: whether its one cold call measures past 50 us is the machine's load's to say;
+    # the spinner is CPU-bound by the share of its call's time on a CPU, which a machine loaded past its cores
+    # lowers: up to three runs, until one measures it so (the process plugin and the sleepy one never get one)
+    for _ in range(3):
+        result = done(space.run("check", "--config", space.config))
+        for name in ("spin", "spin_process", "sleepy", PLUGIN_ENV):
+            assert check_row(result.stdout, name)[-1] == "yes"
+        said = {line.split(":")[1].strip(): line for line in result.stdout.splitlines() if line.startswith("hint: ")}
+        assert said.keys() - {PLUGIN_ENV} <= {"spin"}, result.stdout
+        if "spin" in said:
+            break
     cores = default_workers()
-    assert said.keys() - {PLUGIN_ENV} == {"spin"}, result.stdout  # not the process plugin, not the sleepy one
+    assert "spin" in said, result.stdout
     assert said["spin"].startswith("hint: spin: CPU-bound ("), result.stdout
     assert said["spin"].endswith(f'"executor": "process" in its manifest\'s verifier would use {cores} cores')
