@@ -402,7 +402,8 @@ async def test_a_client_facing_retry_after_0_makes_a_handful_of_requests_in_a_se
         err = await service_error(server, retry_budget=1.0)
     assert err.status == 503 and "stayed saturated (503) for 1 s" in str(err)
     assert time.monotonic() - started >= 0.3  # it waited between tries (0.05 + 0.1 + 0.2 at the least)
-    assert 1 <= len(server.requests) <= 10, len(server.requests)  # a handful: one if a loaded machine's first try outlasted the budget
+    # a handful: one if a loaded machine's first try outlasted the budget
+    assert 1 <= len(server.requests) <= 10, len(server.requests)
 
 
 # --- case 11: a request unanswered for `timeout` seconds is a ServiceError ---------------------------------
