@@ -74,6 +74,7 @@ class App:
         self.engine = engine
         self.config = config
         self.guard = guard
+        self._retry_after = [(b"retry-after", str(config.retry_after).encode())]  # what each 503 asks a client
         self.admission = Admission(config.max_queued)
         self.open_requests = 0
         self.metrics = Metrics(self._gauges, self._counters, lambda: self.gatherer.costs)
@@ -143,7 +144,7 @@ class App:
             # uvicorn cancels what still runs at --graceful-timeout after SIGTERM: not scored, and said so in the
             # error's shape (the client asks again after Retry-After), not as uvicorn's 500 and a traceback
             stopped = _Refused(503, STOPPED, "the service stopped before this batch was scored: send it again",
-                               [(b"retry-after", str(self.config.retry_after).encode())])
+                               self._retry_after)
             status = stopped.status
             await _respond(send, status, stopped.body, JSON, stopped.headers)
         except Exception as exc:  # a bug: answered as one, never as a reward or a verifier's failure
@@ -196,9 +197,8 @@ class App:
         if count > self.config.max_items:
             raise _Refused(413, "TooLarge", f"the batch has {count} items, over this service's {self.config.max_items}")
         if not self.admission.admit(count):
-            wait = self.config.retry_after
             raise _Refused(503, "Saturated", f"the service has {self.admission.held} items admitted: try again later",
-                           [(b"retry-after", str(wait).encode())])
+                           self._retry_after)
         if self.gatherer.takes(items, first_index):  # a few plugin items: they share a batch with others'
             try:
                 return await self.gatherer.run(items, first_index, receive)
