@@ -23,6 +23,9 @@ import pytest
 import engine
 
 ENVS = Path(__file__).parent / "envs"
+# tests/trainers/ runs each trainer's released code, each in a venv of its own (`make trainers`, which sets
+# ENGINE_TRAINER): the main venv has none of them
+collect_ignore = [] if os.environ.get("ENGINE_TRAINER") else ["trainers"]
 # Ray started by a test (here, or in a subprocess, which inherits this) listens on 127.0.0.1 only: it takes a
 # 127.0.0.1 given as its node's address for the machine's own interface, unless told it is a one-machine cluster
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
