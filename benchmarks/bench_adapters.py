@@ -10,7 +10,18 @@ needs milliseconds to run 1,024 gathered coroutines, so that row stands beside a
 Everything runs on one event loop, each way back to back, ``--repeat`` times: a ratio is the median of
 the back-to-back pairs' ratios (this machine's speed drifts between runs), a time the median of its runs.
 
+Issue 23's section (``--verl``, in a venv with verl 0.9.1: ``make trainers TRAINERS=verl`` makes one)
+runs verl's own reward loop as verl's trainer does, on a local Ray of 2 CPUs: ``RewardLoopManager``
+and its ``RewardLoopWorker`` actors (2, and verl's default 8), fed by verl's ``AgentLoopManager`` and
+its default 8 ``AgentLoopWorker`` actors (the streaming path: one Ray call per finished sample to a
+random reward worker; generation is the tests' stand-in, ``tests/trainers/verl_support.py``, which
+answers at once, so every sample finishes together: gathering's best case), or
+``RewardLoopManager.compute_rm_score`` (the batch path: one chunk per worker). It counts the engine
+batches the adapter made in the reward workers, and, with ``url=``, the batches a shared ``engine
+serve`` made of the workers' requests.
+
     .venv/bin/python benchmarks/bench_adapters.py [--samples N] [--repeat R]
+    .venv-verl/bin/python benchmarks/bench_adapters.py --verl [--samples N] [--repeat R]
 """
 
 from __future__ import annotations
@@ -130,9 +141,145 @@ def main(samples: int, repeat: int) -> None:
                 ["way", "time", "speed vs one batch", "engine batches per step", "target"], rows))
 
 
+VERL_MAX_SECONDS = 1800.0  # the verl section stops repeating past this (its Ray workers take minutes to start)
+
+
+def served_batches(url: str, token: str) -> tuple[float, float]:
+    """An ``engine serve``'s engine batches so far, and the requests it answered on ``/score``."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", headers={"authorization": f"Bearer {token}"}, timeout=30).text
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    gathered = sum(v for (name, _), v in samples.items() if name == "engine_gathered_batches_total")
+    took = sum(v for (name, _), v in samples.items() if name == "engine_gathered_requests_total")
+    requests = sum(v for (name, labels), v in samples.items()
+                   if name == "engine_http_requests_total" and ("route", "/score") in labels)
+    return gathered + (requests - took), requests  # a request not gathered is a batch of its own
+
+
+def _verl_way(vs: Any, root: Path, kwargs: dict[str, str], workers: int, samples: int, repeat: int,
+              deadline: float, url: str, token: str) -> list[list[Any]]:
+    """Both paths with ``workers`` reward workers calling the engine as ``kwargs`` say: a row each, and
+    one for generation alone (the streaming row's time includes it)."""
+    import ray
+    from verl.experimental.agent_loop import AgentLoopManager
+
+    items = vs.numbered(samples)
+    want = vs.float32(vs.expected(items))
+    overrides = [*vs.settings(root, workers)[:4],  # the model and the stand-in; verl's default 8 agent-loop workers
+                 "actor_rollout_ref.rollout.prompt_length=64", "actor_rollout_ref.rollout.response_length=32",
+                 f"reward.num_workers={workers}", *vs.engine_reward(**kwargs)]
+    config = vs.compose_verl(overrides)
+    manager = vs.RewardLoopManager(config)
+    handles = manager.reward_loop_workers
+    streaming = AgentLoopManager.create(config=config, llm_client=None, reward_loop_worker_handles=handles)
+    batching = AgentLoopManager.create(config=config, llm_client=None, reward_loop_worker_handles=None)
+    assert vs.rewards_of(streaming.generate_sequences(vs.gen_batch(vs.rows(items)))) == want  # warm: all up
+    generated = batching.generate_sequences(vs.gen_batch(vs.rows(items)))
+    manager.compute_rm_score(generated)
+    where = "in process" if "config" in kwargs else "url=, one engine serve"
+    rows: list[list[Any]] = []
+
+    def generate_only() -> Any:
+        return batching.generate_sequences(vs.gen_batch(vs.rows(items)))
+
+    def stream() -> Any:
+        return streaming.generate_sequences(vs.gen_batch(vs.rows(items)))
+
+    def batch() -> Any:
+        return generated.union(manager.compute_rm_score(generated))
+
+    for path, step in (("generation alone (no reward)", generate_only), ("streaming path", stream),
+                       ("batch path", batch)):
+        counts: list[int] = []
+        times: list[float] = []
+        served: list[tuple[float, float]] = []
+        for _ in range(repeat):
+            before, seen = sum(vs.worker_batches(handles)), served_batches(url, token)
+            started = time.perf_counter()
+            out = step()
+            times.append(time.perf_counter() - started)
+            if step is not generate_only:
+                assert vs.rewards_of(out) == want
+            counts.append(sum(vs.worker_batches(handles)) - before)
+            after = served_batches(url, token)
+            served.append((after[0] - seen[0], after[1] - seen[1]))
+            if time.monotonic() > deadline:
+                break
+        shown = "" if step is generate_only else f"{statistics.median(counts):g} ({', '.join(map(str, counts))})"
+        if step is not generate_only and "url" in kwargs:
+            shown += (f"; the service: {statistics.median(b for b, _ in served):g} batches "
+                      f"of {statistics.median(r for _, r in served):g} requests")
+        rows.append([f"{path}, {workers} reward workers, {where}", f"{statistics.median(times) * 1e3:.0f} ms", shown,
+                     len(times)])
+    for handle in [*handles, *streaming.agent_loop_workers, *batching.agent_loop_workers]:
+        ray.kill(handle)
+    while True:  # verl names its reward workers: the next manager's need the names back
+        try:
+            ray.get_actor("reward_loop_worker_0")
+        except ValueError:
+            return rows
+        time.sleep(0.1)
+
+
+def verl_main(samples: int, repeat: int) -> None:
+    """Issue 23: verl's streaming and batch paths as verl's trainer runs them (see the module's docstring)."""
+    import subprocess
+    import sys
+
+    tests = Path(__file__).resolve().parents[1] / "tests"
+    sys.path[:0] = [str(tests / "trainers"), str(tests)]
+    import ray
+    import verl_support as vs
+    from _common import free_port, wait_for_port
+    from cli_support import child_env, engine_command
+
+    deadline = time.monotonic() + VERL_MAX_SECONDS
+    token = "bench-token"
+    rows: list[list[Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        config_file = vs.workspace(root)
+        port = free_port()
+        command = engine_command("serve", "--config", config_file, "--port", str(port), "--token-env", "SERVE_TOKEN")
+        server = subprocess.Popen(command, cwd=root, env=child_env({"SERVE_TOKEN": token}),
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_for_port(port, 60)
+            items = [{"environment": "sample", "task": {"reference": s["ground_truth"], "num_turns": 2, "index": n},
+                      "trajectory": s["response"]} for n, s in enumerate(vs.numbered(samples))]
+
+            async def one_batch() -> float:
+                async with engine.Engine.from_config(config_file) as eng:
+                    await eng.score(items)
+                    return await timed(lambda: eng.score(items))
+
+            base = statistics.median(asyncio.run(one_batch()) for _ in range(repeat))
+            rows.append([f"one Engine.score of {samples:,} (in process, for scale)", f"{base * 1e3:.1f} ms", "1",
+                         repeat])
+            vs.start_ray()
+            for workers in (2, 8):
+                for kwargs in ({"config": str(config_file)}, {"url": url, "token": token}):
+                    rows += _verl_way(vs, root, kwargs, workers, samples, repeat, deadline, url, token)
+        finally:
+            ray.shutdown()
+            server.terminate()
+            server.wait(30)
+    print(f"{machine()}; medians of up to {repeat} runs (each run's count in brackets)\n")
+    print(table(f"Issue 23: verl's reward loop, {samples:,} samples a step",
+                ["way", "time a step", "engine batches a step", "runs"], rows))
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=1024)
-    parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--repeat", type=int, default=None, help="runs of each way (default: 15, --verl: 3)")
+    parser.add_argument("--verl", action="store_true", help="issue 23's section: verl's own reward loop")
     args = parser.parse_args()
-    main(args.samples, args.repeat)
+    if args.verl:
+        verl_main(args.samples, args.repeat or 3)
+    else:
+        main(args.samples, args.repeat or 15)

@@ -136,3 +136,20 @@ def test_past_the_largest_batch_the_calls_are_split_and_a_cancelled_caller_leave
     assert batches == 2
     assert isinstance(outcomes[7], asyncio.CancelledError)
     assert [o for n, o in enumerate(outcomes) if n != 7] == [1.0 if n % 4 == 1 else 0.0 for n in range(count) if n != 7]
+
+
+def test_a_numpy_data_source_is_passed_on_as_the_plain_string_it_holds(engine_toml: Path) -> None:
+    """verl's streaming path hands ``np.str_`` data sources (and numpy integers in ``extra_info``): scored as
+    the environment named, and an unknown one named as written (``'probe'``, not ``np.str_('probe')``)."""
+    import numpy as np
+
+    async def step() -> list[Any]:
+        calls = [
+            compute_score(np.str_("arith"), "4", "4", {"num_turns": np.int64(2)}, config=str(engine_toml)),
+            compute_score(np.str_("probe"), "4", "4", {"num_turns": np.int32(2)}, config=str(engine_toml)),
+        ]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    scored, unknown = asyncio.run(step())
+    assert scored == 1.0
+    assert isinstance(unknown, ValueError) and "'probe'" in str(unknown) and "np.str_" not in str(unknown), unknown
