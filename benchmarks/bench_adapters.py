@@ -12,11 +12,11 @@ the back-to-back pairs' ratios (this machine's speed drifts between runs), a tim
 
 Issue 23's section (``--verl``, in a venv with verl 0.9.1: ``make trainers TRAINERS=verl`` makes one)
 runs verl's own reward loop as verl's trainer does, on a local Ray of 2 CPUs: ``RewardLoopManager``
-and its ``RewardLoopWorker`` actors (2, and verl's default 8), fed by verl's ``AgentLoopManager`` and
-its default 8 ``AgentLoopWorker`` actors (the streaming path: one Ray call per finished sample to a
-random reward worker; generation is the tests' stand-in, ``tests/trainers/verl_support.py``, which
-answers at once, so every sample finishes together: gathering's best case), or
-``RewardLoopManager.compute_rm_score`` (the batch path: one chunk per worker). It counts the engine
+and its ``RewardLoopWorker`` actors (2, and verl's default 8), fed by verl's ``AgentLoopWorker`` (the
+streaming path: one Ray call per finished sample to a random reward worker; one worker, in this
+process; generation is the tests' stand-in, ``tests/trainers/verl_support.py``, which answers at once,
+so the samples finish together: gathering's best case), or ``RewardLoopManager.compute_rm_score`` (the
+batch path: one chunk per worker). It counts the engine
 batches the adapter made in the reward workers, and, with ``url=``, the batches a shared ``engine
 serve`` made of the workers' requests.
 
@@ -145,7 +145,7 @@ VERL_MAX_SECONDS = 1800.0  # the verl section stops repeating past this (its Ray
 
 
 def served_batches(url: str, token: str) -> tuple[float, float]:
-    """An ``engine serve``'s engine batches so far, and the requests it answered on ``/score``."""
+    """An ``engine serve``'s engine batches so far, and the requests it answered on ``/v1/score``."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -155,7 +155,7 @@ def served_batches(url: str, token: str) -> tuple[float, float]:
     gathered = sum(v for (name, _), v in samples.items() if name == "engine_gathered_batches_total")
     took = sum(v for (name, _), v in samples.items() if name == "engine_gathered_requests_total")
     requests = sum(v for (name, labels), v in samples.items()
-                   if name == "engine_http_requests_total" and ("route", "/score") in labels)
+                   if name == "engine_http_requests_total" and ("route", "/v1/score") in labels)
     return gathered + (requests - took), requests  # a request not gathered is a batch of its own
 
 
@@ -164,29 +164,31 @@ def _verl_way(vs: Any, root: Path, kwargs: dict[str, str], workers: int, samples
     """Both paths with ``workers`` reward workers calling the engine as ``kwargs`` say: a row each, and
     one for generation alone (the streaming row's time includes it)."""
     import ray
-    from verl.experimental.agent_loop import AgentLoopManager
 
     items = vs.numbered(samples)
     want = vs.float32(vs.expected(items))
-    overrides = [*vs.settings(root, workers)[:4],  # the model and the stand-in; verl's default 8 agent-loop workers
-                 "actor_rollout_ref.rollout.prompt_length=64", "actor_rollout_ref.rollout.response_length=32",
-                 f"reward.num_workers={workers}", *vs.engine_reward(**kwargs)]
-    config = vs.compose_verl(overrides)
+    config = vs.compose_verl([*vs.settings(root, workers), *vs.engine_reward(**kwargs)])
     manager = vs.RewardLoopManager(config)
     handles = manager.reward_loop_workers
-    streaming = AgentLoopManager.create(config=config, llm_client=None, reward_loop_worker_handles=handles)
-    batching = AgentLoopManager.create(config=config, llm_client=None, reward_loop_worker_handles=None)
-    assert vs.rewards_of(streaming.generate_sequences(vs.gen_batch(vs.rows(items)))) == want  # warm: all up
-    generated = batching.generate_sequences(vs.gen_batch(vs.rows(items)))
+    # verl's AgentLoopWorker, here in this process (each of the trainer's is a Ray actor of its own: starting
+    # 8 more processes a setting took minutes on this machine); it sends the same Ray calls
+    streaming = vs.AgentLoopWorker(config, None, None, handles)
+    batching = vs.AgentLoopWorker(config, None, None, None)
+
+    def generate(worker: Any) -> Any:
+        return asyncio.run(worker.generate_sequences(vs.gen_batch(vs.rows(items))))
+
+    assert vs.rewards_of(generate(streaming)) == want  # warm: every worker up
+    generated = generate(batching)
     manager.compute_rm_score(generated)
     where = "in process" if "config" in kwargs else "url=, one engine serve"
     rows: list[list[Any]] = []
 
     def generate_only() -> Any:
-        return batching.generate_sequences(vs.gen_batch(vs.rows(items)))
+        return generate(batching)
 
     def stream() -> Any:
-        return streaming.generate_sequences(vs.gen_batch(vs.rows(items)))
+        return generate(streaming)
 
     def batch() -> Any:
         return generated.union(manager.compute_rm_score(generated))
@@ -214,7 +216,7 @@ def _verl_way(vs: Any, root: Path, kwargs: dict[str, str], workers: int, samples
                       f"of {statistics.median(r for _, r in served):g} requests")
         rows.append([f"{path}, {workers} reward workers, {where}", f"{statistics.median(times) * 1e3:.0f} ms", shown,
                      len(times)])
-    for handle in [*handles, *streaming.agent_loop_workers, *batching.agent_loop_workers]:
+    for handle in handles:
         ray.kill(handle)
     while True:  # verl names its reward workers: the next manager's need the names back
         try:
@@ -226,11 +228,13 @@ def _verl_way(vs: Any, root: Path, kwargs: dict[str, str], workers: int, samples
 
 def verl_main(samples: int, repeat: int) -> None:
     """Issue 23: verl's streaming and batch paths as verl's trainer runs them (see the module's docstring)."""
+    import os
     import subprocess
     import sys
 
     tests = Path(__file__).resolve().parents[1] / "tests"
     sys.path[:0] = [str(tests / "trainers"), str(tests)]
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before ray is imported: its Ray keeps to 127.0.0.1
     import ray
     import verl_support as vs
     from _common import free_port, wait_for_port

@@ -95,8 +95,8 @@ def served(root: Path) -> Iterator[str]:
         port = probe.getsockname()[1]
     command = engine_command("serve", "--config", root / "engine.toml", "--port", str(port),
                              "--token-env", "SERVE_TOKEN")
-    server = subprocess.Popen(command, cwd=root, env=child_env({"SERVE_TOKEN": TOKEN}),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = (root / "serve.log").open("w")
+    server = subprocess.Popen(command, cwd=root, env=child_env({"SERVE_TOKEN": TOKEN}), stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
 
     def healthy() -> bool:
@@ -112,6 +112,7 @@ def served(root: Path) -> Iterator[str]:
     finally:
         server.terminate()
         server.wait(30)
+        log.close()
 
 
 def config_for(root: Path, way: str, url: str | None = None, workers: int = WORKERS) -> Any:
@@ -314,13 +315,24 @@ def assert_own_failure(error: BaseException) -> None:
 
 
 def test_a_failing_sample_fails_verls_step_on_either_path_with_the_error_naming_it(
-    manager: RewardLoopManager,
+    manager: RewardLoopManager, root: Path
 ) -> None:
     """verl gathers its samples' calls (``asyncio.gather`` in ``AgentLoopWorker.generate_sequences``,
     ``ray.get`` in ``compute_rm_score``): the first error ends the step; no reward is made up for it."""
     samples = faulty(numbered(16), 5)
     assert_own_failure(raised(lambda: streamed(manager, samples)))
     assert_own_failure(raised(lambda: batch_path(manager, samples)))
+    # the engine's own ERROR line, where docs/trainers/verl.md says to look: the reward workers' logs (Ray's
+    # worker-*.err), or the service's when the workers call one
+    line = "batch aborted: plugin verifier 'faults:by_task' (environment 'faulty') failed on item"
+    wait_until(lambda: line in engine_logs(manager, root), 60, "the engine's ERROR line is in no log")
+
+
+def engine_logs(manager: RewardLoopManager, root: Path) -> str:
+    if "url" in manager.config.reward.custom_reward_function.reward_kwargs:
+        return (root / "serve.log").read_text()
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"  # no public API names it
+    return "".join(path.read_text(errors="replace") for path in logs.glob("worker-*.err"))
 
 
 def test_one_failing_sample_fails_only_its_own_call_of_those_a_reward_worker_gathered(

@@ -18,6 +18,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+# a one-machine cluster: a Ray started here keeps to 127.0.0.1 (read as ray is imported; tests/conftest.py
+# sets it for the tests, the benchmark imports this first)
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
 import ray
 import torch
 import verl
@@ -163,8 +167,6 @@ def engine_reward(**reward_kwargs: str) -> list[str]:
 
 def start_ray() -> None:
     """A local Ray of 2 CPUs on 127.0.0.1, its workers running this checkout's engine and these helpers."""
-    # a one-machine cluster: Ray then keeps to 127.0.0.1 (tests/conftest.py sets it for the tests too)
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     paths = [str(ENGINE_ROOT), str(TESTS), str(HERE)]
     env = {"PYTHONPATH": os.pathsep.join(paths), "TOKENIZERS_PARALLELISM": "false"}
     ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env},
