@@ -234,12 +234,18 @@ def test_every_launch_line_and_yaml_in_the_docs_and_the_example_is_what_verl_rea
     line = example.launch_line(root / "train.parquet", root / "engine.toml", str(root / "tiny-model"))
     assert line[1:3] == ["-m", "verl.trainer.main_ppo"]
     jobs.append(("the example", main_ppo_job(line[3:], root)))
-    for what, job in jobs:
-        reward = printed_config(job)["reward"]
-        assert reward["custom_reward_function"]["path"] == ADAPTER, what
-        assert reward["custom_reward_function"]["name"] == "compute_score", what
-        assert reward["custom_reward_function"]["reward_kwargs"] == {"config": str(root / "engine.toml")}, what
-        assert "reward_kwargs" not in reward, what  # not where verl never looks
+    try:
+        for what, job in jobs:
+            reward = printed_config(job)["reward"]
+            assert reward["custom_reward_function"]["path"] == ADAPTER, what
+            assert reward["custom_reward_function"]["name"] == "compute_score", what
+            assert reward["custom_reward_function"]["reward_kwargs"] == {"config": str(root / "engine.toml")}, what
+            assert "reward_kwargs" not in reward, what  # not where verl never looks
+    finally:
+        for _, job in jobs:  # those a failed assertion left running
+            if job.poll() is None:
+                job.kill()
+            job.communicate()
     # and what verl builds from the example's line scores each sample through the engine
     config = compose_verl([*line[3:], *settings(root, 1)[1:]])  # settings' first is the model: the line has it
     assert get_custom_reward_fn(config).args[1] == {"config": str(root / "engine.toml")}
