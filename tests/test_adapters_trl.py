@@ -193,7 +193,7 @@ def test_configuration_errors_are_raised_when_it_is_built_not_at_the_first_step(
         EngineReward(environment="arith")
     with pytest.raises(ValueError, match="unknown environment 'nowhere'"):
         EngineReward(engine_toml, environment="nowhere")
-    with pytest.raises(ValueError, match="no environment: .*ENGINE_ENVIRONMENT"):
+    with pytest.raises(ValueError, match=r"no environment: .*ENGINE_ENVIRONMENT"):
         EngineReward(engine_toml, environment_column=None)  # nothing could ever name one
     # no environment and the default column: legal (the dataset's rows name theirs), found at the step
     reward = EngineReward(engine_toml)
@@ -232,7 +232,8 @@ def test_trls_own_context_is_never_part_of_a_task(envs: Path, engine_toml: Path)
         reward = EngineReward(engine_toml, environment="remote")
         rewards = trl_call(reward, ["p0", "p1"], ["a", "b"], weight=[1, 2], environments=[CounterEnv(), CounterEnv()])
     assert rewards == [1.0, 1.0]
-    assert sorted(seen, key=lambda task: task["prompt"]) == [{"prompt": "p0", "weight": 1}, {"prompt": "p1", "weight": 2}]
+    tasks = sorted(seen, key=lambda task: task["prompt"])
+    assert tasks == [{"prompt": "p0", "weight": 1}, {"prompt": "p1", "weight": 2}]
 
 
 def test_the_environment_column_is_the_engines_unless_told_otherwise(engine_toml: Path) -> None:

@@ -1,0 +1,228 @@
+"""TRL 1.16.0's own ``GRPOTrainer``, unmodified, trained for two steps on CPU with the engine's rewards.
+
+A tiny Llama and a word-level tokenizer are built in code and saved where TRL loads a model from (nothing
+comes from a hub: ``HF_HUB_OFFLINE``). The ``rowcode`` plugin's reward encodes its row and its completion,
+so that what TRL recorded of each step (``GRPOTrainer._logs``: the rows it gathered, the rewards it took
+from each reward function, the advantages it computed) shows each reward reached its own row, in order.
+Run in the TRL venv only (``ENGINE_TRAINER=trl``; see tests/trainers/README.md).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trl_support
+from trl_support import add_row_env, expected_reward, prompt_of, row_of, trainer_for
+
+trl_support.offline()  # before TRL or transformers is imported
+
+import torch  # noqa: E402
+import trl  # noqa: E402
+from test_serve import Service, start_service, stop  # noqa: E402
+
+import engine  # noqa: E402
+from engine.adapters import close_engines  # noqa: E402
+from engine.adapters.trl import AsyncEngineReward, EngineReward  # noqa: E402
+
+pytestmark = [
+    pytest.mark.timeout(300),  # a trainer built and two steps taken, on a loaded 2-core machine
+    # the trainer's own deprecations (TRL's GRPOConfig sets a transformers argument renamed since): theirs to fix
+    pytest.mark.filterwarnings("ignore::FutureWarning:transformers"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::UserWarning:trl"),
+]
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "trl-token"
+
+
+def test_the_pinned_release_is_the_one_running() -> None:
+    assert trl.__version__ == "1.16.0"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return trl_support.build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture
+def rows_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The file the ``rowcode`` plugin appends each call to (the service's plugin too: it inherits it)."""
+    path = tmp_path / "rows.jsonl"
+    monkeypatch.setenv("ENGINE_TEST_ROW_LOG", str(path))
+    return path
+
+
+@pytest.fixture
+def rowcode(envs: Path, engine_toml: Path) -> Iterator[Path]:
+    """A config whose environments include ``rowcode``; the adapters' engines closed after."""
+    add_row_env(envs)
+    yield engine_toml
+    close_engines()
+
+
+@pytest.fixture
+def service(envs: Path, tmp_path: Path, rows_log: Path) -> Iterator[Service]:
+    """An ``engine serve`` over this test's environments (``rowcode`` among them), with a token."""
+    add_row_env(envs)
+    running = start_service(tmp_path, "", token=TOKEN)
+    yield running
+    close_engines()
+    stop(running)
+
+
+def rows(count: int, **columns: Any) -> list[dict[str, Any]]:
+    """``count`` dataset rows: a prompt that names its row, the row's number, and ``fail`` (False: a test sets it)."""
+    return [{"prompt": prompt_of(n), "row": n, "fail": False, **columns} for n in range(count)]
+
+
+def logged(trainer: Any, step: int) -> dict[str, Any]:
+    """What TRL logged at ``step`` (its ``log_history``, as the trainer's loggers got it)."""
+    [entry] = [e for e in trainer.state.log_history if e.get("step") == step and "loss" in e]
+    return entry
+
+
+def assert_rewards_intact_and_in_order(recorder: trl_support.Recorder, name: str, steps: int = 2) -> None:
+    """Every reward TRL received from ``name`` is the one its own row and completion have, at its place."""
+    assert len(recorder.steps) == steps
+    for step in recorder.steps:
+        received = step["rewards"][name]
+        assert len(received) == len(step["prompts"]) == len(step["completions"]) > 0
+        wanted = [expected_reward(row_of(p), c) for p, c in zip(step["prompts"], step["completions"], strict=True)]
+        assert received == wanted
+
+
+def plugin_saw(log: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def test_grpo_trains_two_steps_on_engine_rewards_each_its_own_rows(
+    tiny_model: Path, rowcode: Path, rows_log: Path, tmp_path: Path
+) -> None:
+    reward = EngineReward(rowcode, environment="rowcode")
+    trainer, recorder = trainer_for(tiny_model, [reward], rows(8), tmp_path / "out")
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert_rewards_intact_and_in_order(recorder, "rowcode")
+    # the plugin scored each row once, and what it saw is what TRL generated
+    seen = plugin_saw(rows_log)
+    trl_rows = [(row_of(p), trl_support.completion_text(c)) for s in recorder.steps
+                for p, c in zip(s["prompts"], s["completions"], strict=True)]
+    assert sorted((r["row"], r["said"]) for r in seen) == sorted(trl_rows)
+    assert {r["prompt"] for r in seen} == {prompt_of(n) for n, _ in trl_rows}
+    for step, kept in enumerate(recorder.steps, start=1):  # the engine's figure is TRL's own mean
+        assert logged(trainer, step)["engine/rowcode/verify:score/reward_mean"] == pytest.approx(
+            sum(kept["rewards"]["rowcode"]) / len(kept["rewards"]["rowcode"]), abs=1e-4
+        )
+        assert not any(key.endswith(("judge_tokens_per_item", "retries_per_item", "skip_rate", "/items"))
+                       for key in logged(trainer, step))  # none that means nothing for a plugin
+
+
+def test_the_async_reward_on_trls_own_loop(tiny_model: Path, rowcode: Path, rows_log: Path, tmp_path: Path) -> None:
+    reward = AsyncEngineReward(rowcode, environment="rowcode")
+    trainer, recorder = trainer_for(tiny_model, [reward], rows(8), tmp_path / "out")
+    trainer.train()
+    assert_rewards_intact_and_in_order(recorder, "rowcode")
+
+
+def test_grpo_through_engine_serve(tiny_model: Path, service: Service, rows_log: Path, tmp_path: Path) -> None:
+    reward = EngineReward(url=service.url, token=TOKEN, environment="rowcode")
+    trainer, recorder = trainer_for(tiny_model, [reward], rows(8), tmp_path / "out")
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert_rewards_intact_and_in_order(recorder, "rowcode")
+    assert len(plugin_saw(rows_log)) == 8  # scored in the service's process, each row once
+
+
+@pytest.mark.parametrize("through", ["process", "service"])
+def test_a_failing_item_ends_training_with_the_error_never_a_number(
+    tiny_model: Path, envs: Path, engine_toml: Path, tmp_path: Path, rows_log: Path, through: str
+) -> None:
+    add_row_env(envs)
+    running = start_service(tmp_path, "", token=TOKEN) if through == "service" else None
+    try:
+        source: dict[str, Any] = {"url": running.url, "token": TOKEN} if running else {"config": engine_toml}
+        reward = EngineReward(**source, environment="rowcode")
+        data = rows(8)
+        data[1]["fail"] = True  # step 1's batch: rows 0 and 1, two completions each
+        trainer, recorder = trainer_for(tiny_model, [reward], data, tmp_path / "out")
+        with pytest.raises(engine.VerificationError) as info:
+            trainer.train()
+    finally:
+        close_engines()
+        if running is not None:
+            stop(running)
+    assert info.value.environment == "rowcode"
+    assert info.value.index in (2, 3)  # one of row 1's two completions (the first to fail)
+    assert "row 1 fails on purpose" in str(info.value)
+    assert trainer.state.global_step == 0 and recorder.steps == []  # no step took a reward
+
+
+def test_skip_batch_alone_zeroes_the_advantage_and_the_optimiser_still_steps(
+    tiny_model: Path, rowcode: Path, tmp_path: Path
+) -> None:
+    reward = EngineReward(rowcode, environment="rowcode", on_error="skip_batch")
+    data = rows(8)
+    data[0]["fail"] = True  # step 1 skipped, step 2 scored
+    trainer, recorder = trainer_for(tiny_model, [reward], data, tmp_path / "out")
+    trainer.train()
+    assert trainer.state.global_step == 2
+    first, second = recorder.steps
+    assert all(math.isnan(value) for value in first["rewards"]["rowcode"])  # None, which TRL made NaN
+    assert first["advantages"] == [0.0] * 4  # TRL zeroes an unscorable row's advantage
+    assert logged(trainer, 1)["grad_norm"] == 0.0  # nothing to learn from, but the step is taken
+    assert logged(trainer, 1)["rewards/rowcode/mean"] is None  # TRL logs no mean of NaNs
+    assert logged(trainer, 1)["engine/rowcode/skip_rate"] == 1.0
+    assert logged(trainer, 2)["engine/rowcode/skip_rate"] == 0.0
+    assert second["rewards"]["rowcode"] == [expected_reward(row_of(p), c)
+                                           for p, c in zip(second["prompts"], second["completions"], strict=True)]
+
+
+def length_reward(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
+    """A second reward function: the completion's length in characters."""
+    return [float(len(c)) for c in completions]
+
+
+def test_skip_batch_beside_another_reward_trains_the_rows_on_that_one_alone(
+    tiny_model: Path, rowcode: Path, tmp_path: Path
+) -> None:
+    reward = EngineReward(rowcode, environment="rowcode", on_error="skip_batch")
+    data = rows(8)
+    data[0]["fail"] = True
+    trainer, recorder = trainer_for(tiny_model, [reward, length_reward], data, tmp_path / "out")
+    trainer.train()
+    first = recorder.steps[0]
+    lengths = first["rewards"]["length_reward"]
+    assert all(math.isnan(value) for value in first["rewards"]["rowcode"])
+    # TRL sums the reward functions skipping NaN: the skipped rows' reward is the other function's alone
+    assert logged(trainer, 1)["reward"] == pytest.approx(sum(lengths) / len(lengths))
+    # and their advantage is computed from it (per group of 2 generations: (r - mean) / (std + 1e-4))
+    for group in range(2):
+        a, b = lengths[2 * group : 2 * group + 2]
+        std = torch.tensor([a, b]).std().item()
+        wanted = [(a - (a + b) / 2) / (std + 1e-4), (b - (a + b) / 2) / (std + 1e-4)]
+        assert first["advantages"][2 * group : 2 * group + 2] == pytest.approx(wanted, abs=1e-4)
+    assert logged(trainer, 1)["rewards/rowcode/mean"] is None
+
+
+@pytest.mark.parametrize("failure", ["wrong token", "connection refused"])
+def test_a_service_failure_ends_training_even_under_skip_batch(
+    tiny_model: Path, service: Service, tmp_path: Path, failure: str
+) -> None:
+    if failure == "wrong token":
+        reward = EngineReward(url=service.url, token="not-" + TOKEN, environment="rowcode", on_error="skip_batch")
+    else:
+        closed = f"http://127.0.0.1:{trl_support.free_port()}"
+        reward = EngineReward(url=closed, environment="rowcode", on_error="skip_batch")
+    trainer, recorder = trainer_for(tiny_model, [reward], rows(8), tmp_path / "out")
+    with pytest.raises(engine.ServiceError) as info:
+        trainer.train()
+    assert info.value.status == (401 if failure == "wrong token" else None)
+    assert trainer.state.global_step == 0 and recorder.steps == []
