@@ -117,12 +117,39 @@ def test_grpo_trains_two_steps_on_engine_rewards_each_its_own_rows(
                 for p, c in zip(s["prompts"], s["completions"], strict=True)]
     assert sorted((r["row"], r["said"]) for r in seen) == sorted(trl_rows)
     assert {r["prompt"] for r in seen} == {prompt_of(n) for n, _ in trl_rows}
+    assert all(r["task"] == ["fail", "prompt", "row"] for r in seen)  # the row's columns, TRL's context in none
     for step, kept in enumerate(recorder.steps, start=1):  # the engine's figure is TRL's own mean
         assert logged(trainer, step)["engine/rowcode/verify:score/reward_mean"] == pytest.approx(
             sum(kept["rewards"]["rowcode"]) / len(kept["rewards"]["rowcode"]), abs=1e-4
         )
         assert not any(key.endswith(("judge_tokens_per_item", "retries_per_item", "skip_rate", "/items"))
                        for key in logged(trainer, step))  # none that means nothing for a plugin
+
+
+def test_engine_environment_and_engine_config_serve_a_reward_built_without_arguments(
+    tiny_model: Path, rowcode: Path, rows_log: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ENGINE_CONFIG", str(rowcode))
+    monkeypatch.setenv("ENGINE_ENVIRONMENT", "rowcode")
+    reward = EngineReward()  # as the README says every adapter does: both from the variables
+    assert reward.__name__ == "rowcode"
+    trainer, recorder = trainer_for(tiny_model, [reward], rows(8), tmp_path / "out")
+    trainer.train()
+    assert_rewards_intact_and_in_order(recorder, "rowcode")
+
+
+def test_a_configuration_error_is_raised_before_the_trainer_is_built(
+    tmp_path: Path, rowcode: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("ENGINE_ENVIRONMENT", raising=False)
+    with pytest.raises(engine.ConfigError, match="config file not found"):
+        EngineReward(tmp_path / "nowhere.toml", environment="rowcode")
+    with pytest.raises(ValueError, match="unknown environment 'math'"):
+        EngineReward(rowcode, environment="math")
+    monkeypatch.delenv("ENGINE_CONFIG", raising=False)
+    monkeypatch.delenv("ENGINE_URL", raising=False)
+    with pytest.raises(ValueError, match="no engine configured"):
+        EngineReward(environment="rowcode")
 
 
 def test_the_async_reward_on_trls_own_loop(tiny_model: Path, rowcode: Path, rows_log: Path, tmp_path: Path) -> None:
@@ -226,3 +253,75 @@ def test_a_service_failure_ends_training_even_under_skip_batch(
         trainer.train()
     assert info.value.status == (401 if failure == "wrong token" else None)
     assert trainer.state.global_step == 0 and recorder.steps == []
+
+
+class CounterEnv:
+    """An ``environment_factory`` environment, as TRL's docs write one: ``reset`` and one tool."""
+
+    def reset(self, **row: Any) -> None:
+        self.count = 0
+
+    def increment(self, step: int) -> int:
+        """Add ``step`` to the counter.
+
+        Args:
+            step: How much to add.
+
+        Returns:
+            The counter's new value.
+        """
+        self.count += step
+        return self.count
+
+
+@pytest.fixture(scope="session")
+def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a chat template TRL can call tools through (Qwen 2.5's, shipped with TRL)."""
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    directory = tmp_path_factory.mktemp("tiny-chat") / "model"
+    return trl_support.build_tiny_model(directory, chat_template=qwen2_5_chat_template)
+
+
+def chat_rows(count: int, **columns: Any) -> list[dict[str, Any]]:
+    return [{**row, "prompt": [{"role": "user", "content": row["prompt"]}]} for row in rows(count, **columns)]
+
+
+@pytest.mark.parametrize(
+    ("factory", "columns", "arguments"),
+    [
+        pytest.param(CounterEnv, {}, {"environment": "rowcode"}, id="one factory"),
+        # the dict form routes rows by their `environment` column, which names the engine's environment too
+        pytest.param({"rowcode": CounterEnv}, {"environment": "rowcode"}, {}, id="dict, one name for both"),
+        # TRL's names are not the engine's: the engine reads no column (or another one)
+        pytest.param({"counter": CounterEnv}, {"environment": "counter"},
+                     {"environment": "rowcode", "environment_column": None}, id="dict, names apart"),
+    ],
+)
+@pytest.mark.parametrize("through", ["process", "service"])
+def test_environment_factory_rows_score_without_trls_environments_in_their_tasks(
+    chat_model: Path, envs: Path, engine_toml: Path, tmp_path: Path, rows_log: Path,
+    factory: Any, columns: dict[str, Any], arguments: dict[str, Any], through: str,
+) -> None:
+    add_row_env(envs)
+    running = start_service(tmp_path, "", token=TOKEN) if through == "service" else None
+    try:
+        source: dict[str, Any] = {"url": running.url, "token": TOKEN} if running else {"config": engine_toml}
+        reward = EngineReward(**source, **arguments, name="rowcode")
+        trainer, recorder = trainer_for(chat_model, [reward], chat_rows(8, **columns), tmp_path / "out",
+                                        environment_factory=factory)
+        trainer.train()
+    finally:
+        close_engines()
+        if running is not None:
+            stop(running)
+    assert trainer.state.global_step == 2
+    assert all(isinstance(c, list) for s in recorder.steps for c in s["completions"])  # messages, as TRL made them
+    assert_rewards_intact_and_in_order(recorder, "rowcode")
+    seen = plugin_saw(rows_log)
+    assert len(seen) == 8
+    # the task is the row's columns: TRL's `environments` (its CounterEnv instances) in none; the `environment`
+    # column only where the engine does not read it
+    read_by_engine = arguments.get("environment_column", "environment") == "environment"
+    wanted = {"prompt", "row", "fail"} | ({"environment"} if columns and not read_by_engine else set())
+    assert all(set(r["task"]) == wanted for r in seen)

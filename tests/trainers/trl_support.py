@@ -109,7 +109,8 @@ def score(task, trajectory):
     log = os.environ.get("ENGINE_TEST_ROW_LOG")
     if log:
         with _lock, open(log, "a") as f:
-            f.write(json.dumps({"row": task["row"], "prompt": task["prompt"], "said": said, "reward": reward}) + "\\n")
+            f.write(json.dumps({"row": task["row"], "prompt": task["prompt"], "said": said, "reward": reward,
+                                "task": sorted(task)}) + "\\n")
     return reward
 '''
 
