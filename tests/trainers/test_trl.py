@@ -325,3 +325,85 @@ def test_environment_factory_rows_score_without_trls_environments_in_their_tasks
     read_by_engine = arguments.get("environment_column", "environment") == "environment"
     wanted = {"prompt", "row", "fail"} | ({"environment"} if columns and not read_by_engine else set())
     assert all(set(r["task"]) == wanted for r in seen)
+
+
+def torchrun(tmp_path: Path, model: Path, reward: dict[str, Any], data: list[dict[str, Any]]) -> tuple[
+    subprocess.CompletedProcess[str], dict[int, dict[str, Any]]
+]:
+    """``torchrun --nproc_per_node 2 trl_support.py SPEC`` on 127.0.0.1 (gloo, CPU); each rank's result."""
+    result = tmp_path / "result"
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"model": str(model), "reward": reward, "rows": data,
+                                "output_dir": str(tmp_path / "out"), "result": str(result)}))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(ROOT / "tests/trainers")]),
+           "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
+               "--master_addr", "127.0.0.1", "--master_port", str(trl_support.free_port()),
+               str(ROOT / "tests/trainers/trl_support.py"), str(spec)]
+    ran = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    results = {rank: json.loads(Path(f"{result}.{rank}").read_text())
+               for rank in range(2) if Path(f"{result}.{rank}").exists()}
+    return ran, results
+
+
+def two_rank_rows() -> list[dict[str, Any]]:
+    """16 rows, 4 a step (2 a rank, 2 completions each): row 2 (rank 1's at step 1) fails; row 7 (rank 1's
+    at step 2) is another environment's, so that the two ranks score unequal shares of ``rowcode``."""
+    data = rows(16, environment="rowcode")
+    data[2]["fail"] = True
+    data[7]["environment"] = "rowtwin"
+    return data
+
+
+def test_two_ranks_log_rates_and_item_weighted_means_and_rewards_reach_their_rows(
+    tiny_model: Path, service: Service, envs: Path, rows_log: Path, tmp_path: Path
+) -> None:
+    add_row_env(envs, "rowtwin")
+    reward = {"url": service.url, "token": TOKEN, "on_error": "skip_batch", "name": "engine"}
+    ran, results = torchrun(tmp_path, tiny_model, reward, two_rank_rows())
+    assert ran.returncode == 0, ran.stderr[-4000:]
+    assert sorted(results) == [0, 1] and all(r["world_size"] == 2 and r["global_step"] == 2 for r in results.values())
+    steps = results[0]["steps"]
+    assert steps == results[1]["steps"]  # what TRL gathered from both ranks, the same on each
+    first, second = steps
+    # step 1: rank 0's rows 0 and 1 scored, rank 1's batch (rows 2 and 3) skipped: None, which TRL made NaN
+    assert [row_of(p) for p in first["prompts"]] == [0, 0, 1, 1, 2, 2, 3, 3]
+    scored = [expected_reward(row_of(p), c) for p, c in zip(first["prompts"][:4], first["completions"][:4])]
+    assert first["rewards"]["engine"][:4] == scored
+    assert all(math.isnan(value) for value in first["rewards"]["engine"][4:])
+    assert first["advantages"][4:] == [0.0] * 4
+    for rank in (0, 1):  # TRL averages log_metric's values over the ranks: a rate stays a rate
+        step1, step2 = (logged_in(results[rank]["log_history"], step) for step in (1, 2))
+        assert step1["engine/engine/skip_rate"] == 0.5  # one rank's batch of two
+        assert step2["engine/engine/skip_rate"] == 0.0
+        assert step1["engine/rowcode/verify:score/reward_mean"] == pytest.approx(sum(scored) / 4, abs=1e-4)
+        # step 2: rowcode scored 4 items on rank 0 and 2 on rank 1; the mean is over the 6, not of the ranks' means
+        received = second["rewards"]["engine"]
+        assert [row_of(p) for p in second["prompts"]] == [4, 4, 5, 5, 6, 6, 7, 7]
+        assert received == [expected_reward(row_of(p), c) for p, c in zip(second["prompts"], second["completions"])]
+        over_items = sum(received[:6]) / 6
+        of_ranks = (sum(received[:4]) / 4 + sum(received[4:6]) / 2) / 2
+        assert step2["engine/rowcode/verify:score/reward_mean"] == pytest.approx(over_items, abs=1e-4)
+        assert abs(over_items - of_ranks) > 0.1  # (so the figure above could not have been the ranks' mean)
+        assert step2["engine/rowtwin/verify:score/reward_mean"] == pytest.approx(sum(received[6:]) / 2, abs=1e-4)
+        assert not any(key.endswith("/items") for key in step2)  # a count averaged over ranks means nothing
+    kept = [r for r in plugin_saw(rows_log) if r["row"] not in (2, 3)]  # row 3 may be scored before the abort
+    assert sorted(r["row"] for r in kept) == [0, 0, 1, 1, 4, 4, 5, 5, 6, 6, 7, 7]
+
+
+def logged_in(history: list[dict[str, Any]], step: int) -> dict[str, Any]:
+    [entry] = [e for e in history if e.get("step") == step and "loss" in e]
+    return entry
+
+
+def test_two_ranks_a_failure_on_one_rank_ends_training(
+    tiny_model: Path, rowcode: Path, envs: Path, rows_log: Path, tmp_path: Path
+) -> None:
+    add_row_env(envs, "rowtwin")
+    ran, results = torchrun(tmp_path, tiny_model, {"config": str(rowcode)}, two_rank_rows())
+    assert ran.returncode != 0
+    outcome = results[1]["outcome"]  # rank 1's batch held row 2; rank 0 was stopped by torchrun
+    assert (outcome["error"], outcome["environment"]) == ("VerificationError", "rowcode")
+    assert outcome["index"] in (0, 1) and "row 2 fails on purpose" in outcome["text"]
+    assert results[1]["global_step"] == 0 and results[1]["steps"] == []
+    assert "VerificationError" in ran.stderr

@@ -210,3 +210,41 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def main(spec_path: str) -> None:
+    """One rank of a ``torchrun`` run (``torchrun --nproc_per_node 2 trl_support.py SPEC``): train as ``SPEC``
+    (JSON: ``model``, ``reward`` (EngineReward's arguments), ``rows``, ``output_dir``, ``result``) says, and
+    write what this rank's trainer kept, or the error that ended it, to ``<result>.<rank>``."""
+    import json
+
+    offline()
+    from engine import VerificationError
+    from engine.adapters.trl import EngineReward
+
+    spec = json.loads(Path(spec_path).read_text())
+    rank = int(os.environ["RANK"])
+    reward = EngineReward(**spec["reward"])
+    trainer, recorder = trainer_for(Path(spec["model"]), [reward], spec["rows"], Path(spec["output_dir"]))
+    outcome: dict[str, Any] = {"error": None}
+    try:
+        trainer.train()
+    except VerificationError as exc:
+        outcome = {"error": type(exc).__name__, "environment": exc.environment, "index": exc.index, "text": str(exc)}
+        raise
+    finally:
+        result = {
+            "rank": rank,
+            "world_size": int(os.environ["WORLD_SIZE"]),
+            "outcome": outcome,
+            "global_step": trainer.state.global_step,
+            "log_history": trainer.state.log_history,
+            "steps": recorder.steps,
+        }
+        Path(f"{spec['result']}.{rank}").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1])
