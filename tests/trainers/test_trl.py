@@ -95,8 +95,12 @@ def assert_rewards_intact_and_in_order(recorder: trl_support.Recorder, name: str
     for step in recorder.steps:
         received = step["rewards"][name]
         assert len(received) == len(step["prompts"]) == len(step["completions"]) > 0
-        wanted = [expected_reward(row_of(p), c) for p, c in zip(step["prompts"], step["completions"], strict=True)]
-        assert received == wanted
+        assert received == expected_of(step)
+
+
+def expected_of(step: dict[str, Any]) -> list[float]:
+    """The rewards the ``rowcode`` plugin gives the rows and completions TRL kept of a step, in its order."""
+    return [expected_reward(row_of(p), c) for p, c in zip(step["prompts"], step["completions"], strict=True)]
 
 
 def plugin_saw(log: Path) -> list[dict[str, Any]]:
@@ -208,8 +212,7 @@ def test_skip_batch_alone_zeroes_the_advantage_and_the_optimiser_still_steps(
     assert logged(trainer, 1)["rewards/rowcode/mean"] is None  # TRL logs no mean of NaNs
     assert logged(trainer, 1)["engine/rowcode/skip_rate"] == 1.0
     assert logged(trainer, 2)["engine/rowcode/skip_rate"] == 0.0
-    assert second["rewards"]["rowcode"] == [expected_reward(row_of(p), c)
-                                           for p, c in zip(second["prompts"], second["completions"], strict=True)]
+    assert second["rewards"]["rowcode"] == expected_of(second)
 
 
 def length_reward(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
@@ -368,7 +371,7 @@ def test_two_ranks_log_rates_and_item_weighted_means_and_rewards_reach_their_row
     first, second = steps
     # step 1: rank 0's rows 0 and 1 scored, rank 1's batch (rows 2 and 3) skipped: None, which TRL made NaN
     assert [row_of(p) for p in first["prompts"]] == [0, 0, 1, 1, 2, 2, 3, 3]
-    scored = [expected_reward(row_of(p), c) for p, c in zip(first["prompts"][:4], first["completions"][:4])]
+    scored = expected_of(first)[:4]
     assert first["rewards"]["engine"][:4] == scored
     assert all(math.isnan(value) for value in first["rewards"]["engine"][4:])
     assert first["advantages"][4:] == [0.0] * 4
@@ -380,7 +383,7 @@ def test_two_ranks_log_rates_and_item_weighted_means_and_rewards_reach_their_row
         # step 2: rowcode scored 4 items on rank 0 and 2 on rank 1; the mean is over the 6, not of the ranks' means
         received = second["rewards"]["engine"]
         assert [row_of(p) for p in second["prompts"]] == [4, 4, 5, 5, 6, 6, 7, 7]
-        assert received == [expected_reward(row_of(p), c) for p, c in zip(second["prompts"], second["completions"])]
+        assert received == expected_of(second)
         over_items = sum(received[:6]) / 6
         of_ranks = (sum(received[:4]) / 4 + sum(received[4:6]) / 2) / 2
         assert step2["engine/rowcode/verify:score/reward_mean"] == pytest.approx(over_items, abs=1e-4)
