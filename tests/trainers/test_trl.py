@@ -410,3 +410,16 @@ def test_two_ranks_a_failure_on_one_rank_ends_training(
     assert outcome["index"] in (0, 1) and "row 2 fails on purpose" in outcome["text"]
     assert results[1]["global_step"] == 0 and results[1]["steps"] == []
     assert "VerificationError" in ran.stderr
+
+
+def test_the_example_script_trains_on_the_math_environment(tiny_model: Path, tmp_path: Path) -> None:
+    """examples/trainers/trl_grpo.py, run as a user runs it, on the tiny model for 2 steps."""
+    env = {**os.environ, "ENGINE_EXAMPLE_MODEL": str(tiny_model), "ENGINE_EXAMPLE_MAX_STEPS": "2",
+           "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    ran = subprocess.run([sys.executable, str(ROOT / "examples/trainers/trl_grpo.py")], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=240)
+    assert ran.returncode == 0, ran.stderr[-4000:]
+    logs = [line for line in ran.stdout.splitlines() if "'loss'" in line]
+    assert len(logs) == 2  # one line per step, TRL's
+    assert all("'engine/math/verify:score/reward_mean'" in line and "'rewards/math/mean'" in line for line in logs)
+    assert "judge_tokens" not in ran.stdout and "/items'" not in ran.stdout
