@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import logging
 import pickle
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
-from adapter_support import LoopThread
-from conftest import add_endpoint_env
-from servers import Request, Response, Server, status
+from adapter_support import LoopThread, write_config
+from cli_support import RUBRICS
+from conftest import add_endpoint_env, add_rubric_env
+from servers import Request, Response, Server, score, status
 
 import engine
+from engine.adapters import close_engines
 from engine.adapters.trl import AsyncEngineReward, EngineReward
 
 PROMPTS = ["What is 2+2?", "What is 3+3?", "What is 4+4?"]
@@ -147,6 +150,32 @@ def test_an_endpoints_retries_are_logged_per_item(envs: Path, engine_toml: Path)
     }
 
 
+def test_a_rubrics_judge_tokens_and_retries_are_logged_per_item(envs: Path, tmp_path: Path) -> None:
+    rubrics = tmp_path / "rubrics"
+    shutil.copytree(RUBRICS, rubrics)
+    add_rubric_env(envs, "graded", "alice/arithmetic-correctness@1")
+
+    def reply(request: Request) -> Response:
+        return score(1, usage={"prompt_tokens": 100, "completion_tokens": 5, "total_tokens": 105})
+
+    with Server.judge(default=reply) as judge:
+        config = write_config(envs, rubrics=f'"{rubrics}"')
+        config.write_text(config.read_text() + f'[judge]\nbase_url = "{judge.base_url}"\nmodel = "judge-test"\n')
+        reward = EngineReward(config, environment="graded")
+        metrics = Metrics()
+        try:
+            rewards = trl_call(reward, ["6 * 7?"] * 3, ["42"] * 3, reference=["42"] * 3, log_metric=metrics)
+        finally:
+            close_engines()
+    assert rewards == [1.0, 1.0, 1.0]
+    key = "engine/alice/arithmetic-correctness/"
+    assert metrics.values == {
+        key + "reward_mean": [1.0] * 3,
+        key + "retries_per_item": [0.0] * 3,
+        key + "judge_tokens_per_item": [105.0] * 3,
+    }
+
+
 def test_it_pickles_as_its_arguments_and_scores_where_it_lands(engine_toml: Path) -> None:
     reward = EngineReward(engine_toml, environment="arith", on_error="skip_batch")
     again = pickle.loads(pickle.dumps(reward))
@@ -193,6 +222,10 @@ def test_configuration_errors_are_raised_when_it_is_built_not_at_the_first_step(
         EngineReward(environment="arith")
     with pytest.raises(ValueError, match="unknown environment 'nowhere'"):
         EngineReward(engine_toml, environment="nowhere")
+    (engine_toml.parent / "envs" / "torn").mkdir()
+    (engine_toml.parent / "envs" / "torn" / "manifest.json").write_text("{")
+    with pytest.raises(engine.ManifestError, match="invalid JSON"):
+        EngineReward(engine_toml, environment="torn")
     with pytest.raises(ValueError, match=r"no environment: .*ENGINE_ENVIRONMENT"):
         EngineReward(engine_toml, environment_column=None)  # nothing could ever name one
     # no environment and the default column: legal (the dataset's rows name theirs), found at the step

@@ -10,8 +10,12 @@ Run in the TRL venv only (``ENGINE_TRAINER=trl``; see tests/trainers/README.md).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import re
+import shlex
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -174,7 +178,8 @@ def test_grpo_through_engine_serve(tiny_model: Path, service: Service, rows_log:
 
 @pytest.mark.parametrize("through", ["process", "service"])
 def test_a_failing_item_ends_training_with_the_error_never_a_number(
-    tiny_model: Path, envs: Path, engine_toml: Path, tmp_path: Path, rows_log: Path, through: str
+    tiny_model: Path, envs: Path, engine_toml: Path, tmp_path: Path, rows_log: Path, through: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     add_row_env(envs)
     running = start_service(tmp_path, "", token=TOKEN) if through == "service" else None
@@ -184,7 +189,7 @@ def test_a_failing_item_ends_training_with_the_error_never_a_number(
         data = rows(8)
         data[1]["fail"] = True  # step 1's batch: rows 0 and 1, two completions each
         trainer, recorder = trainer_for(tiny_model, [reward], data, tmp_path / "out")
-        with pytest.raises(engine.VerificationError) as info:
+        with caplog.at_level(logging.ERROR, logger="engine"), pytest.raises(engine.VerificationError) as info:
             trainer.train()
     finally:
         close_engines()
@@ -194,16 +199,26 @@ def test_a_failing_item_ends_training_with_the_error_never_a_number(
     assert info.value.index in (2, 3)  # one of row 1's two completions (the first to fail)
     assert "row 1 fails on purpose" in str(info.value)
     assert trainer.state.global_step == 0 and recorder.steps == []  # no step took a reward
+    # what the page tells a user to look for: the error's own words end the traceback, and in process the
+    # engine's ERROR line says the same (engine serve logs none: the client raises it in the trainer)
+    said = f"plugin verifier 'verify:score' (environment 'rowcode') failed on item {info.value.index}: raised"
+    assert str(info.value).startswith(said)
+    if running is None:
+        aborted = [r.levelno for r in caplog.records if r.getMessage().startswith("batch aborted: " + said)]
+        assert aborted == [logging.ERROR]
 
 
 def test_skip_batch_alone_zeroes_the_advantage_and_the_optimiser_still_steps(
-    tiny_model: Path, rowcode: Path, tmp_path: Path
+    tiny_model: Path, rowcode: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     reward = EngineReward(rowcode, environment="rowcode", on_error="skip_batch")
     data = rows(8)
     data[0]["fail"] = True  # step 1 skipped, step 2 scored
     trainer, recorder = trainer_for(tiny_model, [reward], data, tmp_path / "out")
-    trainer.train()
+    with caplog.at_level(logging.ERROR, logger="engine"):
+        trainer.train()
+    line = "reward function 'rowcode' skipped its batch of 4 rows (None for each): plugin verifier 'verify:score'"
+    assert [r.levelno for r in caplog.records if r.getMessage().startswith(line)] == [logging.ERROR]
     assert trainer.state.global_step == 2
     first, second = recorder.steps
     assert all(math.isnan(value) for value in first["rewards"]["rowcode"])  # None, which TRL made NaN
@@ -330,16 +345,17 @@ def test_environment_factory_rows_score_without_trls_environments_in_their_tasks
     assert all(set(r["task"]) == wanted for r in seen)
 
 
-def torchrun(tmp_path: Path, model: Path, reward: dict[str, Any], data: list[dict[str, Any]]) -> tuple[
-    subprocess.CompletedProcess[str], dict[int, dict[str, Any]]
-]:
-    """``torchrun --nproc_per_node 2 trl_support.py SPEC`` on 127.0.0.1 (gloo, CPU); each rank's result."""
+def torchrun(
+    tmp_path: Path, model: Path, reward: dict[str, Any], data: list[dict[str, Any]], **variables: str
+) -> tuple[subprocess.CompletedProcess[str], dict[int, dict[str, Any]]]:
+    """``torchrun --nproc_per_node 2 trl_support.py SPEC`` on 127.0.0.1 (gloo, CPU), with ``variables`` set;
+    each rank's result."""
     result = tmp_path / "result"
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"model": str(model), "reward": reward, "rows": data,
                                 "output_dir": str(tmp_path / "out"), "result": str(result)}))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(ROOT / "tests/trainers")]),
-           "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+           "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", **variables}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
                "--master_addr", "127.0.0.1", "--master_port", str(trl_support.free_port()),
                str(ROOT / "tests/trainers/trl_support.py"), str(spec)]
@@ -403,13 +419,16 @@ def test_two_ranks_a_failure_on_one_rank_ends_training(
     tiny_model: Path, rowcode: Path, envs: Path, rows_log: Path, tmp_path: Path
 ) -> None:
     add_row_env(envs, "rowtwin")
-    ran, results = torchrun(tmp_path, tiny_model, {"config": str(rowcode)}, two_rank_rows())
+    # as docs/trainers/trl.md launches it: EngineReward() reads both variables on each rank
+    variables = {"ENGINE_CONFIG": str(rowcode), "ENGINE_ENVIRONMENT": "rowcode"}
+    ran, results = torchrun(tmp_path, tiny_model, {}, two_rank_rows(), **variables)
     assert ran.returncode != 0
     outcome = results[1]["outcome"]  # rank 1's batch held row 2; rank 0 was stopped by torchrun
     assert (outcome["error"], outcome["environment"]) == ("VerificationError", "rowcode")
     assert outcome["index"] in (0, 1) and "row 2 fails on purpose" in outcome["text"]
     assert results[1]["global_step"] == 0 and results[1]["steps"] == []
-    assert "VerificationError" in ran.stderr
+    last_line = "engine._errors.VerificationError: plugin verifier 'verify:score' (environment 'rowcode') failed on"
+    assert last_line in ran.stderr  # the page's words for what ends the traceback
 
 
 def test_the_example_script_trains_on_the_math_environment(tiny_model: Path, tmp_path: Path) -> None:
@@ -423,3 +442,75 @@ def test_the_example_script_trains_on_the_math_environment(tiny_model: Path, tmp
     assert len(logs) == 2  # one line per step, TRL's
     assert all("'engine/math/verify:score/reward_mean'" in line and "'rewards/math/mean'" in line for line in logs)
     assert "judge_tokens" not in ran.stdout and "/items'" not in ran.stdout
+
+
+# --- docs/trainers/trl.md: every block run or parsed ----------------------------------------------------
+
+DOC = ROOT / "docs/trainers/trl.md"
+
+
+def blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", DOC.read_text(), flags=re.S)
+
+
+@pytest.fixture
+def examples_dir(tmp_path: Path) -> Path:
+    """A directory holding the examples' engine.toml and its environments, as a user's project would."""
+    work = tmp_path / "work"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in ("envs", "rubrics"):
+        shutil.copytree(ROOT / "examples" / name, work / name, ignore=ignore)
+    shutil.copy(ROOT / "examples/engine.toml", work / "engine.toml")
+    return work
+
+
+def run_block(code: str, work: Path, model: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """A block run as its reader would, in a directory with ``engine.toml``: ``model`` and ``args`` theirs."""
+    monkeypatch.chdir(work)
+    namespace: dict[str, Any] = {"model": str(model), "args": trl_support.grpo_args(work / "out")}
+    try:
+        exec(compile(code, str(DOC), "exec"), namespace)
+    finally:
+        close_engines()
+    return namespace
+
+
+def test_the_pages_first_block_trains_on_math_with_its_answer_column(
+    tiny_model: Path, examples_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = blocks("python")[0]
+    assert 'environment="math"' in first and '"answer"' in first
+    trained = run_block(first, examples_dir, tiny_model, monkeypatch)
+    trainer = trained["trainer"]
+    assert trainer.state.global_step == 2
+    assert all("engine/math/verify:score/reward_mean" in logged(trainer, step) for step in (1, 2))
+    # as the README had it, with a `reference` column: math-verify's environment reads `answer`
+    with pytest.raises(engine.VerificationError, match="KeyError: 'answer'"):
+        run_block(first.replace('"answer"', '"reference"'), examples_dir, tiny_model, monkeypatch)
+
+
+def test_the_pages_other_blocks_build_what_they_say(
+    tiny_model: Path, examples_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("ENGINE_ENVIRONMENT", raising=False)
+    monkeypatch.setenv("ENGINE_TOKEN", TOKEN)
+    built = []
+    for code in blocks("python")[1:]:
+        prelude = "from engine.adapters.trl import EngineReward\n"  # the page's first block imports it
+        namespace = run_block(prelude + code, examples_dir, tiny_model, monkeypatch)
+        built.append({name: (r.environment, r.environment_column, r.on_error, r._source.url)
+                      for name, r in namespace.items() if isinstance(r, EngineReward)})
+    assert built == [
+        {"reward": ("math", None, "raise", None), "per_row": (None, "engine_environment", "raise", None)},
+        {"reward": ("math", "environment", "skip_batch", None)},
+        {"reward": ("math", "environment", "raise", "http://127.0.0.1:8000")},
+    ]
+
+
+def test_the_pages_launch_line_is_the_one_the_two_rank_test_runs() -> None:
+    [launch] = blocks("bash")
+    words = shlex.split(launch.strip())
+    variables = dict(word.split("=", 1) for word in words if "=" in word and not word.startswith("-"))
+    command = [word for word in words if word.split("=", 1)[0] not in variables]
+    assert set(variables) == {"ENGINE_CONFIG", "ENGINE_ENVIRONMENT"}  # what test_two_ranks_a_failure... sets
+    assert command == ["torchrun", "--nproc_per_node", "2", "train.py"]
