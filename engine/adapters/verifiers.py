@@ -45,12 +45,14 @@ def _task_fields(task: Any) -> dict[str, Any]:
         return dict(task)
     dump = getattr(task, "model_dump", None)
     if not callable(dump):
-        raise TypeError(f"verifiers' task must be its TaskData (a pydantic model) or a mapping, got {type(task).__name__}")
+        raise TypeError(f"verifiers' task must be its TaskData (a pydantic model) or a mapping, "
+                        f"got {type(task).__name__}")
     # JSON form: the prompt's message models become plain mappings, as an engine serve must receive them
     fields = dump(mode="json", exclude_none=True)
     if not isinstance(fields, Mapping):
         raise TypeError(f"{type(task).__name__}.model_dump() returned {type(fields).__name__}, not a mapping")
-    dropped = _runtime_fields(type(task))
+    model: type = type(task)
+    dropped = _runtime_fields(model)
     return {key: value for key, value in fields.items() if key not in dropped}
 
 

@@ -13,6 +13,7 @@ engine of ENGINE_CONFIG (examples/engine.toml unless set). MEGATRON_ARGS are you
 arguments (slime's scripts/models/<model>.sh): add them for your model.
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -48,6 +49,8 @@ def write_prompts(rollouts: Path, prompts: Path) -> int:
 
 
 def main() -> None:
+    if importlib.util.find_spec("slime") is None:
+        sys.exit("slime is not installed: install it from its repository (THUDM/slime), not PyPI, then run this again")
     slime_dir = os.environ.get("SLIME_DIR")
     if not slime_dir or not (Path(slime_dir) / "train.py").is_file():
         sys.exit("set SLIME_DIR to a checkout of THUDM/slime (its train.py launches the run)")

@@ -14,9 +14,14 @@ the row's id, ``ok`` or ``failed``, the trace's reward (or its error).
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
+
+if importlib.util.find_spec("verifiers") is None:
+    sys.exit("verifiers is not installed: `pip install verifiers==0.4.0`, then run this again")
 
 import verifiers.v1 as vf
 from verifiers.v1 import graph
@@ -81,7 +86,8 @@ async def main() -> None:
         traces = [await trace_of(task, client, args.model) for task in tasks]
     finally:
         await client.close()
-    for task, trace in zip(tasks, await asyncio.gather(*(score(t, tr) for t, tr in zip(tasks, traces))), strict=True):
+    scored = await asyncio.gather(*(score(task, trace) for task, trace in zip(tasks, traces, strict=True)))
+    for task, trace in zip(tasks, scored, strict=True):
         outcome = trace.rewards["engine"].score if trace.ok else trace.errors[-1].message  # type: ignore[union-attr]
         print(task.data.id, "ok" if trace.ok else "failed", outcome)
 

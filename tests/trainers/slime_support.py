@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-STANDINS = Path(__file__).resolve().parent / "standins"  # import-only SGLang stand-ins: see standins/README.md
+STANDINS = Path(__file__).resolve().parent / "standins" / "slime"  # import-only SGLang stand-ins: see its README.md
 QUESTION = re.compile(r"What is (\d+) ([+*-]) (\d+)\?")
 
 # What slime's parse_args takes from parsers the suite cannot run (SGLang's, and Megatron-LM's, neither

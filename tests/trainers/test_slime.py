@@ -19,8 +19,7 @@ from typing import Any
 
 import pytest
 import slime
-import slime_support
-from polling import eventually
+from polling import wait_until
 from servers import Server
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.sglang_rollout import generate_rollout
@@ -136,7 +135,7 @@ def expected_reward(prompt: str) -> float:
 def test_a_rollout_gets_every_reward_in_order(configured: str, group_rm: bool, router: str, checkpoint: Path,
                                               tmp_path: Path) -> None:
     rows = prompts(tmp_path / "prompts.jsonl", 32)
-    source, rollout = run_rollout(launch(tmp_path / "prompts.jsonl", checkpoint, 32, group_rm), router)
+    _, rollout = run_rollout(launch(tmp_path / "prompts.jsonl", checkpoint, 32, group_rm), router)
     output = rollout()
     groups = output.samples
     assert len(groups) == 32 and all(len(group) == 4 for group in groups)
@@ -164,7 +163,7 @@ def test_a_failing_group_fails_the_rollout_and_no_other_group(configured: str, g
     def all_scored() -> bool:
         return all(sample.reward is not None for group in good for sample in group)
 
-    eventually(all_scored, 60, "the other groups were never scored")
+    wait_until(all_scored, 60, "the other groups were never scored")
     for group in good:
         row = rows[group[0].group_index]
         assert [sample.reward for sample in group] == [expected_reward(row["prompt"])] * 4

@@ -88,7 +88,7 @@ async def score(task: vf.Task, trace: Trace) -> Trace:
     try:
         async with boundary(TaskError, "scoring"):
             await task.score(trace, None)
-    except Exception as error:  # noqa: BLE001 - as Rollout.close: every scoring failure is the trace's
+    except Exception as error:  # as Rollout.close: every scoring failure is the trace's
         failed = True
         trace.record_error(error)
     trace.is_completed = True

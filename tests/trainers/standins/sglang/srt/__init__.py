@@ -1,1 +1,0 @@
-"""Import-only stand-in for SGLang (slime's GPU inference server): see tests/trainers/standins/README.md."""

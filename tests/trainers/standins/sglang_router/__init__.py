@@ -1,1 +1,0 @@
-"""Import-only stand-in for sglang-router (SGLang's request router): see tests/trainers/standins/README.md."""
