@@ -652,3 +652,15 @@ async def test_sigterm_cancels_a_batch_still_running_at_the_deadline_and_exits_0
         assert "timeout graceful shutdown exceeded" in err
     finally:
         stop(service)
+
+
+def test_a_failed_batch_is_logged_on_the_services_stderr_at_error(tmp_path: Path) -> None:
+    """The line a trainer's user looks for beside the trainer's own traceback (the OpenRLHF and TRL pages)."""
+    shutil.copytree(Path(__file__).parent / "envs", tmp_path / "envs")
+    service = start_service(tmp_path, "")
+    try:
+        response = service.post("/v1/score", {"items": [it("faulty", mode="raise", item_id="z")]})
+        assert response.status_code == 422
+    finally:
+        _, err = stop(service)
+    assert "batch aborted: plugin verifier 'faults:by_task' (environment 'faulty') failed on item 0 (id 'z')" in err
