@@ -6,7 +6,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench clean
+# The trainers suite (tests/trainers/README.md): each trainer's released code in a venv of its own, their pins
+# conflicting; slime is not on the registry, so its source (the shared folder beside the clone) goes on PYTHONPATH.
+TRAINERS ?= trl verl openrlhf slime verifiers
+SLIME_SOURCE := $(abspath $(CURDIR)/../shared/thirdparty/slime-624b824)
+STANDINS := $(CURDIR)/tests/trainers/standins
+
+.PHONY: run test trainers bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,7 +26,22 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check engine tests benchmarks examples
 	$(BIN)/mypy
+	$(MAKE) trainers
 	$(BIN)/pytest -q
+
+.venv-%/.installed: tests/trainers/requirements-%.txt pyproject.toml
+	test -x .venv-$*/bin/python || $(PYTHON) -m venv .venv-$*
+	.venv-$*/bin/python -m pip install --quiet --upgrade pip
+	.venv-$*/bin/python -m pip install --quiet -r tests/trainers/requirements-$*.txt -e '.[dev]'
+	if [ -f tests/trainers/install-$*.sh ]; then bash tests/trainers/install-$*.sh .venv-$*/bin/python; fi
+	touch $@
+
+trainers: $(foreach trainer,$(TRAINERS),.venv-$(trainer)/.installed)
+	for trainer in $(TRAINERS); do \
+		path=$(STANDINS)/$$trainer; if [ $$trainer = slime ]; then path=$$path:$(SLIME_SOURCE); fi; \
+		ENGINE_TRAINER=$$trainer PYTHONPATH=$$path .venv-$$trainer/bin/pytest -q -p no:cacheprovider \
+			tests/trainers/test_$$trainer.py || exit 1; \
+	done
 
 # Not part of the two commands: the throughput benchmarks (minutes; see benchmarks/README.md).
 bench: $(STAMP)
@@ -37,4 +58,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_ray.py
 
 clean:
-	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-* out .pytest_cache .mypy_cache .ruff_cache

@@ -70,6 +70,16 @@ class DigestError(EngineError):
         super().__init__(reason)
 
 
+def _python(value: Any) -> Any:
+    """A numpy scalar as the Python value it holds (exactly), anything else as it is."""
+    if type(value).__module__ == "numpy" and hasattr(value, "item"):
+        try:
+            return value.item()
+        except ValueError:  # an array of more than one value: not a scalar, kept as it is
+            return value
+    return value
+
+
 class VerificationError(EngineError):
     """A verifier failed to produce a reward.
 
@@ -91,9 +101,11 @@ class VerificationError(EngineError):
         self.kind = kind
         self.ref = ref
         self.reason = reason
-        self.environment = environment
+        # a trainer's numpy values named as Python's (verl's np.str_ data sources, its np.int64 ids): equal,
+        # and a message reads 'probe', not np.str_('probe')
+        self.environment = None if environment is None else str(environment)
         self.index = index
-        self.item_id = item_id
+        self.item_id = _python(item_id)
         super().__init__(kind, ref, reason)
 
     def at_item(self, environment: str, index: int, item_id: Any) -> VerificationError:

@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 
-__all__ = ["EXACT", "JSONDecodeError", "dumps", "loads"]
+__all__ = ["EXACT", "JSONDecodeError", "dumps", "loads", "plain"]
 
 JSONDecodeError = orjson.JSONDecodeError  # what loads raises, whichever parser found the fault
 # orjson reads an integer outside [-2**63, 2**64) as a float (rounded) and writes none: such an integer has
@@ -60,6 +60,29 @@ def loads(data: bytes | str) -> Any:
         raise JSONDecodeError(f"cannot be read with its integers exact: {exc}", str(data[:100]), 0) from None
 
 
+def _numpy(value: Any) -> bool:
+    """Whether ``value`` is numpy's (a scalar or an array), told without importing numpy."""
+    return type(value).__module__ == "numpy" and hasattr(value, "tolist")
+
+
+def plain(value: Any) -> Any:
+    """A ``default`` for :func:`dumps`: what orjson cannot write itself but an in-process engine takes.
+
+    Any mapping as a dict; numpy's scalars and arrays as Python's values, exactly (``tolist``: a float32
+    widened to the float it holds, never re-rounded to its shortest text, as orjson's numpy option would).
+    Trainers hand over numpy values (verl's ``extra_info``, its ``np.str_`` data sources; ``np.str_`` is a
+    ``str``, which orjson writes itself).
+
+    Raises:
+        TypeError: ``value`` is none of those.
+    """
+    if isinstance(value, Mapping):
+        return dict(value)
+    if _numpy(value):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
 def dumps(value: Any, default: Callable[[Any], Any] | None = None) -> bytes:
     """``value`` as orjson writes it, or, where it holds an integer orjson cannot write, as exact JSON.
 
@@ -88,6 +111,8 @@ def _holds_non_finite(value: Any) -> bool:
         return not math.isfinite(value)
     if isinstance(value, list | tuple):
         return any([_holds_non_finite(part) for part in value])
+    if _numpy(value):  # a float32 or an array, which ``plain`` writes as Python's values
+        return _holds_non_finite(value.tolist())
     if isinstance(value, Mapping):
         return any([_holds_non_finite(part) for part in value.values()])
     return False

@@ -62,13 +62,6 @@ def _check_timeout(timeout: float | None) -> None:
         raise ValueError(f"timeout must be a number of seconds > 0, or None to wait forever; got {timeout!r}")
 
 
-def _jsonable(value: Any) -> Any:
-    """What orjson cannot write itself but an in-process engine takes: any other mapping, as a dict."""
-    if isinstance(value, Mapping):
-        return dict(value)
-    raise TypeError(f"{type(value).__name__} is not JSON")
-
-
 class RemoteEngine:
     """An engine served by ``engine serve`` at ``url``; use it as an async context manager.
 
@@ -151,7 +144,7 @@ class RemoteEngine:
         if self._owner is not None:
             self._owner.check("this engine", self._opened_as)
         try:  # every integer exact, a wide one too
-            body = json.dumps({"items": batch, "first_index": first_index}, default=_jsonable)
+            body = json.dumps({"items": batch, "first_index": first_index}, default=json.plain)
         except TypeError as exc:
             raise TypeError(f"the batch cannot be sent to the scoring service: {exc}") from None
         return await self._stats.counted(self._scored(body, len(batch)))

@@ -29,7 +29,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -382,20 +382,32 @@ def close_engines() -> None:
         portal.stop()
 
 
+@dataclass(eq=False)
+class _Call:
+    """One caller's items (one sample, or a group), where they start in the gathered batch, and its answer."""
+
+    items: Sequence[Mapping[str, Any]]
+    future: asyncio.Future[list[float]]
+    start: int = 0
+
+
 class Coalescer:
     """Per-sample calls on one loop gathered into engine batches (verl's, slime's, OpenRLHF's calls).
 
-    A call's item waits while each pass of the loop brings more items (a ``call_soon`` chain: a pass
-    that brings none flushes), for at most ``DEFAULT_WINDOW`` seconds, or until ``DEFAULT_MAX_BATCH``
-    items wait; then they are scored as one batch. Each caller gets its own item's reward. A batch that
-    fails fails every call in it: each gets its own copy of the ``VerificationError``, naming the item
-    that failed by its place in the gathered batch, with a note giving the caller's own place.
+    A call's items wait while each pass of the loop brings more (a ``call_soon`` chain: a pass that
+    brings none flushes), for at most ``DEFAULT_WINDOW`` seconds, or until ``DEFAULT_MAX_BATCH`` items
+    wait; then they are scored as one batch. Each call gets exactly what it would get alone, as
+    ``engine serve``'s gatherer gives each request: its own rewards; when the batch fails on an item,
+    that item's call gets the ``VerificationError`` naming its own sample (and a note saying it was
+    gathered), and every other call is scored again as a batch of its own; a misuse error (an unknown
+    environment, a malformed item) names no call, so each call is scored alone to learn its own.
     """
 
     def __init__(self, entry: _LoopEngines, source: Source) -> None:
         self._entry = entry
         self._source = source
-        self._pending: list[tuple[Mapping[str, Any], asyncio.Future[float]]] = []
+        self._pending: list[_Call] = []
+        self._count = 0  # items pending
         self._generation = 0  # which hop chain is current: a flush at max size ends the one under way
         self._scheduled = False
         self._seen = 0
@@ -403,41 +415,47 @@ class Coalescer:
         self._running: set[asyncio.Task[None]] = set()
         self.batches = 0  # engine batches scored or failed so far (tests and benchmarks read it)
 
-    def submit(self, item: Mapping[str, Any]) -> asyncio.Future[float]:
-        """A future of ``item``'s reward, scored in the next batch (call from the entry's loop)."""
+    def submit(self, items: Sequence[Mapping[str, Any]]) -> asyncio.Future[list[float]]:
+        """A future of the rewards of ``items`` (one call's), scored in the next batch (call from the entry's loop)."""
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[float] = loop.create_future()
-        pending = self._pending
-        pending.append((item, future))
-        if len(pending) >= DEFAULT_MAX_BATCH:
+        future: asyncio.Future[list[float]] = loop.create_future()
+        if not items:
+            future.set_result([])
+            return future
+        self._pending.append(_Call(items, future))
+        self._count += len(items)
+        if self._count >= DEFAULT_MAX_BATCH:
             self._flush(loop)
         elif not self._scheduled:
-            self._scheduled, self._seen, self._deadline = True, len(pending), loop.time() + DEFAULT_WINDOW
+            self._scheduled, self._seen, self._deadline = True, self._count, loop.time() + DEFAULT_WINDOW
             loop.call_soon(self._hop, loop, self._generation)
         return future
 
     async def score(self, item: Mapping[str, Any]) -> float:
-        return await self.submit(item)
+        """The reward of one item, scored with the loop's other concurrent calls."""
+        return (await self.submit((item,)))[0]
 
     async def score_many(self, items: Sequence[Mapping[str, Any]]) -> list[float]:
-        futures = [self.submit(item) for item in items]
-        return list(await asyncio.gather(*futures))
+        """The rewards of one call's items (a group), in order, scored with the loop's other concurrent calls."""
+        return await self.submit(items)
 
     def _hop(self, loop: asyncio.AbstractEventLoop, generation: int) -> None:
         if generation != self._generation:
             return  # flushed at max size meanwhile
-        count = len(self._pending)
-        if count > self._seen and loop.time() < self._deadline:  # the last pass brought more: one more pass
-            self._seen = count
+        if self._count > self._seen and loop.time() < self._deadline:  # the last pass brought more: one more pass
+            self._seen = self._count
             loop.call_soon(self._hop, loop, generation)
             return
         self._flush(loop)
 
     def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
-        batch, self._pending = self._pending, []
+        calls, self._pending, self._count = self._pending, [], 0
         self._scheduled = False
         self._generation += 1
-        task = loop.create_task(self._score(batch))
+        self._start(loop, self._score(calls))
+
+    def _start(self, loop: asyncio.AbstractEventLoop, work: Coroutine[Any, Any, None]) -> None:
+        task = loop.create_task(work)
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
@@ -445,43 +463,70 @@ class Coalescer:
         """Wait for the batches under way (before the engine closes)."""
         if self._pending:
             self._flush(asyncio.get_running_loop())
-        if self._running:
+        while self._running:  # a failed batch starts its calls again, alone
             await asyncio.wait(list(self._running))
 
-    async def _score(self, batch: list[tuple[Mapping[str, Any], asyncio.Future[float]]]) -> None:
-        items = [item for item, _ in batch]
+    async def _score(self, calls: list[_Call]) -> None:
+        items: list[Mapping[str, Any]] = []
+        for call in calls:
+            call.start = len(items)
+            items += call.items
         try:
             eng = await self._entry.engine(self._source)
             rewards = await eng.score(items)
             if len(rewards) != len(items):  # never pair rewards with the wrong calls
                 raise RuntimeError(f"the engine returned {len(rewards)} rewards for {len(items)} items")
         except engine.VerificationError as exc:
-            for position, (_, future) in enumerate(batch):
-                if not future.done():
-                    future.set_exception(_for_caller(exc, position, len(batch)))
+            self._split_failure(calls, exc, len(items))
             return
-        except Exception as exc:  # misuse (an unknown environment, a malformed item): every caller's
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(exc)
+        except (ValueError, TypeError) as exc:  # misuse, naming no call: each learns its own, alone
+            if len(calls) == 1:
+                _fail(calls[0], exc)
+            else:
+                self._alone(calls)
+            return
+        except Exception as exc:  # no answer at all (a service gone, refused): every call's, as it is
+            for call in calls:
+                _fail(call, exc)
             return
         except BaseException:  # cancelled (the loop shuts down): so are the calls
-            for _, future in batch:
-                future.cancel()
+            for call in calls:
+                call.future.cancel()
             raise
         finally:
             self.batches += 1
-        for (_, future), reward in zip(batch, rewards, strict=True):
-            if not future.done():  # its caller may have been cancelled
-                future.set_result(reward)
+        for call in calls:
+            if not call.future.done():  # its caller may have been cancelled
+                call.future.set_result(list(rewards[call.start : call.start + len(call.items)]))
+
+    def _split_failure(self, calls: list[_Call], exc: engine.VerificationError, size: int) -> None:
+        """The failing item's call gets the error, naming its own sample; the others are scored alone."""
+        place = exc.index
+        if place is None or exc.environment is None or not 0 <= place < size:
+            if len(calls) == 1:
+                _fail(calls[0], exc)
+            else:
+                self._alone(calls)  # the error names no item of the batch: each call learns its own
+            return
+        owner = next(call for call in reversed(calls) if call.start <= place)
+        own = exc.at_item(exc.environment, place - owner.start, exc.item_id)
+        own.__cause__ = exc.__cause__
+        if len(calls) > 1:
+            own.add_note(
+                f"{len(calls)} calls were gathered into one engine batch of {size} items; the failing item is "
+                f"this call's own sample {place - owner.start}, and the other calls were scored again without it"
+            )
+        _fail(owner, own)
+        self._alone([call for call in calls if call is not owner])
+
+    def _alone(self, calls: list[_Call]) -> None:
+        """Each call scored as a batch of its own, as if it had never been gathered."""
+        loop = asyncio.get_running_loop()
+        for call in calls:
+            if not call.future.done():
+                self._start(loop, self._score([call]))
 
 
-def _for_caller(error: engine.VerificationError, position: int, size: int) -> engine.VerificationError:
-    """The caller at ``position``'s own copy of the error that failed its gathered batch."""
-    if error.index is None or error.environment is None:
-        return error
-    mine = error.at_item(error.environment, error.index, error.item_id)
-    mine.__cause__ = error
-    whose = "this call's own item" if position == error.index else f"not this call's: its item was {position}"
-    mine.add_note(f"{size} per-sample calls were scored as one engine batch; item {error.index} failed ({whose})")
-    return mine
+def _fail(call: _Call, exc: BaseException) -> None:
+    if not call.future.done():
+        call.future.set_exception(exc)

@@ -21,6 +21,7 @@ import anyio
 import httpx
 import orjson
 
+from engine import _json
 from engine._config import Limits
 from engine._core.contract import check_reward
 from engine._errors import Failure
@@ -37,15 +38,9 @@ __all__ = ["EndpointVerifier", "encode_item", "parse_reward"]
 HEADERS = {"content-type": "application/json", "accept": "application/json", "accept-encoding": "identity"}
 
 
-def _default(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return dict(value)
-    raise TypeError(f"{type(value).__name__} is not JSON-serializable")
-
-
 def encode_item(task: Mapping[str, Any], trajectory: Any) -> bytes:
-    """The request body; raises ``TypeError`` for values JSON cannot carry."""
-    return orjson.dumps({"task": task, "trajectory": trajectory}, default=_default)
+    """The request body; raises ``TypeError`` for values JSON cannot carry (NaN too: orjson would write null)."""
+    return _json.dumps({"task": task, "trajectory": trajectory}, default=_json.plain)
 
 
 def _show(content: bytes, scrub: Scrub | None) -> str:

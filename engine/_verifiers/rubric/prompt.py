@@ -26,6 +26,7 @@ from typing import Any
 
 import orjson
 
+from engine import _json
 from engine._reasons import a_or_an, excerpt
 from engine._verifiers._json import Words, number_field
 from engine._verifiers.rubric.registry import Rubric
@@ -122,7 +123,7 @@ def _reference_text(reference: Any) -> str:
     if isinstance(reference, str):
         return reference
     try:
-        return orjson.dumps(reference).decode()
+        return _json.dumps(reference, default=_json.plain).decode()
     except TypeError as exc:
         raise ValueError(f"the task's 'reference' cannot be shown to the judge: {exc}") from None
 
