@@ -6,7 +6,7 @@ adapter file (``--reward.remote_url /path/to/openrlhf.py``) or ``POST /get_rewar
 its ``RemoteExperienceMaker`` turns the rewards into advantages. Its own argument parser reads the
 example's launch line and every launch line of ``docs/trainers/openrlhf.md``. Run in the OpenRLHF venv:
 
-    ENGINE_TRAINER=openrlhf PYTHONPATH=$PWD:$PWD/tests:$PWD/tests/trainers/standins \\
+    ENGINE_TRAINER=openrlhf PYTHONPATH=$PWD/tests/trainers/standins/openrlhf \\
         .venv-openrlhf/bin/python -m pytest -q tests/trainers/test_openrlhf.py
 """
 
@@ -44,7 +44,7 @@ from test_serve import Service, start_service, stop  # noqa: E402
 ADAPTER = str(ROOT / "engine" / "adapters" / "openrlhf.py")
 EXAMPLES = ROOT / "examples"
 DOCS = ROOT / "docs" / "trainers" / "openrlhf.md"
-STANDINS = HERE / "standins"
+STANDINS = HERE / "standins" / "openrlhf"
 ERROR_LINE = "engine: OpenRLHF's reward_func failed"  # what docs/trainers/openrlhf.md tells users to look for
 POOL = min(32, (os.cpu_count() or 1) + 4)  # asyncio.to_thread's pool: reward_func calls in flight per actor
 
