@@ -174,7 +174,8 @@ def test_the_old_examples_flags_are_rejected_by_openrlhf(capsys: pytest.CaptureF
     with pytest.raises(SystemExit) as exited:
         orl.parse_launch(["--pretrain", "m", "--prompt_data", "p.jsonl", "--input_key", "task.prompt"])
     assert exited.value.code == 2
-    assert "unrecognized arguments: --pretrain m --prompt_data p.jsonl --input_key task.prompt" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "unrecognized arguments: --pretrain m --prompt_data p.jsonl --input_key task.prompt" in said
 
 
 def doc_launch_lines() -> list[list[str]]:
@@ -281,7 +282,8 @@ def test_a_failure_on_the_file_path_is_an_error_line_and_never_a_number(
 
 def _line(tmp_path: Path, prompts: list[str], labels: list[str], url: str = ADAPTER) -> list[str]:
     """A launch line over a prompt file of ``prompts`` and ``labels`` (one sample each, as small as it validates)."""
-    path = orl.write_prompts(tmp_path / "p.jsonl", [{"prompt": p, "label": lab} for p, lab in zip(prompts, labels)])
+    rows = [{"prompt": p, "label": lab} for p, lab in zip(prompts, labels, strict=True)]
+    path = orl.write_prompts(tmp_path / "p.jsonl", rows)
     return ["--reward.remote_url", url, "--data.prompt_dataset", str(path), "--data.input_key", "prompt",
             "--data.label_key", "label", "--algo.advantage.estimator", "reinforce", "--rollout.batch_size",
             str(len(prompts)), "--rollout.micro_batch_size", "4", "--actor.num_gpus_per_node", "1"]
