@@ -178,26 +178,34 @@ def test_the_old_examples_flags_are_rejected_by_openrlhf(capsys: pytest.CaptureF
     assert "unrecognized arguments: --pretrain m --prompt_data p.jsonl --input_key task.prompt" in said
 
 
-def doc_launch_lines() -> list[list[str]]:
-    """Every ``python -m openrlhf.cli.train_ppo_ray`` line in the page's code blocks, as argv after the module."""
-    text = DOCS.read_text()
+def doc_commands() -> list[list[str]]:
+    """Every command line in the page's shell code blocks (continuations joined), as words."""
     lines = []
-    for block in re.findall(r"```(?:bash|sh)\n(.*?)```", text, re.S):
-        command = block.replace("\\\n", " ")
-        for line in command.splitlines():
-            if "openrlhf.cli.train_ppo_ray" in line:
-                words = shlex.split(line.replace('"$(engine adapters openrlhf-path)"', ADAPTER))
-                lines.append(words[words.index("openrlhf.cli.train_ppo_ray") + 1:])
-    return lines
+    for block in re.findall(r"```(?:bash|sh)\n(.*?)```", DOCS.read_text(), re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            lines.append(shlex.split(line.replace('"$(engine adapters openrlhf-path)"', ADAPTER)))
+    return [words for words in lines if words]
 
 
-def test_every_launch_line_of_the_docs_page_is_read_by_openrlhfs_own_parser() -> None:
-    lines = doc_launch_lines()
-    assert len(lines) >= 2
-    for argv in lines:
-        args = orl.parse_launch(argv)
-        for url in args.reward.remote_url:
-            assert url == ADAPTER or re.fullmatch(r"http://127\.0\.0\.1:\d+/get_reward", url), url
+def test_every_command_of_the_docs_page_is_read_by_its_own_parser() -> None:
+    """OpenRLHF's launch lines by OpenRLHF's parser; ``engine serve`` by the engine's; nothing else is there."""
+    from engine.cli import cli
+
+    launches = serves = 0
+    for words in doc_commands():
+        if words[:1] == ["export"]:
+            assert words[1].split("=")[0] in ("ENGINE_CONFIG", "ENGINE_URL", "ENGINE_TOKEN", "ENGINE_ENVIRONMENT")
+        elif "openrlhf.cli.train_ppo_ray" in words:
+            args = orl.parse_launch(words[words.index("openrlhf.cli.train_ppo_ray") + 1:])
+            for url in args.reward.remote_url:
+                assert url == ADAPTER or re.fullmatch(r"http://127\.0\.0\.1:\d+/get_reward", url), url
+            launches += 1
+        else:
+            assert words[:2] == ["engine", "serve"], words
+            serve = cli.get_command(None, "serve")  # type: ignore[arg-type]
+            assert serve is not None and serve.make_context("serve", words[2:]).params["environment"]
+            serves += 1
+    assert (launches, serves) == (2, 1)
 
 
 # --- the file path, through OpenRLHF's actors ---------------------------------------------------------------
