@@ -367,6 +367,39 @@ def test_get_reward_speaks_openrlhf(service: Service) -> None:
         "VerificationError", "faulty", 3, "r")
 
 
+def test_get_reward_answers_openrlhfs_retry_of_a_failure_from_that_failure(service: Service) -> None:
+    """OpenRLHF posts a request again after a 422 (5 tries): a byte-identical body is answered from the failure
+    just seen, not scored again; other bytes are scored."""
+    body = orjson.dumps({"query": ["P:x"], "prompts": ["P:"],
+                         "labels": [{"environment": "faulty", "task": {"mode": "raise"}, "id": "again"}]})
+    replayed = ("engine_get_reward_replayed_total", ())
+    before = service.metrics().get(replayed, 0)
+    first, again = service.post("/get_reward", body), service.post("/get_reward", body)
+    assert first.status_code == again.status_code == 422 and first.content == again.content
+    assert first.json()["error"]["item_id"] == "again"
+    assert service.metrics()[replayed] - before == 1
+    other = service.post("/get_reward", body + b"\n")
+    assert other.status_code == 422 and service.metrics()[replayed] - before == 1
+    fine = service.post("/get_reward", {"query": ["Q: 4"], "prompts": ["Q: "], "labels": ["4"]})
+    assert fine.json()["rewards"] == [1.0]
+
+
+def test_replays_forget_after_their_window_and_past_their_most() -> None:
+    from engine._serve.openrlhf import Replays
+
+    now = [0.0]
+    replays = Replays(window=30.0, most=2, clock=lambda: now[0])
+    replays.remember(b"a", 422, b"A")
+    now[0] = 29.9
+    assert replays.find(b"a") == (422, b"A") and replays.find(b"b") is None
+    now[0] = 30.0
+    assert replays.find(b"a") is None  # past the window: scored again
+    for body in (b"x", b"y", b"z"):
+        replays.remember(body, 422, body.upper())
+    assert (replays.find(b"x"), replays.find(b"y"), replays.find(b"z")) == (None, (422, b"Y"), (422, b"Z"))
+    assert replays.replayed == 3
+
+
 # --- the service's own refusals ------------------------------------------------------------------------
 
 
