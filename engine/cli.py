@@ -693,8 +693,9 @@ def serve(config_path: Path, host: str, port: int, token_env: str | None, enviro
     except ValueError as exc:
         _fail(EXIT_BAD_INPUT, str(exc))
     config = load_config(config_path)
-    # a bug answering a request is answered 500 and logged here, on stderr: the service's log
-    logging.getLogger("engine.serve").addHandler(logging.StreamHandler())
+    # the service's log, on stderr: each failed batch at ERROR (the scheduler's "batch aborted" line, which a
+    # trainer's user looks for beside its own traceback), and a bug answering a request (answered 500)
+    logging.getLogger("engine").addHandler(logging.StreamHandler())
     stopped_by = _run(lambda: run_service(config, settings))
     if signal.SIGINT in stopped_by:
         _interrupted()

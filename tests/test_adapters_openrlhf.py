@@ -78,6 +78,20 @@ def test_a_failed_verification_is_raised(reward_func: Any, envs: Path, monkeypat
     assert "no reference may be boom" in info.value.reason
 
 
+def test_a_failure_is_logged_at_error_on_the_engine_logger_before_it_is_raised(
+    reward_func: Any, envs: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """OpenRLHF logs what reward_func raises at INFO only: the engine's own ERROR line is the one to find."""
+    add_env(envs, "strict", "plugin", "verify:score")
+    (envs / "strict" / "verify.py").write_text(STRICT)
+    monkeypatch.setenv("ENGINE_ENVIRONMENT", "strict")
+    with caplog.at_level("ERROR", logger="engine"), pytest.raises(engine.VerificationError):
+        reward_func(["p y"], ["p "], ["boom"])
+    mine = [r for r in caplog.records if r.getMessage().startswith("engine: OpenRLHF's reward_func failed")]
+    assert len(mine) == 1 and mine[0].levelname == "ERROR" and mine[0].name == "engine"
+    assert "VerificationError" in mine[0].getMessage() and "no reference may be boom" in mine[0].getMessage()
+
+
 def test_without_an_environment_it_says_which_variable(reward_func: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ENGINE_ENVIRONMENT")
     with pytest.raises(ValueError, match="ENGINE_ENVIRONMENT"):

@@ -77,8 +77,8 @@ def test_trl_logs_the_remote_engines_stats(served: str) -> None:
     reward = EngineReward(url=served, token=TOKEN, environment="arith")
     completions, reference = ["4", "5", "4"], ["4", "4", "4"]
     reward(prompts=["a", "b", "c"], completions=completions, reference=reference, log_metric=logged.__setitem__)
-    assert logged["engine/arith/verify:score/items"] == 3
     assert logged["engine/arith/verify:score/reward_mean"] == pytest.approx(2 / 3)
+    assert not any(key.endswith("/items") for key in logged)  # a count, which TRL would average over ranks
 
 
 def test_a_remote_engine_counts_its_batches_and_their_errors(served: str) -> None:

@@ -1,5 +1,6 @@
 """engine.adapters.verifiers: ``engine_reward(task=..., trace=...)`` awaited as verifiers v1 awaits a reward
-function, the task a mapping or a model with ``model_dump()``, the trace's completion the trajectory."""
+function, the task a mapping or a model with ``model_dump()``, the trace's ``last_reply`` the trajectory
+(verifiers' own classes: tests/trainers/test_verifiers.py, in its venv)."""
 
 from __future__ import annotations
 
@@ -19,13 +20,15 @@ class Model:
     def __init__(self, **fields: Any) -> None:
         self.fields = fields
 
-    def model_dump(self) -> dict[str, Any]:
+    def model_dump(self, **options: Any) -> dict[str, Any]:
         return dict(self.fields)
 
 
 class Trace:
-    def __init__(self, completion: Any) -> None:
-        self.completion = completion
+    """A v1 trace's reading face: ``last_reply`` (the model's final reply), and messages that are not scored."""
+
+    def __init__(self, last_reply: Any) -> None:
+        self.last_reply = last_reply
         self.messages = [{"role": "user", "content": "not this"}]
 
 
@@ -38,9 +41,9 @@ def configured(engine_toml: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_rewards_for_concurrent_traces_in_order() -> None:
     async def rollouts() -> list[float]:
         return await asyncio.gather(
-            engine_reward(task={"environment": "arith", "answer": "4", "prompt": "2+2?"}, trace={"completion": "4"}),
+            engine_reward(task={"environment": "arith", "answer": "4", "prompt": "2+2?"}, trace=Trace("4")),
             engine_reward(task=Model(environment="arith", answer="4"), trace=Trace("5")),
-            engine_reward(task={"environment": "twin_b"}, trace={"messages": []}),
+            engine_reward(task={"environment": "twin_b"}, trace=Trace("")),
         )
 
     assert asyncio.run(rollouts()) == [1.0, 0.0, 0.75]
@@ -49,7 +52,7 @@ def test_rewards_for_concurrent_traces_in_order() -> None:
 def test_a_failed_verification_is_raised_so_verifiers_marks_the_trace_failed() -> None:
     async def rollout() -> float:
         task = {"environment": "faulty", "mode": "raise", "id": "t-7"}
-        return await engine_reward(task=task, trace={"completion": ""})
+        return await engine_reward(task=task, trace=Trace(""))
 
     with pytest.raises(engine.VerificationError) as info:
         asyncio.run(rollout())
@@ -63,9 +66,13 @@ def test_the_item_of_a_task_and_a_trace(monkeypatch: pytest.MonkeyPatch) -> None
         "trajectory": "done",
         "id": 9,
     }
-    assert item({"environment": "e", "answer": 3, "reference": 4}, "raw")["task"] == {"answer": 3, "reference": 4}
+    both = item({"environment": "e", "answer": 3, "reference": 4}, Trace(""))
+    assert both["task"] == {"answer": 3, "reference": 4}
     monkeypatch.setenv("ENGINE_ENVIRONMENT", "fallback")
-    assert item(Model(prompt="p"), {"messages": ["m"]}) == {"environment": "fallback", "task": {"prompt": "p"},
-                                                             "trajectory": ["m"]}
-    with pytest.raises(TypeError, match="model_dump"):
-        item(["not", "a", "task"], "x")
+    fallback = {"environment": "fallback", "task": {"prompt": "p"}, "trajectory": "r"}
+    assert item(Model(prompt="p"), Trace("r")) == fallback
+    with pytest.raises(TypeError, match="TaskData"):
+        item(["not", "a", "task"], Trace("x"))
+    for not_a_trace in ({"completion": "4"}, {"messages": []}, "raw", Trace(["a", "list"])):
+        with pytest.raises(TypeError, match="last_reply"):  # v1 passes its Trace: any other shape is misuse
+            item({"environment": "e"}, not_a_trace)

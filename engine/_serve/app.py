@@ -79,6 +79,7 @@ class App:
         self.open_requests = 0
         self.metrics = Metrics(self._gauges, self._counters, lambda: self.gatherer.costs)
         self.gatherer = Gatherer(engine, self.metrics.batch, self.metrics.failed, most=config.gather_items)
+        self.replays = openrlhf.Replays()  # /get_reward's failures just answered, for OpenRLHF's retries
         self._token = config.token.encode() if config.token is not None else None
         self._routes: dict[tuple[str, str], Callable[[Scope, Receive], Awaitable[tuple[int, bytes, str]]]] = {
             ("POST", "/v1/score"): self._score,
@@ -111,6 +112,8 @@ class App:
                                         self.gatherer.batches),
             "engine_gathered_requests": ("Requests those batches took: more than batches when they shared.",
                                          self.gatherer.gathered),
+            "engine_get_reward_replayed": ("/get_reward requests answered from the identical request's failure "
+                                           "just seen (OpenRLHF's retries), not scored again.", self.replays.replayed),
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -169,6 +172,10 @@ class App:
 
     async def _read(self, scope: Scope, receive: Receive) -> Any:
         """The request's JSON body, read no further than ``max_bytes``."""
+        return await self._parse(await self._bytes(scope, receive))
+
+    async def _bytes(self, scope: Scope, receive: Receive) -> bytes:
+        """The request's body, read no further than ``max_bytes``."""
         limit = self.config.max_bytes
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > limit:
@@ -184,7 +191,9 @@ class App:
                 raise _Refused(413, "TooLarge", f"the body is over this service's {limit} bytes")
             chunks.append(chunk)
             more = message.get("more_body", False)
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def _parse(self, data: bytes) -> Any:
         try:
             return parse_small(data) if len(data) <= SMALL else await parse(data, self.config.max_items)
         except TooMany as exc:
@@ -240,8 +249,17 @@ class App:
         return 200, dump_result(result), JSON
 
     async def _get_reward(self, scope: Scope, receive: Receive) -> tuple[int, bytes, str]:
-        items = openrlhf.items_from(await self._read(scope, receive), self.config.environment)
-        result = await self._scored(items, 0, receive)
+        data = await self._bytes(scope, receive)
+        replay = self.replays.find(data)  # OpenRLHF asking again after a failure: not scored twice
+        if replay is not None:
+            return replay[0], replay[1], JSON
+        items = openrlhf.items_from(await self._parse(data), self.config.environment)
+        try:
+            result = await self._scored(items, 0, receive)
+        except VerificationError as exc:
+            status, body = error_status(exc), dump_error(exc)
+            self.replays.remember(data, status, body)
+            return status, body, JSON
         return 200, orjson.dumps(openrlhf.answer(result.rewards)), JSON
 
     async def aclose(self) -> None:

@@ -4,15 +4,28 @@ OpenRLHF (``--reward.remote_url``) posts ``{"query": [...], "prompts": [...], "l
 entry per sample, and reads ``{"rewards": [...], "scores": [...], "extra_logs": {...}}``. The samples
 map to items as the OpenRLHF adapter's do (``engine._openrlhf``); a label that is not an item is
 scored in the environment the service was started with (``--environment``).
+
+OpenRLHF 0.11.2 posts a request again when it is not answered 200 (5 tries, a second apart; a 422, a failed
+verification, is not answered 200 either), so a failure would be scored 5 times (5 judge calls for a
+rubric). ``Replays`` answers a request whose body is byte for byte one that just failed from that failure.
 """
 
 from __future__ import annotations
 
+import hashlib
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from engine._openrlhf import items
 
-__all__ = ["answer", "items_from"]
+__all__ = ["REPLAY_MOST", "REPLAY_WINDOW", "Replays", "answer", "items_from"]
+
+# OpenRLHF's retries come a second after each answer, four of them: 30 s covers them with room for a loaded
+# machine, and is short enough that a request sent again on purpose (a fixed verifier) is scored again.
+REPLAY_WINDOW = 30.0
+REPLAY_MOST = 1024  # failures remembered at once (a digest and the error's answer each): the oldest go first
 
 
 def items_from(body: Any, environment: str | None) -> list[dict[str, Any]]:
@@ -33,3 +46,46 @@ def items_from(body: Any, environment: str | None) -> list[dict[str, Any]]:
 def answer(rewards: list[float]) -> dict[str, Any]:
     """What OpenRLHF reads back: the rewards, as scores too (it logs those), and nothing more to log."""
     return {"rewards": rewards, "scores": rewards, "extra_logs": {}}
+
+
+class Replays:
+    """The ``/get_reward`` failures just answered, by their request body's digest, for ``window`` seconds.
+
+    Args:
+        window: Seconds a failure is answered again for an identical body.
+        most: Failures remembered at once; past it the oldest is forgotten.
+        clock: Monotonic seconds (the tests' to step).
+    """
+
+    def __init__(self, window: float = REPLAY_WINDOW, most: int = REPLAY_MOST,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._window, self._most, self._clock = window, most, clock
+        self._seen: OrderedDict[bytes, tuple[float, int, bytes]] = OrderedDict()  # oldest first: one window
+        self.replayed = 0  # requests answered from a remembered failure (the metrics count them)
+
+    def find(self, body: bytes) -> tuple[int, bytes] | None:
+        """The status and answer of the failure of an identical body within the window, or None."""
+        now = self._clock()
+        seen = self._seen
+        while seen:
+            key, (at, _, _) = next(iter(seen.items()))
+            if now - at < self._window:
+                break
+            del seen[key]
+        found = seen.get(_digest(body))
+        if found is None:
+            return None
+        self.replayed += 1
+        return found[1], found[2]
+
+    def remember(self, body: bytes, status: int, answer: bytes) -> None:
+        """Answer ``body`` with ``status`` and ``answer`` for the next ``window`` seconds."""
+        key = _digest(body)
+        self._seen.pop(key, None)
+        self._seen[key] = (self._clock(), status, answer)
+        while len(self._seen) > self._most:
+            self._seen.popitem(last=False)
+
+
+def _digest(body: bytes) -> bytes:
+    return hashlib.blake2b(body, digest_size=20).digest()  # 160 bits: no two bodies of a run share one

@@ -7,13 +7,21 @@ item's ``trajectory`` is its query less its prompt (the whole query when it does
 label that is a JSON object (or a string holding one) is the item's ``environment``, ``task`` and
 ``id``, any other label the task's ``reference``, ``{"prompt": prompt, "reference": label}``, in the
 environment ``ENGINE_ENVIRONMENT`` names. The engine is configured by environment variables:
-``ENGINE_CONFIG``, or ``ENGINE_URL`` and ``ENGINE_TOKEN``. The calls of all threads
-are scored on one background loop, the concurrent ones gathered into engine batches. It returns
-``{"rewards": [...], "scores": [...], "extra_logs": {}}``, lists of floats, or raises.
+``ENGINE_CONFIG``, or ``ENGINE_URL`` and ``ENGINE_TOKEN``. The calls of a process's threads are scored on
+one background loop, the concurrent ones gathered into engine batches (OpenRLHF runs at most
+``asyncio.to_thread``'s pool of them at once per rollout actor). It returns ``{"rewards": [...], "scores":
+[...], "extra_logs": {}}``, lists of floats, or raises.
+
+OpenRLHF 0.11.2 catches what ``reward_func`` raises, logs it at INFO and records the sample's reward as
+None; training stops later on that None (``AttributeError: 'NoneType' object has no attribute 'size'``).
+So before raising, the adapter logs the error at ERROR on the ``engine`` logger, a line starting
+``engine: OpenRLHF's reward_func failed``: without logging configured, Python's last-resort handler
+prints it to stderr.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -25,6 +33,8 @@ from engine.adapters._runtime import ENV_ENVIRONMENT, coalescer, in_background, 
 
 __all__ = ["reward_func"]
 
+logger = logging.getLogger("engine")
+
 
 async def _score(batch: list[dict[str, Any]]) -> list[float]:
     return await coalescer(source_of(None, None, None)).score_many(batch)
@@ -33,10 +43,37 @@ async def _score(batch: list[dict[str, Any]]) -> list[float]:
 def reward_func(
     queries: Sequence[str], prompts: Sequence[Any], labels: Sequence[Any] | None = None, **kw: Any
 ) -> dict[str, Any]:
-    """OpenRLHF's reward function: one reward per query, in order, or a raised error."""
-    environment = os.environ.get(ENV_ENVIRONMENT) or None  # read at each call, as the engine's variables are
-    batch = items(queries, prompts, labels, environment, f"{ENV_ENVIRONMENT} is not set")
-    rewards = in_background(_score, batch)
-    if len(rewards) != len(queries):
-        raise RuntimeError(f"{len(rewards)} rewards for {len(queries)} queries")
+    """OpenRLHF's reward function: one reward per query, in order, or a raised error (logged at ERROR first).
+
+    Args:
+        queries: Each sample's prompt followed by its response.
+        prompts: Each sample's prompt.
+        labels: Each sample's label: a reference, or an item (a JSON object, or a string holding one).
+        **kw: What else OpenRLHF passes; unused.
+
+    Returns:
+        ``{"rewards": [...], "scores": [...], "extra_logs": {}}``, one float per query in each list.
+
+    Raises:
+        engine.VerificationError: A sample failed verification.
+        ValueError: The samples cannot be items (no environment for a reference label, lengths that differ).
+        TypeError: A query or prompt that is not a string.
+    """
+    try:
+        environment = os.environ.get(ENV_ENVIRONMENT) or None  # read at each call, as the engine's variables are
+        batch = items(queries, prompts, labels, environment, f"{ENV_ENVIRONMENT} is not set")
+        rewards = in_background(_score, batch)
+        if len(rewards) != len(queries):
+            raise RuntimeError(f"{len(rewards)} rewards for {len(queries)} queries")
+    except Exception as exc:
+        # OpenRLHF logs what we raise at INFO only, and fails far later on the None it records: this is the line
+        logger.error("engine: OpenRLHF's reward_func failed, so OpenRLHF records no reward for these %d sample(s) "
+                     "(and stops later on the missing reward): %s: %s", len(queries), type(exc).__name__,
+                     _described(exc))
+        raise
     return {"rewards": rewards, "scores": list(rewards), "extra_logs": {}}
+
+
+def _described(exc: BaseException) -> str:
+    """The error with its notes (which say, for a gathered batch, whose item failed), on one line each."""
+    return "; ".join([str(exc), *getattr(exc, "__notes__", ())])

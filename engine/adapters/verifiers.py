@@ -1,16 +1,22 @@
 """verifiers (v1): ``engine_reward``, plugged as ``"engine.adapters.verifiers:engine_reward"``.
 
-verifiers awaits a v1 reward function with ``task`` and ``trace`` by name; an exception marks the trace
-failed. The engine is configured by environment variables (``ENGINE_CONFIG``, or ``ENGINE_URL`` and
-``ENGINE_TOKEN``). The task (a mapping, or a model with ``model_dump()``) becomes the item's task, its
-``environment`` (else ``ENGINE_ENVIRONMENT``) and ``id`` taken out, its ``answer`` becoming
-``reference`` when there is none; the trajectory is the trace's ``completion``, else its ``messages``
-(a mapping's keys or an object's attributes), else the trace itself. Concurrent calls on one loop are
-gathered into engine batches.
+verifiers' ``Task.score`` awaits a plugged reward with ``task`` (the task's ``TaskData``) and ``trace``
+(the rollout's ``Trace``) by name; an exception marks the trace failed (``ok`` false, the error on
+``trace.errors``). The engine is configured by environment variables (``ENGINE_CONFIG``, or
+``ENGINE_URL`` and ``ENGINE_TOKEN``).
+
+The item: the task's fields (its JSON form, ``None`` fields left out, and without the fields that
+``TaskData`` itself declares to place and run the rollout: ``image``, ``timeout``, ``resources``...;
+its ``prompt`` and ``system_prompt`` stay), its ``environment`` (else ``ENGINE_ENVIRONMENT``) and
+``id`` taken out, its ``answer`` becoming ``reference`` when there is none. The trajectory is
+``trace.last_reply``: the text of the model's final reply, what verifiers' own reward judges and
+``read_answer_file_or_last_reply`` read (never the prompt, never message objects). Concurrent calls on
+one loop are gathered into engine batches; each call gets its own reward or its own error.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,35 +24,62 @@ from engine.adapters._runtime import coalescer, environment_from, source_of
 
 __all__ = ["engine_reward"]
 
-
-def _as_mapping(value: Any, what: str) -> Mapping[str, Any]:
-    if isinstance(value, Mapping):
-        return value
-    dump = getattr(value, "model_dump", None)
-    if callable(dump):
-        dumped = dump()
-        if isinstance(dumped, Mapping):
-            return dumped
-    raise TypeError(f"verifiers' {what} must be a mapping or a model with model_dump(), got {type(value).__name__}")
+# The fields of verifiers' own TaskData kept in the task: what the model was asked. The rest of its own
+# fields (image, workdir, skills, network_allow, timeout, resources, artifacts, idx...) say how the
+# rollout runs, not what is scored.
+_KEPT = frozenset({"prompt", "system_prompt", "id"})
 
 
-def _trajectory(trace: Any) -> Any:
-    for name in ("completion", "messages"):
-        value = trace.get(name) if isinstance(trace, Mapping) else getattr(trace, name, None)
-        if value is not None:
-            return value
-    return trace
+@functools.cache
+def _runtime_fields(cls: type) -> frozenset[str]:
+    """The fields verifiers' ``TaskData`` declares itself (less ``_KEPT``), if ``cls`` is one of its models."""
+    for base in cls.__mro__:
+        if base.__name__ == "TaskData" and base.__module__ == "verifiers.v1.task":
+            declared = getattr(base, "model_fields", {})
+            return frozenset(declared) - _KEPT
+    return frozenset()
+
+
+def _task_fields(task: Any) -> dict[str, Any]:
+    if isinstance(task, Mapping):
+        return dict(task)
+    dump = getattr(task, "model_dump", None)
+    if not callable(dump):
+        raise TypeError(f"verifiers' task must be its TaskData (a pydantic model) or a mapping, "
+                        f"got {type(task).__name__}")
+    # JSON form: the prompt's message models become plain mappings, as an engine serve must receive them
+    fields = dump(mode="json", exclude_none=True)
+    if not isinstance(fields, Mapping):
+        raise TypeError(f"{type(task).__name__}.model_dump() returned {type(fields).__name__}, not a mapping")
+    model: type = type(task)
+    dropped = _runtime_fields(model)
+    return {key: value for key, value in fields.items() if key not in dropped}
+
+
+def _trajectory(trace: Any) -> str:
+    reply = getattr(trace, "last_reply", None)
+    if not isinstance(reply, str):
+        raise TypeError(
+            f"verifiers' trace must be a v1 Trace (its last_reply, the model's final reply, is the trajectory), "
+            f"got {type(trace).__name__}"
+        )
+    return reply
 
 
 def item(task: Any, trace: Any) -> dict[str, Any]:
-    """The engine item of one verifiers task and trace (see the module's docstring)."""
-    fields = dict(_as_mapping(task, "task"))
+    """The engine item of one verifiers task and trace (see the module's docstring).
+
+    Raises:
+        TypeError: ``task`` is neither a pydantic model nor a mapping, or ``trace`` has no ``last_reply``.
+        ValueError: no environment (neither the task's ``environment`` nor ``ENGINE_ENVIRONMENT``).
+    """
+    fields = _task_fields(task)
     environment = fields.pop("environment", None)
     item_id = fields.pop("id", None)
     if "reference" not in fields and "answer" in fields:
         fields["reference"] = fields.pop("answer")
     out = {
-        "environment": environment_from(environment, "give the task an 'environment'"),
+        "environment": environment_from(environment, "give the task an 'environment' field"),
         "task": fields,
         "trajectory": _trajectory(trace),
     }
@@ -56,5 +89,17 @@ def item(task: Any, trace: Any) -> dict[str, Any]:
 
 
 async def engine_reward(task: Any, trace: Any) -> float:
-    """The reward of ``trace`` for ``task``, or a raised error (verifiers marks the trace failed)."""
+    """The reward of ``trace`` for ``task``, as verifiers' ``Task.score`` awaits a plugged reward.
+
+    Args:
+        task: the task's ``TaskData`` (or a mapping of its fields).
+        trace: the rollout's v1 ``Trace``; its ``last_reply`` is the trajectory.
+
+    Returns:
+        The engine's reward for the item.
+
+    Raises:
+        engine.VerificationError: the item failed; verifiers records it on the trace, which fails.
+        TypeError, ValueError: the task or trace is not one the adapter can read, or no engine is configured.
+    """
     return await coalescer(source_of(None, None, None)).score(item(task, trace))
