@@ -253,6 +253,14 @@ def test_every_launch_line_and_yaml_in_the_docs_and_the_example_is_what_verl_rea
     assert [outcome["reward_score"] for outcome in score_in_process(config, samples)] == expected(samples)
 
 
+def test_without_its_plus_verl_refuses_the_reward_kwargs_key_at_launch(root: Path) -> None:
+    """verl's own config has no ``reward_kwargs`` key: hydra refuses to set it unless the launch line adds it."""
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException):
+        compose_verl([*settings(root, 1), f"reward.custom_reward_function.reward_kwargs.config={root}/engine.toml"])
+
+
 def in_process_worker(config: Any) -> RewardLoopWorker:
     """verl's ``RewardLoopWorker`` built in this process (the class its Ray actors are)."""
     return RewardLoopWorker(config)
@@ -321,24 +329,22 @@ def assert_own_failure(error: BaseException) -> None:
 
 
 def test_a_failing_sample_fails_verls_step_on_either_path_with_the_error_naming_it(
-    manager: RewardLoopManager, root: Path
+    manager: RewardLoopManager,
 ) -> None:
     """verl gathers its samples' calls (``asyncio.gather`` in ``AgentLoopWorker.generate_sequences``,
     ``ray.get`` in ``compute_rm_score``): the first error ends the step; no reward is made up for it."""
     samples = faulty(numbered(16), 5)
-    assert_own_failure(raised(lambda: streamed(manager, samples)))
-    assert_own_failure(raised(lambda: batch_path(manager, samples)))
-    # the engine's own ERROR line, where docs/trainers/verl.md says to look: the reward workers' logs (Ray's
-    # worker-*.err), or the service's when the workers call one
-    line = "batch aborted: plugin verifier 'faults:by_task' (environment 'faulty') failed on item"
-    wait_until(lambda: line in engine_logs(manager, root), 60, "the engine's ERROR line is in no log")
-
-
-def engine_logs(manager: RewardLoopManager, root: Path) -> str:
-    if "url" in manager.config.reward.custom_reward_function.reward_kwargs:
-        return (root / "serve.log").read_text()
-    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"  # no public API names it
-    return "".join(path.read_text(errors="replace") for path in logs.glob("worker-*.err"))
+    errors = [raised(lambda: streamed(manager, samples)), raised(lambda: batch_path(manager, samples))]
+    for error in errors:
+        assert_own_failure(error)
+        assert "'faults:by_task'" in str(error) and "environment 'faulty'" in str(error), str(error)  # the traceback's
+    # in process, the engine's own ERROR line too, where docs/trainers/verl.md says to look: the reward
+    # workers' logs (Ray's worker-*.err); with url= the step's traceback is what the page points to
+    if "config" in manager.config.reward.custom_reward_function.reward_kwargs:
+        line = "batch aborted: plugin verifier 'faults:by_task' (environment 'faulty') failed on item"
+        logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"  # no public API names it
+        wait_until(lambda: line in "".join(path.read_text(errors="replace") for path in logs.glob("worker-*.err")),
+                   60, "the engine's ERROR line is in no reward worker's log")
 
 
 def test_one_failing_sample_fails_only_its_own_call_of_those_a_reward_worker_gathered(

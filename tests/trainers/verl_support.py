@@ -66,7 +66,7 @@ CORPUS = [
 # reference, and it checks the task verl built (``num_turns`` from verl's rollout, ``index`` from the row)
 SAMPLE = """\
 def score(task, trajectory):
-    if task["num_turns"] != 2 or not isinstance(task["index"], int):
+    if task["num_turns"] != 2 or not isinstance(task["index"], int) or task["rollout_reward_scores"] != {}:
         raise ValueError(f"not the task verl built: {task!r}")
     return int(trajectory) / 1000 + (1.0 if trajectory == task["reference"] else 0.0)
 """
