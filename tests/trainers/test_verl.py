@@ -31,7 +31,6 @@ from verl import DataProto
 from verl.trainer.ppo.reward import get_custom_reward_fn
 from verl_support import (  # verl's Ray-using modules too: imported there, where a warning they give is filtered
     ADAPTER,
-    CANNED,
     AgentLoopWorker,
     NaiveRewardManager,
     RewardLoopManager,
@@ -41,7 +40,6 @@ from verl_support import (  # verl's Ray-using modules too: imported there, wher
     expected,
     float32,
     gen_batch,
-    get_trajectory_info,
     numbered,
     rewards_of,
     rows,
@@ -350,36 +348,26 @@ def test_a_failing_sample_fails_verls_step_on_either_path_with_the_error_naming_
 def test_one_failing_sample_fails_only_its_own_call_of_those_a_reward_worker_gathered(
     manager: RewardLoopManager,
 ) -> None:
-    """Each sample's streaming call settled on its own (as verl's v1 trainer settles a group's sessions:
-    ``asyncio.gather(..., return_exceptions=True)``), all sent to one reward worker: the calls the adapter
-    gathered with the failing one get their own rewards (finding 6), round after round until a round
-    shows the failing call was gathered (its error carries the note saying so)."""
-    handle = manager.reward_loop_workers[:1]
-    worker = agent_worker(manager.config, handle)
+    """verl's per-sample Ray call (``RewardLoopWorker.compute_score``, one sample each: what the streaming
+    path sends, what ``compute_score_batch`` runs per sample) sent for every sample at once to one reward
+    worker, each call settled on its own: the calls the adapter gathered with the failing one get their
+    own rewards (finding 6), round after round until a round shows the failing call was gathered (its
+    error carries the note saying so)."""
+    handle = manager.reward_loop_workers[0]
     gathered = 0
-    for round_ in range(12):
-        bad = (3 * round_ + 1) % 16
-        samples = faulty(numbered(16), bad)
-        batch = gen_batch(rows(samples))
-
-        async def run(batch: DataProto = batch) -> list[Any]:
-            # what AgentLoopWorker.generate_sequences does for each sample, each task's outcome kept
-            info = await get_trajectory_info(-1, list(batch.non_tensor_batch["index"]), False)
-            sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": False}
-            tasks = [
-                worker._run_agent_loop(sampling, info[i], agent_name=CANNED,
-                                       **{key: value[i] for key, value in batch.non_tensor_batch.items()})
-                for i in range(len(batch))
-            ]
-            return list(await asyncio.gather(*tasks, return_exceptions=True))
-
-        outcomes = asyncio.run(run())
+    for round_ in range(8):
+        bad = (7 * round_ + 3) % 64
+        samples = faulty(numbered(64), bad)
+        output = generated(manager, samples)
+        calls = [handle.compute_score.remote(output[i : i + 1]) for i in range(len(output))]
+        outcomes = [raised(lambda call=call: ray.get(call)) if n == bad else ray.get(call)
+                    for n, call in enumerate(calls)]
         for n, outcome in enumerate(outcomes):
             if n == bad:
                 assert_own_failure(outcome)
             else:
-                assert not isinstance(outcome, BaseException), (n, bad, outcome)
-                assert outcome.reward_score == expected(samples)[n], (n, bad)
+                reward = expected(samples)[n]
+                assert outcome == {"reward_score": reward, "reward_extra_info": {"acc": reward}}, (n, bad)
         gathered += bool(getattr(outcomes[bad], "__notes__", None))
         if gathered:
             break
