@@ -121,6 +121,7 @@ class Registry:
         if env is None:
             if not isinstance(name, str) or not ENV_NAME.fullmatch(name):
                 raise ValueError(f"{name!r} is not an environment's directory name")
+            name = str(name)  # a str subclass (numpy's np.str_, from verl) named and kept as the str it is
             path = self.config.environments / name
             if not path.is_dir():
                 raise ValueError(f"unknown environment {name!r}: no directory {path}")

@@ -111,3 +111,9 @@ def test_engine_serve_gets_each_value_exactly_and_a_nan_is_the_callers_type_erro
         stop(service)
     assert rewards == [EXPECTED["weight"]] * 3
     assert isinstance(refused, TypeError) and "NaN" in str(refused)
+
+
+async def test_an_unknown_numpy_environment_is_named_as_a_python_string(config: engine.EngineConfig) -> None:
+    async with engine.Engine(config) as eng:
+        with pytest.raises(ValueError, match="unknown environment 'probe'"):
+            await eng.score([{"environment": np.str_("probe"), "task": {}, "trajectory": "t"}])
