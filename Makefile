@@ -44,7 +44,7 @@ trainers: $(foreach trainer,$(TRAINERS),.venv-$(trainer)/.installed)
 	done
 
 # Not part of the two commands: the throughput benchmarks (minutes; see benchmarks/README.md).
-bench: $(STAMP)
+bench: $(STAMP) .venv-verl/.installed
 	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'
 	$(BIN)/python benchmarks/bench_plugin.py
 	$(BIN)/python benchmarks/bench_endpoint.py
@@ -55,6 +55,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_serve.py
 	$(BIN)/python benchmarks/soak_serve.py
 	$(BIN)/python benchmarks/bench_adapters.py
+	.venv-verl/bin/python benchmarks/bench_adapters.py --verl  # verl's own reward loop, in its venv
 	$(BIN)/python benchmarks/bench_ray.py
 
 clean:
