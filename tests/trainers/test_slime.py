@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,10 +24,8 @@ from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.sglang_rollout import generate_rollout
 from slime.utils.http_utils import init_http_client
 from slime_support import fresh_state, parse, slime_parser, tiny_tokenizer, truth
-from test_serve import Service, start_service, stop
 
 import engine
-from engine.adapters import close_engines
 from engine.adapters.slime import item
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,36 +63,6 @@ def router() -> Iterator[str]:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_tokenizer(tmp_path_factory.mktemp("tokenizer"))
-
-
-@pytest.fixture
-def envs_with_arithmetic(envs: Path) -> Path:
-    shutil.copytree(ROOT / "examples" / "envs" / "arithmetic", envs / "arithmetic")
-    return envs
-
-
-@pytest.fixture
-def in_process(envs_with_arithmetic: Path, engine_toml: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("ENGINE_CONFIG", str(engine_toml))
-    monkeypatch.delenv("ENGINE_URL", raising=False)
-    monkeypatch.delenv("ENGINE_ENVIRONMENT", raising=False)
-
-
-@pytest.fixture
-def served(envs_with_arithmetic: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Service]:
-    service = start_service(tmp_path, "")
-    monkeypatch.setenv("ENGINE_URL", service.url)
-    monkeypatch.delenv("ENGINE_CONFIG", raising=False)
-    monkeypatch.delenv("ENGINE_ENVIRONMENT", raising=False)
-    yield service
-    close_engines()
-    stop(service)
-
-
-@pytest.fixture(params=["ENGINE_CONFIG", "ENGINE_URL"])
-def configured(request: pytest.FixtureRequest) -> str:
-    request.getfixturevalue("in_process" if request.param == "ENGINE_CONFIG" else "served")
-    return str(request.param)
 
 
 def prompts(path: Path, groups: int, bad: int | None = None) -> list[dict[str, Any]]:

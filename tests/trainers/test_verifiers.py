@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,10 +18,7 @@ from pathlib import Path
 import pytest
 import verifiers
 import verifiers.v1 as vf
-from test_serve import Service, start_service, stop
 from verifiers_support import Problem, as_json, model_server, reward_of, roll_and_score, task_config
-
-from engine.adapters import close_engines
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "trainers" / "verifiers.md"
@@ -75,38 +71,6 @@ def expected(rows: list[Problem]) -> list[float]:
 def model() -> Iterator[str]:
     with model_server(answer) as server:
         yield server.base_url
-
-
-@pytest.fixture
-def envs_with_arithmetic(envs: Path) -> Path:
-    """The test environments and the project's own examples/envs/arithmetic."""
-    shutil.copytree(ROOT / "examples" / "envs" / "arithmetic", envs / "arithmetic")
-    return envs
-
-
-@pytest.fixture
-def in_process(envs_with_arithmetic: Path, engine_toml: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("ENGINE_CONFIG", str(engine_toml))
-    monkeypatch.delenv("ENGINE_URL", raising=False)
-    monkeypatch.delenv("ENGINE_ENVIRONMENT", raising=False)
-
-
-@pytest.fixture
-def served(envs_with_arithmetic: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Service]:
-    service = start_service(tmp_path, "")
-    monkeypatch.setenv("ENGINE_URL", service.url)
-    monkeypatch.delenv("ENGINE_CONFIG", raising=False)
-    monkeypatch.delenv("ENGINE_ENVIRONMENT", raising=False)
-    yield service
-    close_engines()
-    stop(service)
-
-
-@pytest.fixture(params=["ENGINE_CONFIG", "ENGINE_URL"])
-def configured(request: pytest.FixtureRequest) -> str:
-    """The adapter configured either way: in process, or against a real ``engine serve``."""
-    request.getfixturevalue("in_process" if request.param == "ENGINE_CONFIG" else "served")
-    return str(request.param)
 
 
 def tasks_of(rows: list[Problem]) -> list[vf.Task]:
