@@ -7,6 +7,9 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+from conftest import add_endpoint_env
+from servers import Request, Response, Server
+
 import engine
 from engine.adapters._runtime import coalescer, source_of
 
@@ -30,9 +33,9 @@ def test_a_failing_sample_of_a_group_names_its_place_in_its_own_group(engine_tom
     error = outcomes[1]
     assert isinstance(error, engine.VerificationError)
     assert (error.environment, error.index) == ("faulty", 2)  # the group's third sample, not the batch's item 5
-    assert any("3 calls were gathered into one engine batch of 8 items" in note and "own sample 2" in note
+    assert any("3 calls were gathered into one engine batch" in note and "own sample 2" in note
                for note in error.__notes__)
-    assert batches == 3  # the gathered batch, then the two good calls, each alone
+    assert batches == 4  # the gathered batch, then each call alone (a plugin's failure is checked alone too)
 
 
 def test_a_call_alone_gets_the_error_as_the_engine_raised_it(engine_toml: Path) -> None:
@@ -57,3 +60,60 @@ def test_every_failing_call_gets_its_own_error_and_the_rest_their_rewards(engine
 def test_an_empty_group_is_no_items_and_joins_no_batch(engine_toml: Path) -> None:
     outcomes, batches = asyncio.run(gathered(engine_toml, [[], group("arith", ["1"])]))
     assert outcomes == [[], [1.0]] and batches == 1
+
+
+def test_an_endpoints_failure_goes_to_its_own_call_and_only_the_others_are_scored_again(
+    envs: Path, engine_toml: Path
+) -> None:
+    """An endpoint's error is its own request's: the failing call gets it at once (not re-sent), the others alone."""
+    def reply(request: Request) -> dict[str, Any]:
+        trajectory = request.json()["trajectory"]
+        return {"reward": "not a number"} if trajectory == "bad" else {"reward": float(len(trajectory))}
+
+    with Server.json(reply) as server:
+        add_endpoint_env(envs, "remote", server.url)
+        calls = [[{"environment": "remote", "task": {"prompt": "p"}, "trajectory": t}] for t in ("a", "bad", "ccc")]
+        outcomes, batches = asyncio.run(gathered(engine_toml, calls))
+        bad_requests = [r for r in server.requests if r.json()["trajectory"] == "bad"]
+    assert outcomes[0] == [1.0] and outcomes[2] == [3.0]
+    assert isinstance(outcomes[1], engine.VerificationError) and outcomes[1].index == 0
+    assert any("own sample 0" in note for note in outcomes[1].__notes__)
+    assert len(bad_requests) == 1 and batches == 3
+
+
+def test_a_callers_list_changed_while_it_waits_changes_nothing(engine_toml: Path) -> None:
+    async def main() -> tuple[list[float], list[float]]:
+        gather = coalescer(source_of(str(engine_toml), None, None))
+        mine = group("arith", ["1", "0"])
+        first = asyncio.ensure_future(gather.score_many(mine))
+        await asyncio.sleep(0)
+        mine.append(group("arith", ["1"])[0])  # after submitting: its call is the two items it gave
+        return await first, await gather.score_many(group("arith", ["0"]))
+
+    assert asyncio.run(main()) == ([1.0, 0.0], [0.0])
+
+
+def test_a_batch_never_holds_more_than_the_largest(engine_toml: Path) -> None:
+    from engine.adapters._runtime import DEFAULT_MAX_BATCH
+
+    big = DEFAULT_MAX_BATCH // 2 + 1
+    calls = [group("arith", ["1"] * big), group("arith", ["0"] * big)]
+    outcomes, batches = asyncio.run(gathered(engine_toml, calls))
+    assert outcomes == [[1.0] * big, [0.0] * big] and batches == 2
+
+
+def test_a_service_error_naming_no_usable_item_leaves_no_caller_waiting() -> None:
+    """A faulty service's error whose index is not an integer: every call gets an error, none waits for ever."""
+    def handler(request: Request) -> Response:
+        error = {"type": "VerificationError", "kind": "plugin", "ref": "x", "environment": "arith", "index": "1",
+                 "item_id": None, "message": "boom"}
+        return Response.json({"error": error}, status=422)
+
+    async def main(url: str) -> list[Any]:
+        gather = coalescer(source_of(None, url, None))
+        calls = [gather.score_many(group("arith", ["1"])), gather.score_many(group("arith", ["0"]))]
+        return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 30)
+
+    with Server(handler) as server:
+        outcomes = asyncio.run(main(server.url))
+    assert all(isinstance(outcome, engine.EngineError) for outcome in outcomes), outcomes

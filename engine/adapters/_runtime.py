@@ -389,6 +389,7 @@ class _Call:
     items: Sequence[Mapping[str, Any]]
     future: asyncio.Future[list[float]]
     start: int = 0
+    gathered: int = 0  # the calls of the failed batch it was scored again after, alone (0: it never was)
 
 
 class Coalescer:
@@ -422,6 +423,9 @@ class Coalescer:
         if not items:
             future.set_result([])
             return future
+        items = tuple(items)  # the caller's list may change while it waits: its rewards are these items'
+        if self._pending and self._count + len(items) > DEFAULT_MAX_BATCH:
+            self._flush(loop)  # a batch never holds more than the largest
         self._pending.append(_Call(items, future))
         self._count += len(items)
         if self._count >= DEFAULT_MAX_BATCH:
@@ -466,65 +470,90 @@ class Coalescer:
         while self._running:  # a failed batch starts its calls again, alone
             await asyncio.wait(list(self._running))
 
-    async def _score(self, calls: list[_Call]) -> None:
+    async def _score(self, calls: list[_Call], eng: Any = None) -> None:
+        """Score ``calls`` as one batch (on ``eng``, the engine a failed batch ran on, when they are scored again)."""
+        try:
+            await self._answer(calls, eng)
+        except BaseException as exc:  # a bug, or cancelled: no caller is left waiting for ever
+            for call in calls:
+                if isinstance(exc, Exception):
+                    _fail(call, exc)
+                elif not call.future.done():
+                    call.future.cancel()
+            raise
+
+    async def _answer(self, calls: list[_Call], eng: Any) -> None:
         items: list[Mapping[str, Any]] = []
         for call in calls:
             call.start = len(items)
             items += call.items
         try:
-            eng = await self._entry.engine(self._source)
+            if eng is None:
+                eng = await self._entry.engine(self._source)
             rewards = await eng.score(items)
             if len(rewards) != len(items):  # never pair rewards with the wrong calls
                 raise RuntimeError(f"the engine returned {len(rewards)} rewards for {len(items)} items")
         except engine.VerificationError as exc:
-            self._split_failure(calls, exc, len(items))
+            self._split_failure(calls, exc, len(items), eng)
             return
         except (ValueError, TypeError) as exc:  # misuse, naming no call: each learns its own, alone
-            if len(calls) == 1:
-                _fail(calls[0], exc)
+            if len(calls) == 1 or eng is None:
+                for call in calls:
+                    _fail(call, exc)
             else:
-                self._alone(calls)
+                self._alone(calls, eng, len(calls))
             return
         except Exception as exc:  # no answer at all (a service gone, refused): every call's, as it is
             for call in calls:
                 _fail(call, exc)
             return
-        except BaseException:  # cancelled (the loop shuts down): so are the calls
-            for call in calls:
-                call.future.cancel()
-            raise
         finally:
             self.batches += 1
         for call in calls:
             if not call.future.done():  # its caller may have been cancelled
                 call.future.set_result(list(rewards[call.start : call.start + len(call.items)]))
 
-    def _split_failure(self, calls: list[_Call], exc: engine.VerificationError, size: int) -> None:
-        """The failing item's call gets the error, naming its own sample; the others are scored alone."""
+    def _split_failure(self, calls: list[_Call], exc: engine.VerificationError, size: int, eng: Any) -> None:
+        """The failing item's call gets the error, naming its own sample; the others are scored alone.
+
+        A plugin's failure is checked alone too: a chunk of its items in one thread may hold several calls'
+        items, and its timeout is then not the named item's alone.
+        """
         place = exc.index
-        if place is None or exc.environment is None or not 0 <= place < size:
-            if len(calls) == 1:
-                _fail(calls[0], exc)
-            else:
-                self._alone(calls)  # the error names no item of the batch: each call learns its own
+        if len(calls) == 1:
+            call = calls[0]
+            if type(place) is int and exc.environment is not None and 0 <= place < size:
+                own = exc.at_item(exc.environment, place, exc.item_id)
+                own.__cause__ = exc.__cause__
+                exc = own
+                if call.gathered:
+                    exc.add_note(
+                        f"{call.gathered} calls were gathered into one engine batch, which failed; scored again "
+                        f"alone, this call failed on its own sample {place}"
+                    )
+            _fail(call, exc)
+            return
+        if type(place) is not int or exc.environment is None or not 0 <= place < size or exc.kind == "plugin":
+            self._alone(calls, eng, len(calls))  # the error names no item of the batch, or may not be its item's alone
             return
         owner = next(call for call in reversed(calls) if call.start <= place)
         own = exc.at_item(exc.environment, place - owner.start, exc.item_id)
         own.__cause__ = exc.__cause__
-        if len(calls) > 1:
-            own.add_note(
-                f"{len(calls)} calls were gathered into one engine batch of {size} items; the failing item is "
-                f"this call's own sample {place - owner.start}, and the other calls were scored again without it"
-            )
+        own.add_note(
+            f"{len(calls)} calls were gathered into one engine batch of {size} items; the failing item is "
+            f"this call's own sample {place - owner.start}, and the other calls were scored again without it"
+        )
         _fail(owner, own)
-        self._alone([call for call in calls if call is not owner])
+        self._alone([call for call in calls if call is not owner], eng, len(calls))
 
-    def _alone(self, calls: list[_Call]) -> None:
-        """Each call scored as a batch of its own, as if it had never been gathered."""
+    def _alone(self, calls: list[_Call], eng: Any, gathered: int) -> None:
+        """Each call scored as a batch of its own, as if it had never been gathered, on the same engine (which
+        the loop's closing keeps open until they are done)."""
         loop = asyncio.get_running_loop()
         for call in calls:
             if not call.future.done():
-                self._start(loop, self._score([call]))
+                call.gathered = gathered
+                self._start(loop, self._score([call], eng))
 
 
 def _fail(call: _Call, exc: BaseException) -> None:
