@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable, Mapping
+from enum import Enum
 from typing import Any
 
 import orjson
@@ -60,9 +62,18 @@ def loads(data: bytes | str) -> Any:
         raise JSONDecodeError(f"cannot be read with its integers exact: {exc}", str(data[:100]), 0) from None
 
 
+# numpy's kinds of values whose tolist() is the value itself: booleans, integers, floats (complex numbers and
+# strings too, which orjson then refuses or writes as they are); never dates, durations or records, whose
+# tolist() would be another value (an integer for a datetime64 in ns, a string for one in s, fields unnamed)
+_PLAIN_KINDS = frozenset("biufcUO")
+
+
 def _numpy(value: Any) -> bool:
-    """Whether ``value`` is numpy's (a scalar or an array), told without importing numpy."""
-    return type(value).__module__ == "numpy" and hasattr(value, "tolist")
+    """Whether ``value`` is numpy's (a scalar or an array) of a plain kind, told without importing numpy."""
+    if type(value).__module__ != "numpy" or not hasattr(value, "tolist"):
+        return False
+    dtype = getattr(value, "dtype", None)
+    return getattr(dtype, "kind", None) in _PLAIN_KINDS
 
 
 def plain(value: Any) -> Any:
@@ -115,6 +126,10 @@ def _holds_non_finite(value: Any) -> bool:
         return _holds_non_finite(value.tolist())
     if isinstance(value, Mapping):
         return any([_holds_non_finite(part) for part in value.values()])
+    if isinstance(value, Enum):  # orjson writes an enum as its value
+        return _holds_non_finite(value.value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # orjson writes one as its fields
+        return any([_holds_non_finite(getattr(value, field.name)) for field in dataclasses.fields(value)])
     return False
 
 

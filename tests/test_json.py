@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import math
+from typing import Any
 
+import numpy as np
 import orjson
 import pytest
 
@@ -63,3 +67,30 @@ def test_dumps_refuses_keys_that_are_not_strings_and_values_json_cannot_hold() -
     for bad in ([2**64, math.nan], [2**64, object()], {"a": 2**64, "b": {1, 2}}):
         with pytest.raises(TypeError):
             _json.dumps(bad)
+
+
+@pytest.mark.parametrize("value", [
+    np.datetime64("2020-01-01T00:00:00.000000001"),  # tolist(): an integer of nanoseconds
+    np.datetime64("2020-01-01T00:00:01"),  # tolist(): a datetime, which orjson would write as a string
+    np.timedelta64(5, "ns"),
+    np.zeros(1, dtype=[("a", "i4")])[0],  # a record: tolist() would drop its field names
+], ids=["datetime64-ns", "datetime64-s", "timedelta64", "record"])
+def test_numpy_values_that_tolist_would_change_are_refused(value: Any) -> None:
+    with pytest.raises(TypeError):
+        _json.dumps({"v": value}, default=_json.plain)
+
+
+@dataclasses.dataclass
+class Point:
+    x: Any
+
+
+class Constant(enum.Enum):
+    NAN = float("nan")
+
+
+@pytest.mark.parametrize("value", [Point(np.float32("nan")), Point(math.nan), Constant.NAN],
+                         ids=["dataclass-float32", "dataclass", "enum"])
+def test_a_nan_orjson_would_write_as_null_inside_a_dataclass_or_an_enum_is_refused(value: Any) -> None:
+    with pytest.raises(TypeError, match="NaN"):
+        _json.dumps({"v": value}, default=_json.plain)
