@@ -400,6 +400,16 @@ def test_replays_forget_after_their_window_and_past_their_most() -> None:
     assert replays.replayed == 3
 
 
+def test_replays_keep_no_answer_larger_than_their_largest() -> None:
+    """A plugin's message may be megabytes: such a failure is scored again rather than held (memory stays bounded)."""
+    from engine._serve.openrlhf import REPLAY_LARGEST, Replays
+
+    replays = Replays()
+    replays.remember(b"big", 422, b"x" * (REPLAY_LARGEST + 1))
+    replays.remember(b"small", 422, b"x" * REPLAY_LARGEST)
+    assert replays.find(b"big") is None and replays.find(b"small") == (422, b"x" * REPLAY_LARGEST)
+
+
 # --- the service's own refusals ------------------------------------------------------------------------
 
 

@@ -20,12 +20,13 @@ from typing import Any
 
 from engine._openrlhf import items
 
-__all__ = ["REPLAY_MOST", "REPLAY_WINDOW", "Replays", "answer", "items_from"]
+__all__ = ["REPLAY_LARGEST", "REPLAY_MOST", "REPLAY_WINDOW", "Replays", "answer", "items_from"]
 
 # OpenRLHF's retries come a second after each answer, four of them: 30 s covers them with room for a loaded
 # machine, and is short enough that a request sent again on purpose (a fixed verifier) is scored again.
 REPLAY_WINDOW = 30.0
 REPLAY_MOST = 1024  # failures remembered at once (a digest and the error's answer each): the oldest go first
+REPLAY_LARGEST = 64 * 1024  # bytes of an answer remembered: a longer one (a plugin's huge message) is scored again
 
 
 def items_from(body: Any, environment: str | None) -> list[dict[str, Any]]:
@@ -79,7 +80,10 @@ class Replays:
         return found[1], found[2]
 
     def remember(self, body: bytes, status: int, answer: bytes) -> None:
-        """Answer ``body`` with ``status`` and ``answer`` for the next ``window`` seconds."""
+        """Answer ``body`` with ``status`` and ``answer`` for the next ``window`` seconds (if ``answer`` is small:
+        memory stays under ``most`` times ``REPLAY_LARGEST``)."""
+        if len(answer) > REPLAY_LARGEST:
+            return
         key = _digest(body)
         self._seen.pop(key, None)
         self._seen[key] = (self._clock(), status, answer)
