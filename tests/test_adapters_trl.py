@@ -60,9 +60,12 @@ def test_each_row_is_an_item_and_rewards_come_back_in_order(engine_toml: Path) -
     reward = EngineReward(engine_toml, environment="arith")
     assert trl_call(reward, PROMPTS, COMPLETIONS, reference=["4", "6", "8"]) == [1.0, 0.0, 1.0]
     assert reward.__name__ == "arith"  # TRL's metric name
-    # a row's environment column wins over the constructor's
+    # the constructor's environment is every row's; built without one, a row's environment column names its own
     environments = ["arith", "twin_a", "twin_b"]
     rewards = trl_call(reward, PROMPTS, COMPLETIONS, reference=["4", "6", "8"], environment=environments)
+    assert rewards == [1.0, 0.0, 1.0]
+    rewards = trl_call(EngineReward(engine_toml), PROMPTS, COMPLETIONS, reference=["4", "6", "8"],
+                       environment=environments)
     assert rewards == [1.0, 0.25, 0.75]
 
 
@@ -111,7 +114,7 @@ def test_skip_batch_gives_none_for_every_row_and_logs_the_error(
     assert metrics.values["engine/faulty/skip_rate"] == [1.0, 0.0]  # averaged over ranks and steps: the rate
     # misuse is not a verification error: it is raised, whatever on_error says
     with pytest.raises(ValueError, match="unknown environment"):
-        trl_call(reward, ["a"], ["x"], environment=["nowhere"])
+        trl_call(EngineReward(engine_toml, on_error="skip_batch"), ["a"], ["x"], environment=["nowhere"])
 
 
 def test_log_metric_gets_per_item_means_weighted_by_items_and_only_the_meaningful_ones(engine_toml: Path) -> None:
@@ -269,19 +272,24 @@ def test_trls_own_context_is_never_part_of_a_task(envs: Path, engine_toml: Path)
     assert tasks == [{"prompt": "p0", "weight": 1}, {"prompt": "p1", "weight": 2}]
 
 
-def test_the_environment_column_is_the_engines_unless_told_otherwise(engine_toml: Path) -> None:
-    # TRL's dict environment_factory routes rows by their `environment` column: by default the engine reads it too
-    reward = EngineReward(engine_toml, environment="arith")
-    assert trl_call(reward, ["p"], ["c"], environment=["twin_a"]) == [0.25]
-    # where TRL's names are not the engine's: another column, or none (every row is environment=)
-    other = EngineReward(engine_toml, environment="arith", environment_column="engine_environment")
+def test_environment_is_every_rows_and_the_column_serves_a_reward_built_without_one(engine_toml: Path) -> None:
+    # two rewards built for two environments, beside a dataset whose `environment` column names a third (TRL's
+    # dict environment_factory routes rows by it): each scores its own, never the column's as if it were its own
+    lengths, exact = EngineReward(engine_toml, environment="twin_a"), EngineReward(engine_toml, environment="arith")
+    assert trl_call(lengths, ["p"], ["4"], reference=["4"], environment=["twin_b"]) == [0.25]
+    assert trl_call(exact, ["p"], ["4"], reference=["4"], environment=["twin_b"]) == [1.0]
+    # without environment=, the column names each row's (by default TRL's routing column, or another one)
+    by_row = EngineReward(engine_toml)
+    rewards = trl_call(by_row, ["p", "q"], ["4", "4"], reference=["4", "4"], environment=["twin_b", "arith"])
+    assert rewards == [0.75, 1.0]
+    other = EngineReward(engine_toml, environment_column="engine_environment")
     rewards = trl_call(other, ["p", "q"], ["4", "4"], reference=["4", "4"], environment=["tools", "tools"],
                        engine_environment=["twin_b", "arith"])
     assert rewards == [0.75, 1.0]
-    fixed = EngineReward(engine_toml, environment="arith", environment_column=None)
+    fixed = EngineReward(engine_toml, environment="arith", environment_column=None)  # the column joins the task
     assert trl_call(fixed, ["p"], ["4"], reference=["4"], environment=["tools"]) == [1.0]
     with pytest.raises(ValueError, match="unknown environment 'tools'"):  # TRL's name is no engine environment
-        trl_call(reward, ["p"], ["c"], environment=["tools"])
+        trl_call(by_row, ["p"], ["c"], environment=["tools"])
 
 
 def test_the_async_reward_runs_on_trls_daemon_thread_loop(engine_toml: Path, trainer_loop: LoopThread) -> None:

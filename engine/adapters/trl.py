@@ -4,9 +4,10 @@ TRL 1.16.0 calls a reward function once per generation batch per rank with colum
 (``GRPOTrainer._calculate_rewards``): ``prompts``, ``completions``, ``completion_ids``, every dataset
 column as a list, and its own context: ``trainer_state``, ``log_extra``, ``log_metric``, and, with
 ``environment_factory``, ``environments`` (one environment instance per row). The context is never
-read as a column. Each row becomes an item: ``environment`` from the row's environment column
-(``environment_column=``, ``"environment"`` by default: the column TRL's dict ``environment_factory``
-routes by), else the reward's own (``environment=``, else ``ENGINE_ENVIRONMENT``); ``task`` =
+read as a column. Each row becomes an item: ``environment`` the reward's own ``environment=`` (every
+row's: two rewards built for two environments never both read one column), else the row's environment
+column (``environment_column=``, ``"environment"`` by default: the column TRL's dict
+``environment_factory`` routes by), else ``ENGINE_ENVIRONMENT``; ``task`` =
 ``{"prompt": prompt, **the row's other columns}`` (but the environment column and ``id``);
 ``trajectory`` = the completion (text or messages); ``id`` from an ``id`` column if there is one.
 
@@ -55,8 +56,8 @@ class EngineReward:
         config: The engine's config file (or an ``EngineConfig``, which does not pickle). With neither it
             nor ``url``: ``ENGINE_CONFIG``, or ``ENGINE_URL`` with ``ENGINE_TOKEN``.
         url: An ``engine serve``'s URL (with ``token``).
-        environment: The environment of rows whose environment column is missing or ``None``; by default
-            ``ENGINE_ENVIRONMENT`` (read here, when it is built).
+        environment: Every row's environment, whatever its environment column says. Without it: the
+            row's environment column, else ``ENGINE_ENVIRONMENT`` (read here, when it is built).
         on_error: ``"raise"`` (the default) raises the ``VerificationError``; ``"skip_batch"`` logs it at
             ERROR and returns ``None`` for every row (TRL then zeroes those rows' advantage, or, beside
             another reward function, trains them on that one alone). Only a verification failure is
@@ -94,6 +95,8 @@ class EngineReward:
             raise TypeError(f"name must be a non-empty string, got {name!r}")
         if environment_column in TRL_CONTEXT or environment_column in ("prompts", "completions", "completion_ids"):
             raise ValueError(f"environment_column {environment_column!r} is one of TRL's own arguments, not a column")
+        # environment= is every row's: two rewards built for two environments never both read one column
+        self.fixed = environment is not None
         environment = environment or os.environ.get(ENV_ENVIRONMENT) or None
         if environment is None and environment_column is None:
             raise ValueError(
@@ -113,6 +116,7 @@ class EngineReward:
         return {
             "source": self._source,
             "environment": self.environment,
+            "fixed": self.fixed,
             "environment_column": self.environment_column,
             "on_error": self.on_error,
             "name": self.__name__,
@@ -121,6 +125,7 @@ class EngineReward:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._source = state["source"]
         self.environment = state["environment"]
+        self.fixed = state.get("fixed", False)
         self.environment_column = state.get("environment_column", "environment")
         self.on_error = state["on_error"]
         self.__name__ = state["name"]
@@ -160,7 +165,7 @@ class EngineReward:
         ids = columns.pop("id", None)
         items = []
         for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
-            environment = environments[row] if environments is not None else None
+            environment = None if self.fixed or environments is None else environments[row]
             if environment is None:
                 environment = self.environment
                 if environment is None:
