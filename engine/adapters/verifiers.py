@@ -5,7 +5,7 @@ verifiers' ``Task.score`` awaits a plugged reward with ``task`` (the task's ``Ta
 ``trace.errors``). The engine is configured by environment variables (``ENGINE_CONFIG``, or
 ``ENGINE_URL`` and ``ENGINE_TOKEN``).
 
-The item: the task's fields (its JSON form, ``None`` fields left out, and without the fields that
+The item: the task's fields (``model_dump()``, ``None`` fields left out, and without the fields that
 ``TaskData`` itself declares to place and run the rollout: ``image``, ``timeout``, ``resources``...;
 its ``prompt`` and ``system_prompt`` stay), its ``environment`` (else ``ENGINE_ENVIRONMENT``) and
 ``id`` taken out, its ``answer`` becoming ``reference`` when there is none. The trajectory is
@@ -47,8 +47,10 @@ def _task_fields(task: Any) -> dict[str, Any]:
     if not callable(dump):
         raise TypeError(f"verifiers' task must be its TaskData (a pydantic model) or a mapping, "
                         f"got {type(task).__name__}")
-    # JSON form: the prompt's message models become plain mappings, as an engine serve must receive them
-    fields = dump(mode="json", exclude_none=True)
+    # the python form: nested models (the prompt's messages) become plain mappings, every other value is kept as
+    # it is (the JSON form would write a NaN as null, a Decimal or bytes as a string): the engine's boundary then
+    # keeps it exactly or refuses it
+    fields = dump(exclude_none=True)
     if not isinstance(fields, Mapping):
         raise TypeError(f"{type(task).__name__}.model_dump() returned {type(fields).__name__}, not a mapping")
     model: type = type(task)

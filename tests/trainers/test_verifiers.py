@@ -8,17 +8,22 @@ Run in the verifiers venv: ``ENGINE_TRAINER=verifiers pytest tests/trainers/test
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import pytest
 import verifiers
 import verifiers.v1 as vf
 from verifiers_support import Problem, as_json, model_server, reward_of, roll_and_score, task_config
+
+from engine import _json
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "trainers" / "verifiers.md"
@@ -165,3 +170,25 @@ def test_the_example_runs(model: str) -> None:
     # the first six arithmetic rows of examples/rollouts.jsonl; the model is one off about differences only
     assert printed == [["arith-0184", "ok", "0.0"], ["arith-0076", "ok", "1.0"], ["arith-0107", "ok", "0.0"],
                        ["arith-0077", "ok", "1.0"], ["arith-0164", "ok", "1.0"], ["arith-0187", "ok", "1.0"]]
+
+
+class Extra(Problem):
+    """Task data whose fields JSON's form would change: a NaN (written null), a Decimal and bytes (as strings)."""
+
+    info: dict[str, Any] | None = None
+    weight: Decimal = Decimal("0.1")
+    raw: bytes = b"xy"
+
+
+def test_the_tasks_values_reach_the_item_as_they_are_never_in_their_json_form() -> None:
+    from engine.adapters.verifiers import item
+
+    task = Extra(prompt=[{"role": "user", "content": "q"}], answer="4", environment="arith",
+                 info={"a": math.nan, "b": [None, 1]})
+    trace = type("Trace", (), {"last_reply": "4"})()
+    fields = item(task, trace)["task"]
+    assert math.isnan(fields["info"]["a"]) and fields["info"]["b"] == [None, 1]  # a NaN stays one (and is refused)
+    assert fields["weight"] == Decimal("0.1") and fields["raw"] == b"xy"
+    assert fields["prompt"] == [{"role": "user", "content": "q"}] and fields["reference"] == "4"
+    with pytest.raises(TypeError):  # over the wire the engine's boundary refuses it, never sends a null
+        _json.dumps(fields, default=_json.plain)
