@@ -29,10 +29,11 @@ test: $(STAMP)
 	$(MAKE) trainers
 	$(BIN)/pytest -q
 
-.venv-%/.installed: tests/trainers/requirements-%.txt pyproject.toml
+.venv-%/.installed: tests/trainers/requirements-%.txt tests/trainers/constraints-%.txt pyproject.toml
 	test -x .venv-$*/bin/python || $(PYTHON) -m venv .venv-$*
 	.venv-$*/bin/python -m pip install --quiet --upgrade pip
-	.venv-$*/bin/python -m pip install --quiet -r tests/trainers/requirements-$*.txt -e '.[dev]'
+	.venv-$*/bin/python -m pip install --quiet -r tests/trainers/requirements-$*.txt \
+		-c tests/trainers/constraints-$*.txt -e '.[dev]'
 	if [ -f tests/trainers/install-$*.sh ]; then bash tests/trainers/install-$*.sh .venv-$*/bin/python; fi
 	touch $@
 
