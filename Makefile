@@ -11,6 +11,10 @@ STAMP := $(VENV)/.installed
 TRAINERS ?= trl verl openrlhf slime verifiers
 SLIME_SOURCE := $(abspath $(CURDIR)/../shared/thirdparty/slime-624b824)
 STANDINS := $(CURDIR)/tests/trainers/standins
+# the engine and the suite's tools in each trainer's venv; verl's hydra pins antlr4 4.9, which the dev extra's
+# math-verify[antlr4_13_2] refuses, so verl's venv takes only what its suite runs on
+ENGINE_FOR = -e '.[dev]'
+ENGINE_FOR_verl = -e . pytest pytest-timeout
 
 .PHONY: run test trainers bench clean
 
@@ -33,7 +37,7 @@ test: $(STAMP)
 	test -x .venv-$*/bin/python || $(PYTHON) -m venv .venv-$*
 	.venv-$*/bin/python -m pip install --quiet --upgrade pip
 	.venv-$*/bin/python -m pip install --quiet -r tests/trainers/requirements-$*.txt \
-		-c tests/trainers/constraints-$*.txt -e '.[dev]'
+		-c tests/trainers/constraints-$*.txt $(or $(ENGINE_FOR_$*),$(ENGINE_FOR))
 	if [ -f tests/trainers/install-$*.sh ]; then bash tests/trainers/install-$*.sh .venv-$*/bin/python; fi
 	touch $@
 
