@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (the fixtures imported from engine_fixtures are parameters of the tests below)
 """slime 0.3.1's own ``generate_rollout`` (slime.rollout.sglang_rollout) and rm_hub calling
 ``--custom-rm-path engine.adapters.slime.custom_rm``, with and without ``--group-rm``, on arguments
 parsed by slime's own argument provider and prompts read by its own data source.
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 import slime
+from engine_fixtures import configured, envs_with_arithmetic, in_process, served  # noqa: F401  (fixtures)
 from polling import wait_until
 from servers import Server
 from slime.rollout.data_source import RolloutDataSourceWithBuffer

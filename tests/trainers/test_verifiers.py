@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (the fixtures imported from engine_fixtures are parameters of the tests below)
 """verifiers 0.4.0's own scoring (``Task.score``, the reward plugged by its own config models) on v1 traces
 made by its own client and message graph (tests/trainers/verifiers_support.py), against the adapter in
 process (``ENGINE_CONFIG``) and against a real ``engine serve`` (``ENGINE_URL``).
@@ -21,6 +22,7 @@ from typing import Any
 import pytest
 import verifiers
 import verifiers.v1 as vf
+from engine_fixtures import configured, envs_with_arithmetic, in_process, served  # noqa: F401  (fixtures)
 from verifiers_support import Problem, as_json, model_server, reward_of, roll_and_score, task_config
 
 from engine import _json

@@ -1,5 +1,7 @@
-"""What the trainers' modules share: the adapter configured either way, in process (``ENGINE_CONFIG``) or against a
-real ``engine serve`` (``ENGINE_URL``), over the test environments and the project's ``examples/envs/arithmetic``."""
+"""Fixtures the trainers' modules import (not a conftest.py: one here would take the module name ``conftest``
+from ``tests/conftest.py``, whose helpers the modules import): the adapter configured either way, in process
+(``ENGINE_CONFIG``) or against a real ``engine serve`` (``ENGINE_URL``), over the test environments and the
+project's ``examples/envs/arithmetic``."""
 
 from __future__ import annotations
 
