@@ -641,8 +641,10 @@ def test_sigterm_answers_the_gathered_batch_in_flight_then_exits_0(stopping: Ser
         with paused(stopping):
             for n, connection in enumerate(opened):
                 connection.send("POST", "/v1/score", {"items": [waiting(tmp_path, str(n), str(n))]})
-            stopping.process.send_signal(signal.SIGTERM)  # handled once it goes on: the requests are read first
         wait_until(lambda: exists(tmp_path, "0.started", "1.started", "2.started"), 60, "the batch never started")
+        # in flight: a SIGTERM that landed while the service was paused could be handled before it read the
+        # requests (a loaded machine's order), and shut their idle connections unread
+        stopping.process.send_signal(signal.SIGTERM)
         for n in range(3):
             (tmp_path / f"{n}.until").touch()
         assert [(status, body.get("rewards")) for status, body in (c.answer() for c in opened)] == [
