@@ -13,7 +13,7 @@ it would get alone. How many calls one batch gathers depends on verl's path: the
 (docs/trainers/verl.md has the measured counts). ``task`` = ``{"reference": ground_truth,
 **extra_info}``, a ``question`` in ``extra_info`` becoming ``prompt`` when there is no ``prompt``;
 ``trajectory`` = ``solution_str``; verl's numpy values (``num_turns``, ``np.str_`` data sources) are
-accepted, and the environment is passed on as a plain ``str``. It returns a float every time (so its
+accepted (the engine names an ``np.str_`` environment as the str it is). It returns a float every time (so its
 keys never differ), or raises: the ``VerificationError`` naming the call's own sample when that sample
 fails, the engine's ``ValueError``/``TypeError`` on misuse (an unknown environment, no engine
 configured). verl then fails the step (see docs/trainers/verl.md).
@@ -40,10 +40,8 @@ def item(
     task = {"reference": ground_truth, **(extra_info or {})}
     if "prompt" not in task and "question" in task:
         task["prompt"] = task.pop("question")
-    name: Any = environment or data_source
-    if isinstance(name, str):  # verl's streaming path hands np.str_ (a str subclass): named as the user wrote it
-        name = str(name)
-    return {"environment": name, "task": task, "trajectory": solution_str}
+    # verl's streaming path hands np.str_ data sources: the engine names them as the str they are
+    return {"environment": environment or data_source, "task": task, "trajectory": solution_str}
 
 
 async def compute_score(
