@@ -378,7 +378,14 @@ def _restore(output: Path, input_path: Path) -> RewardWriter:
 
 @dataclass(frozen=True, slots=True)
 class RewardRecord:
-    """One record of an output file."""
+    """One record of an output file: one input row's reward.
+
+    Attributes:
+        id: The row's ``id``, as read (None when it had none).
+        reward: The reward, a finite float.
+        verifier: The provenance: ``kind``, ``ref``, ``environment``, and the environment's digest or the
+            rubric's version and digest (a Parquet output's null fields left out).
+    """
 
     id: Any
     reward: float
@@ -386,10 +393,19 @@ class RewardRecord:
 
 
 def read_rewards(path: str | Path) -> Iterator[RewardRecord]:
-    """The records of a complete output file (JSON Lines or Parquet), streamed, in order.
+    """The records of a complete ``engine score`` output file, streamed, in order.
 
-    A Parquet ``verifier`` holds the struct's non-null fields (a kind's own); a Parquet file written
-    before the struct column, with ``verifier`` as JSON text, reads the same way.
+    Args:
+        path: The output: JSON Lines (``.jsonl``, ``.ndjson``, ``.json-lines``) or Parquet (``.parquet``).
+            A Parquet ``verifier`` holds the struct's non-null fields (a kind's own); a Parquet file
+            written before the struct column, with ``verifier`` as JSON text, reads the same way.
+
+    Returns:
+        An iterator of the records, one per input row, read as it is consumed.
+
+    Raises:
+        OutputError: The extension names neither format.
+        OSError: The file cannot be opened or read.
     """
     path = Path(path)
     if _output_format(path) == "jsonl":

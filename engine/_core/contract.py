@@ -45,8 +45,9 @@ __all__ = [
     "task_of",
 ]
 
+# What a plugin author writes: (task, trajectory) -> reward; every kind resolves to this shape.
 VerifyFn = Callable[[Mapping[str, Any], Any], float]
-AsyncVerifyFn = Callable[[Mapping[str, Any], Any], Awaitable[float]]
+AsyncVerifyFn = Callable[[Mapping[str, Any], Any], Awaitable[float]]  # its ``async def`` twin, awaited on the loop
 
 
 def is_async(fn: Callable[..., Any]) -> bool:

@@ -21,7 +21,7 @@ from engine._reasons import a_or_an
 __all__ = ["EXECUTORS", "KINDS", "Environment", "VerifierSpec", "load_environment", "parse_verifier"]
 
 MAX_MANIFEST_BYTES = 1 << 20  # a manifest is a few lines of JSON; more is refused, not read
-KINDS: tuple[str, ...] = ("rubric", "plugin", "endpoint")
+KINDS: tuple[str, ...] = ("rubric", "plugin", "endpoint")  # the three verifier kinds: no fourth, no built-in scorer
 Kind = Literal["rubric", "plugin", "endpoint"]
 EXECUTORS: tuple[str, ...] = ("thread", "process")
 Executor = Literal["thread", "process"]
