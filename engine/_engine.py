@@ -1,8 +1,7 @@
 """The engine: the public API, and the lifecycle of what every batch it scores shares.
 
-One engine owns one ``httpx.AsyncClient`` (and httpx's own pools to any proxies the environment names), one thread
-limiter for sync plugins, the judge, and the cap on items in flight. Which verifier scores an environment, under
-which limits, is ``engine._registry``'s; how a batch is scored, ``engine._core.scheduler``'s.
+One engine owns one ``httpx.AsyncClient`` (and httpx's pools to any proxies the environment names), one thread
+limiter for sync plugins, the judge and the cap on items in flight; the verifiers are ``engine._registry``'s.
 """
 
 from __future__ import annotations

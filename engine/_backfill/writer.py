@@ -404,7 +404,7 @@ def read_rewards(path: str | Path) -> Iterator[RewardRecord]:
         An iterator of the records, one per input row, read as it is consumed.
 
     Raises:
-        OutputError: The extension names neither format.
+        OutputError: The extension names neither format (raised, as the others, once iteration starts).
         OSError: The file cannot be opened or read.
     """
     path = Path(path)
