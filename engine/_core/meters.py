@@ -1,7 +1,7 @@
 """Every limit the engine keeps, in one vocabulary: *slots* (how many at once) and a *rate* (how many a second).
 
-Which limits are meters, and how a call's waiting and start-up are told from its time verifying: docs/design.md,
-Limits and accounts.
+Which limits are meters, and how a call's waiting and start-up are told from its time verifying:
+docs/design.md, Limits and accounts.
 """
 
 from __future__ import annotations
@@ -171,8 +171,8 @@ class LoopCalls:
     """How many of the engine's calls that run on one event loop are in flight (an endpoint's request, a
     judge's, an async plugin's; counted by the scheduler around each call of one item).
 
-    A chunk of cheap calls in a thread gives that loop turns at the GIL while any are (docs/design.md,
-    Limits and accounts).
+    A chunk of cheap calls in a thread gives that loop turns at the GIL while any are:
+    docs/design.md, Limits and accounts.
     """
 
     __slots__ = ("__weakref__", "count")

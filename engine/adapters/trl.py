@@ -1,7 +1,7 @@
 """TRL: reward functions for ``GRPOTrainer(reward_funcs=[...])``.
 
-How TRL calls them, with columns and its own context, and how each row finds its environment: docs/design.md,
-Trainer adapters.
+How TRL calls them, with columns and its own context, and how each row finds its environment:
+docs/design.md, Trainer adapters.
 """
 
 from __future__ import annotations
