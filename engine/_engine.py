@@ -260,7 +260,8 @@ class Engine:
         Raises:
             VerificationError: The first item whose verifier failed, after everything else in flight
                 was cancelled: the whole batch aborts, never a zero in the item's place.
-            TypeError, ValueError: A malformed item (named), an unknown environment, or a bad ``first_index``.
+            TypeError, ValueError: A malformed item (named), an unknown environment, or a bad ``first_index``;
+                ``ManifestError`` (a ``ValueError`` too) for an environment whose manifest is invalid.
             RuntimeError: The engine is not open, or was opened in another process (this is a fork).
         """
         items = items if type(items) is list else list(items)
