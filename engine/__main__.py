@@ -1,9 +1,4 @@
-"""``python -m engine`` and the ``engine`` command: the command line of ``engine.cli``.
-
-Importing the CLI takes a noticeable moment (pyarrow, httpx, rich): a Ctrl-C or a SIGTERM
-meanwhile ends the command with one line and exit 130 or 143, as later on, not with an import
-traceback or a silent death. The CLI installs its own handlers once imported.
-"""
+"""``python -m engine`` and the ``engine`` command: the command line of ``engine.cli``."""
 
 import os
 import signal
@@ -12,7 +7,12 @@ from types import FrameType
 
 
 def main() -> None:
-    """Import the command line, then run it."""
+    """Import the command line, then run it.
+
+    Importing the CLI takes a noticeable moment (pyarrow, httpx, rich): a Ctrl-C or a SIGTERM
+    meanwhile ends the command with one line and exit 130 or 143, as later on, not with an import
+    traceback or a silent death. The CLI installs its own handlers once imported.
+    """
     terminated: list[int] = []
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -27,8 +27,8 @@ def main() -> None:
 
         signal.signal(signal.SIGTERM, cli._on_signal)  # the CLI's own from here on (its main installs it too)
     except KeyboardInterrupt:
-        said = "terminated (SIGTERM)" if terminated else "interrupted (Ctrl-C)"
-        sys.stderr.write(f"error: {said} while starting; nothing was written\n")
+        stopped = "terminated (SIGTERM)" if terminated else "interrupted (Ctrl-C)"
+        sys.stderr.write(f"error: {stopped} while starting; nothing was written\n")
         sys.stderr.flush()
         os._exit(143 if terminated else 130)  # not sys.exit: see engine.cli.main
     cli.main()

@@ -1,12 +1,6 @@
 """``engine check``: load every environment and say, for each, whether it can score.
 
-For every directory under the configured environments: the manifest is valid; the digest
-matches its pin (required for plugins unless ``allow_unpinned``); a plugin imports, names a
-callable, and scores the sample item its manifest may hold (``"example"``: only a call shows a
-plugin that fails in the engine's threads alone); an endpoint's host (or the proxy the
-environment names for it) accepts a TCP connection; a rubric resolves and a judge is configured.
-A thread-executor plugin whose example measured CPU-bound and costly enough gets a hint that
-worker processes would use more cores (:func:`process_hint`; ``engine bench`` says it too).
+What it checks of each kind, and when it hints at worker processes: docs/design.md, engine check and engine bench.
 """
 
 from __future__ import annotations

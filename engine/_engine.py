@@ -1,11 +1,7 @@
 """The engine: the public API, and the lifecycle of what every batch it scores shares.
 
-``Engine`` is the async API; ``engine._blocking.BlockingEngine`` wraps it for synchronous trainers.
-One engine owns one ``httpx.AsyncClient`` (one connection pool, and httpx's own pools to any
-proxies the environment names: ``engine._http.network``), one thread pool limiter for sync plugins,
-the judge, and the cap on items in flight, all shared by every batch it scores. Which verifier
-scores an environment, under which limits, is ``engine._registry``'s; how a batch is scored is
-``engine._core.scheduler``'s.
+One engine owns one ``httpx.AsyncClient`` (and httpx's pools to any proxies the environment names), one thread
+limiter for sync plugins, the judge and the cap on items in flight; the verifiers are ``engine._registry``'s.
 """
 
 from __future__ import annotations
@@ -56,12 +52,23 @@ class Engine:
         async with Engine.from_config("engine.toml") as eng:
             rewards = await eng.score(items)
 
-    ``transport`` replaces the HTTP transport under the shared client; ``sleep`` is what retries
-    wait with (tests inject one that takes no time).
+    It is the async API; ``BlockingEngine`` wraps it for synchronous trainers. Its connection pool,
+    threads, imported plugins and limits are shared by every batch it scores while it is open.
 
     An open engine belongs to the process that opened it: in a child forked since (its connections,
     threads and worker processes are the parent's), ``load`` and ``run`` raise ``RuntimeError``, and
     leaving its ``async with`` block there closes nothing.
+
+    Args:
+        config: The engine's configuration; the defaults when None.
+        transport: Replaces the HTTP transport under the shared client (it then takes every request,
+            proxied or not).
+        sleep: What retries wait with (tests inject one that takes no time).
+
+    Raises:
+        ConfigError: On entering its ``async with`` block: a ``refs`` key names no verifier, or the
+            environment names a proxy httpx cannot use.
+        RuntimeError: On entering its ``async with`` block: the engine is open already.
     """
 
     _opened_as = "async with Engine(...) as eng"
@@ -87,7 +94,18 @@ class Engine:
 
     @classmethod
     def from_config(cls, path: str | Path, **kwargs: Any) -> Self:
-        """An engine configured by the TOML file at ``path``."""
+        """An engine configured by a TOML file.
+
+        Args:
+            path: The config file.
+            kwargs: As the constructor takes them (``transport``, ``sleep``).
+
+        Returns:
+            The engine, not yet open.
+
+        Raises:
+            ConfigError: The file is missing, is not TOML, or holds a bad key or value (named).
+        """
         return cls(load_config(path), **kwargs)
 
     @staticmethod
@@ -107,6 +125,9 @@ class Engine:
             timeout: Seconds one request may take to be answered (connect, send, receive): 600 (ten
                 minutes) by default, ``None`` to wait forever; past it, ``ServiceError``.
             kwargs: ``retry_budget`` (seconds a saturated service is asked again), ``sleep``, ``transport``.
+
+        Returns:
+            The client, not yet open.
 
         Raises:
             ValueError: The URL, token or timeout cannot be used (a token's message never holds it).
@@ -165,16 +186,35 @@ class Engine:
                 await routes.aclose()
 
     def environment(self, name: str) -> Environment:
-        """The environment called ``name``, loaded once; ``ValueError`` if there is none."""
+        """An environment of the configured directory, its manifest loaded once for the engine's life.
+
+        Args:
+            name: The environment's directory name.
+
+        Returns:
+            The environment.
+
+        Raises:
+            ValueError: There is no such environment (or ``name`` is not a directory name).
+            ManifestError: Its manifest cannot be read or is invalid.
+        """
         return self._registry.environment(name)
 
     async def load(self, name: str) -> None:
-        """Make environment ``name``'s verifier ready now, so that the first batch does not wait for it.
+        """Make an environment's verifier ready now, so that the first batch does not wait for it.
 
         A plugin's digest is checked against its pin and its module imported (its worker processes
         start on their first call); an endpoint or a rubric has nothing to load (a rubric that
-        cannot be resolved fails here). Raises ``VerificationError`` naming the verifier if it
-        cannot be made ready, ``ValueError`` if there is no such environment.
+        cannot be resolved fails here).
+
+        Args:
+            name: The environment's directory name.
+
+        Raises:
+            VerificationError: The verifier cannot be made ready (named, with the environment).
+            ValueError: There is no such environment.
+            ManifestError: Its manifest cannot be read or is invalid.
+            RuntimeError: The engine is not open, or was opened in another process (this is a fork).
         """
         self._check_process()
         verifier = self._verifier(name)
@@ -188,21 +228,41 @@ class Engine:
         return self._registry.verifier_for(self.environment(name))
 
     async def score(self, items: Iterable[Mapping[str, Any]], *, first_index: int = 0) -> list[float]:
-        """One reward per item, in input order; see :meth:`run` for the rules."""
+        """Score a batch: its rewards only, as :meth:`run` scores it.
+
+        Args:
+            items: As :meth:`run` takes them.
+            first_index: As :meth:`run` takes it.
+
+        Returns:
+            One float reward per item, in input order.
+
+        Raises:
+            VerificationError, TypeError, ValueError, RuntimeError: As :meth:`run` raises them.
+        """
         return (await self.run(items, first_index=first_index)).rewards
 
     async def run(self, items: Iterable[Mapping[str, Any]], *, first_index: int = 0) -> BatchResult:
         """Score a batch: its rewards in input order, with per-verifier reports and provenance.
 
-        Each item is a mapping with ``environment`` (a directory name under the configured
-        environments), ``task`` (a mapping), ``trajectory`` (as submitted) and optionally ``id``.
-        Raises ``VerificationError`` for the first item whose verifier fails, after cancelling
-        everything else in flight; ``TypeError``/``ValueError`` for malformed items. A list is
-        scored as it is: it must not change while it is being scored.
+        Args:
+            items: Mappings with ``environment`` (a directory name under the configured environments),
+                ``task`` (a mapping), ``trajectory`` (as submitted) and optionally ``id``. A list is
+                scored as it is: it must not change while it is being scored.
+            first_index: The place of the first item in the caller's stream: errors name an item by its
+                position in ``items`` plus ``first_index``, so a caller scoring a stream a chunk at a time
+                (a backfill, a trainer's micro-batches) has each error name the item where it knows it.
 
-        Errors name an item by its position in ``items`` plus ``first_index``: a caller scoring a
-        stream a chunk at a time (a backfill, a trainer's micro-batches) passes the chunk's first
-        item's place in the stream, and an error names the item where the caller knows it.
+        Returns:
+            The batch's result: ``rewards`` (one float per item, in input order), a report per
+            verifier, which verifier scored each item, and the judge's usage.
+
+        Raises:
+            VerificationError: The first item whose verifier failed, after everything else in flight
+                was cancelled: the whole batch aborts, never a zero in the item's place.
+            TypeError, ValueError: A malformed item (named), an unknown environment, or a bad ``first_index``;
+                ``ManifestError`` (a ``ValueError`` too) for an environment whose manifest is invalid.
+            RuntimeError: The engine is not open, or was opened in another process (this is a fork).
         """
         items = items if type(items) is list else list(items)
         check_first_index(first_index, len(items))
@@ -214,10 +274,14 @@ class Engine:
     def stats(self, *, reset: bool = True) -> dict[str, float]:
         """The engine's figures since the last reset, per verifier, ready for a trainer's metrics (wandb ...).
 
-        Keys are ``engine/<verifier>/<figure>``, ``<verifier>`` the verifier's key (as in ``[refs."..."]``),
-        figures ``items``, ``reward_mean``, ``errors`` (aborted batches), ``retries``, ``timeouts``,
-        ``latency_p50_s``, ``latency_p99_s`` and ``judge_tokens``. Across ranks the counts sum (items,
-        errors, retries, timeouts, judge_tokens) and ``reward_mean`` averages weighted by items; the
-        percentiles do not average. ``reset`` starts a new window.
+        Args:
+            reset: Start a new window: the next call counts from now.
+
+        Returns:
+            Keys ``engine/<verifier>/<figure>``, ``<verifier>`` the verifier's key (as in ``[refs."..."]``),
+            figures ``items``, ``reward_mean``, ``errors`` (aborted batches), ``retries``, ``timeouts``,
+            ``latency_p50_s``, ``latency_p99_s`` and ``judge_tokens``. Across ranks the counts sum (items,
+            errors, retries, timeouts, judge_tokens) and ``reward_mean`` averages weighted by items; the
+            percentiles do not average.
         """
         return self._stats.snapshot(reset)

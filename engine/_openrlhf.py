@@ -1,11 +1,7 @@
 """OpenRLHF's samples as engine items: the one mapping that ``engine serve``'s ``/get_reward``
 (``engine._serve.openrlhf``) and the OpenRLHF adapter (``engine.adapters.openrlhf``) both use.
 
-A query is the prompt followed by the response: the trajectory is the query with its prompt taken off
-the front (the whole query when it does not start with it). A label that is a JSON object, or a string
-holding one, is the item (``environment``, ``task``, optional ``id``); any other label is the task's
-``reference``, the prompt its ``prompt`` (what a rubric grades), in the environment the caller was
-given (``--environment``, ``ENGINE_ENVIRONMENT``). It imports nothing of the engine's: both stand on it.
+It imports nothing of the engine's: both stand on it. The mapping: :func:`items`.
 """
 
 from __future__ import annotations
@@ -25,10 +21,26 @@ def items(
     environment: str | None,
     unset: str,
 ) -> list[dict[str, Any]]:
-    """The items of OpenRLHF's samples, in order; ``ValueError``/``TypeError`` saying what is wrong with them.
+    """The items of OpenRLHF's samples, in order.
 
-    ``labels`` None is a label None per sample (each a reference). ``environment`` is where a label that
-    is not an item is scored; when it is None, ``unset`` says why (where the caller would have named one).
+    A query is the prompt followed by the response: the trajectory is the query with its prompt taken
+    off the front (the whole query when it does not start with it). A label that is a JSON object, or
+    a string holding one, is the item (``environment``, ``task``, optional ``id``); any other label is
+    the task's ``reference``, the prompt its ``prompt`` (what a rubric grades), in ``environment``.
+
+    Args:
+        queries: Each sample's prompt followed by its response.
+        prompts: Each sample's prompt.
+        labels: Each sample's label; None is a label None per sample (each a reference).
+        environment: Where a label that is not an item is scored (``--environment``, ``ENGINE_ENVIRONMENT``).
+        unset: When ``environment`` is None, what the error says the caller would have done to name one.
+
+    Returns:
+        One item per sample, in order.
+
+    Raises:
+        ValueError: The three lists differ in length, or a label that is not an item has no environment.
+        TypeError: A query or prompt is not a string.
     """
     if len(prompts) != len(queries) or (labels is not None and len(labels) != len(queries)):
         counted = "no" if labels is None else len(labels)

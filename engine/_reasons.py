@@ -1,12 +1,7 @@
-"""Every foreign exception becomes one reason, in words, here: the one translation table.
+"""Every foreign exception becomes one reason, in words, here: the one translation table (secrets scrubbed too).
 
-A ``VerificationError``'s ``reason`` says what went wrong for any exception: httpx's, orjson's,
-tenacity's, an ``OSError``, ours (an ``engine._errors.Failure`` carries its own). The secrets a
-message must not repeat are scrubbed here too.
-
-No third-party module is imported here: an exception of httpx's exists only if httpx was imported,
-so each is looked up in ``sys.modules`` when one is described, and a plugin's worker process,
-which imports this, imports no HTTP stack.
+No third-party module is imported: an exception of httpx's exists only if httpx was imported, so each is looked
+up in ``sys.modules`` when one is described (a plugin's worker process imports this, and no HTTP stack).
 """
 
 from __future__ import annotations

@@ -1,16 +1,4 @@
-"""The registry: each environment's verifier and meter, built once and kept while the engine is open.
-
-An environment's name resolves to its :class:`~engine._environments.manifest.Environment` (its
-manifest, read once for the engine's life), then to its verifier. Plugins and endpoints are built
-once and live as long as the engine is open (imports and connections are reused); a rubric is
-resolved anew for each batch (:meth:`Registry.resolver`), so every item of a batch is judged against
-the same version even if a new one appears while it runs. A verifier's limits are one
-:class:`~engine._core.meters.Meter`, kept by its key, shared by every batch the engine scores.
-
-A ``refs`` key that names no verifier is a ``ConfigError`` when the engine opens
-(:meth:`Registry.check_refs`), naming the closest key that does: a typo never falls back to the
-defaults in silence.
-"""
+"""The registry: each environment's verifier and meter, built once and kept while the engine is open."""
 
 from __future__ import annotations
 
@@ -51,7 +39,17 @@ class Shared:
 
 
 class Registry:
-    """Environment name -> environment -> verifier and meter, each built once; ``sleep`` is what retries wait with."""
+    """Environment name -> environment -> verifier and meter, each built once; ``sleep`` is what retries wait with.
+
+    An environment's name resolves to its :class:`~engine._environments.manifest.Environment` (its
+    manifest, read once for the engine's life), then to its verifier. Plugins and endpoints are built
+    once and live as long as the engine is open (imports and connections are reused); a rubric is
+    resolved anew for each batch (:meth:`resolver`), so every item of a batch is judged against the
+    same version even if a new one appears while it runs. A verifier's limits are one
+    :class:`~engine._core.meters.Meter`, kept by its key, shared by every batch the engine scores. A
+    ``refs`` key that names no verifier is a ``ConfigError`` when the engine opens (:meth:`check_refs`),
+    naming the closest key that does: a typo never falls back to the defaults in silence.
+    """
 
     def __init__(self, config: EngineConfig, *, sleep: Sleep) -> None:
         self.config = config

@@ -1,13 +1,7 @@
 """Scoring on Ray Data: ``score_dataset`` for a Dataset in hand, ``backfill`` for files (``engine score --ray``).
 
-Needs the ``ray`` extra (``pip install 'engine[ray]'``). Ray is imported when one of these runs,
-never by ``import engine``. Each Ray actor holds one engine, opened once and reused for every batch
-it scores; a verification error fails the job (Ray Data's ``max_errored_blocks`` stays 0: no row is
-ever dropped), an actor that dies (OOM, a segfaulting plugin) is restarted and its batch retried.
-
-Limits: each verifier's ``max_concurrency`` and ``max_rate`` are for the whole job, so by default
-each of N actors gets ``ceil(max_concurrency / N)`` and ``max_rate / N``; with ``url``, every actor
-scores through one ``engine serve``, whose own engine holds them whole.
+Needs the ``ray`` extra; Ray is imported when one of these runs, never by ``import engine``. Actors, limits and
+exactly-once commits: docs/design.md, Backfills on Ray.
 """
 
 from __future__ import annotations
@@ -46,16 +40,34 @@ def score_dataset(
     json_columns: Collection[str] = (),
     **ray_remote_args: Any,
 ) -> ray.data.Dataset:
-    """``dataset`` (columns ``id``, ``environment``, ``task``, ``trajectory``, and any others) with ``reward`` and
-    ``verifier`` columns added, scored lazily by ``actors`` actors, ``batch_size`` rows per engine batch.
+    """Score a Ray Dataset of rollouts on a pool of actors, each holding one engine.
 
-    ``ValueError`` if the dataset's Ray Data options break the guarantees (``max_errored_blocks``
-    above 0 drops rows; ``actor_task_retry_on_errors`` retries verification errors); its
-    ``raise_original_map_exception`` is set, so that the engine's error is not flattened to text. An engine
-    error reaches the consumer of the dataset inside Ray's wrapping; :func:`engine_error` finds it
-    there. A bad row's ``InputError`` names its row within its batch. ``json_columns`` (``task``,
-    ``trajectory``) hold JSON text, as ``engine score --json-columns`` says of a file's (a text
-    ``task`` is decoded anyway; ``ValueError`` for another name). ``ray_remote_args`` go to ``map_batches``.
+    Args:
+        dataset: Rows with columns ``id``, ``environment``, ``task``, ``trajectory``, and any others
+            (kept as they are).
+        config: The engine's config, its limits split over the actors (``ceil(max_concurrency / N)``,
+            ``max_rate / N``); None only with ``url``.
+        actors: How many actors score, each with its own engine.
+        url: An ``engine serve`` every actor scores through instead, whose engine holds the limits whole.
+        token: That service's bearer token.
+        actor_cpus: CPUs Ray reserves for each actor.
+        batch_size: Rows per engine batch.
+        json_columns: Columns (``task``, ``trajectory``) holding JSON text, as ``engine score
+            --json-columns`` says of a file's (a text ``task`` is decoded anyway).
+        ray_remote_args: Passed to ``map_batches``.
+
+    Returns:
+        The same rows with ``reward`` (float64) and ``verifier`` (the single-machine output's struct)
+        columns added, scored lazily, when the dataset is consumed. The dataset's
+        ``raise_original_map_exception`` is set, so that an engine error is not flattened to text: it
+        reaches the consumer inside Ray's wrapping, where :func:`engine_error` finds it. A bad row's
+        ``InputError`` names its row within its batch.
+
+    Raises:
+        ValueError: ``actors`` is below 1; neither ``config`` nor ``url`` is given; a ``json_columns``
+            name is neither ``task`` nor ``trajectory``; or the dataset's Ray Data options break the
+            guarantees (``max_errored_blocks`` above 0 drops rows; ``actor_task_retry_on_errors``
+            retries verification errors).
     """
     import ray.data
 

@@ -15,7 +15,7 @@ stale-reset-on-reuse        the second request fails     sends it once more, on 
                             (the server closed the kept  it went out on a reused connection and no
                             connection as it arrived)    byte of a response came back, so the
                                                          server never acted on it (the rule is in
-                                                         engine/transport.py's docstring)
+                                                         docs/design.md, Transport)
 pipelined-extra-response    gives the second request     closes the connection: a response nobody
                             the stray second response    asked for means it is out of step, and
                             (a wrong answer, as success) the second request goes on a new one

@@ -174,7 +174,7 @@ def test_a_snapshot_keeps_the_sources_it_hashed(tree: Path) -> None:
 
 
 def documented_digest(root: Path) -> str:
-    """The digest as the module docstring defines it, computed here from ``os.walk`` (no links, no caches)."""
+    """The digest as docs/design.md (Snapshots) defines it, computed here from ``os.walk`` (no links, no caches)."""
     h = hashlib.sha256()
     paths = [os.path.join(d, n) for d, _, names in os.walk(root) for n in names]
     files = sorted((os.path.relpath(full, root).encode(), full) for full in paths)

@@ -1,17 +1,6 @@
 """``engine bench``: how fast each verifier scores a file of stored trajectories; nothing is written.
 
-The file is read and scored batch by batch, as a trainer would (``--batch-size`` rows at a time),
-``--repeat`` times over, on one engine. For each verifier: its items/s over the time it had work
-(its *active span*: first call's start to last call's end, in each batch), latency percentiles and
-histogram of every call, less its start-up, which is reported apart (the time calls spent importing
-the plugin or spawning a worker process, and how many calls did), the most calls in flight at once,
-retries, judge usage, and how its time split between waiting (from the batch's start, for any
-limit: its own, the engine-wide cap, the judge's) and the verifier itself. Rates are per
-run (min, median, max over the runs); time sums, latencies, retries and usage are pooled over all
-runs. The file is read and scored as ``engine score`` reads it (:func:`engine._backfill.run.score_chunks`):
-a bad row or a verification error aborts the benchmark, naming the row: a fast zero is not a result.
-A thread-executor plugin whose calls measured CPU-bound and costly enough gets a hint that
-``"executor": "process"`` would use more cores (``engine._check.process_hint``).
+What it measures, per run or pooled, and its process hint: docs/design.md, engine check and engine bench.
 """
 
 from __future__ import annotations

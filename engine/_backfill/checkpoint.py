@@ -1,15 +1,6 @@
 """A backfill's checkpoint and lock: ``OUT.state.json``, saved atomically, and ``OUT.lock``, held while a run writes.
 
-**The state.** ``OUT.state.json`` holds the last :class:`Checkpoint`: how many input rows are done,
-the input's checksum through them, and the size and checksum of the partial file's records of them.
-It is replaced atomically and durably (temporary file, fsync, ``os.replace``, fsync of the
-directory), so it never claims more than the partial file durably holds
-(:mod:`engine._backfill.writer` fsyncs that first). It is loaded warily: a user may have edited it,
-and a field that is not what a run writes refuses the resume rather than being half-trusted.
-
-**The lock.** ``OUT.lock`` holds an exclusive ``flock`` and the run's pid while a run writes
-``OUT``: a second run for the same output (fresh or ``--resume``) is refused while the first holds
-it, instead of both appending to one partial file; the lock goes with the process, however it ends.
+Why the state never claims more than the partial file holds: docs/design.md, Crash-safe finish.
 """
 
 from __future__ import annotations

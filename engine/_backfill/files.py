@@ -1,8 +1,4 @@
-"""What a backfill's input and output share about files: the format an extension names, sha256 checksums, fsync.
-
-Both ends are JSON Lines (``.jsonl``, ``.ndjson``, ``.json-lines``) or Parquet (``.parquet``),
-told apart by the extension alone, so that the input and the output agree on every name.
-"""
+"""What a backfill's input and output share about files: the format an extension names, sha256 checksums, fsync."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """Counting repeated ids: ``OUT.ids`` holds a 16-byte hash of each record's ``id``, counted once the run is complete.
 
-The file is derived data: a resumed run rebuilds it from the partial file's checkpointed records,
-so it needs no checkpoint of its own. Counting sorts the hashes in buckets, so memory stays bounded
-whatever the output's size; the count is exact unless two different ids share a 128-bit hash.
+Derived data, rebuilt on resume; counted in buckets, in bounded memory: docs/design.md, Crash-safe finish.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """A backfill's input: stored trajectories, read as a stream, validated and checksummed (``engine score``, ``bench``).
 
-What each column may hold in JSON Lines and in Parquet, and what a plugin receives from it, is one
-table in the README (section "Input"). Memory stays flat: one line, or one Parquet batch, at a time.
-:meth:`RowReader.checksum` lets a resume refuse an input that changed (see its docstring).
+What each column may hold, and what a plugin receives from it: the README's **Input**. Memory stays flat (one
+line, or one Parquet batch, at a time); :meth:`RowReader.checksum` lets a resume refuse an input that changed.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """The Parquet output: built at the end from the JSON Lines spool (``OUT.partial``), streaming, and read back.
 
-**Columns.** ``reward`` is float64. ``verifier`` is a struct, one type for every verifier kind
-(:data:`VERIFIER_TYPE`), so query engines read ``verifier.kind`` or ``verifier.version`` without
-parsing JSON; a field a kind does not have is null (an endpoint has no ``digest``, only a rubric has
-a ``version``), and :func:`read_records` leaves null fields out, so a record reads back as it was
-written. A provenance key the struct has no field for, or a value of another type, is refused when
-the record is written (:func:`verifier_problem`), never dropped at the end. ``id`` is int64 when
-every id is an integer (or null), string when every id is a string (or null), and JSON text
-otherwise (mixed or other types). The schema metadata key ``engine.json_columns`` lists the columns
-holding JSON text (``id`` or none); :func:`read_records` decodes them, so every output round-trips.
-Files written before the struct hold ``verifier`` as JSON text, listed there too: they read back alike.
-
-The spool is converted with the same settings on every run, so a resumed run's Parquet output is
-byte-identical to an uninterrupted run's (given the same pyarrow).
+Its columns and how every output round-trips: docs/design.md, Crash-safe finish (Parquet columns).
 """
 
 from __future__ import annotations
@@ -102,7 +90,7 @@ def _batches(f: BinaryIO) -> Iterator[list[dict[str, Any]]]:
 
 
 def ids_kind(ids: Iterable[Any]) -> IdKind:
-    """What the ``id`` column of records with these ids holds (see the module docstring)."""
+    """What the ``id`` column of records with these ids holds (docs/design.md, Crash-safe finish: Parquet columns)."""
     kind: IdKind = "null"
     for row_id in ids:
         kind = _merge(kind, _id_kind(row_id))

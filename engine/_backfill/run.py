@@ -1,16 +1,6 @@
 """``engine score``: rewards for a file of stored trajectories, streamed, checkpointed, resumable.
 
-The input is read a chunk at a time (memory stays flat however large the file), each chunk is
-scored as one batch (:func:`score_chunks`, which ``engine bench`` reads files with too), its
-records are written, and a checkpoint is taken (:mod:`engine._backfill.writer`). A
-crash, Ctrl-C or kill -9 loses at most the chunk in flight; ``--resume`` continues from the last
-checkpoint and produces the file an uninterrupted run would have. A verification error stops the
-run with the chunk before it checkpointed: fix the verifier, then ``--resume``.
-
-The run's summary (per verifier: items, mean reward, latency percentiles, retries) is carried in
-the checkpoints, so a resumed run reports on the whole file; so is the count of repeated ids, taken
-over the whole output when the run finishes (:mod:`engine._backfill.ids`). A resume of a run that was
-stopped after its output was complete, while cleaning up, only completes the cleanup.
+A chunk at a time, each scored as one batch and checkpointed: docs/design.md, Crash-safe finish.
 """
 
 from __future__ import annotations

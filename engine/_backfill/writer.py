@@ -1,44 +1,6 @@
 """Writing rewards for ``engine score``: never half-written, checkpointed, resumable after kill -9.
 
-The output holds one record per input row, in input order: ``id``, ``reward`` (a float) and
-``verifier``, the provenance object the caller passes (``kind``, ``ref``, ``environment``, a digest
-or a rubric version, ...). Its format follows the output's extension: JSON Lines (``.jsonl``,
-``.ndjson``, ``.json-lines``), where ``verifier`` is written as given, or Parquet (``.parquet``,
-:mod:`engine._backfill.parquet`), where it is a struct column: a ``verifier`` that does not fit the
-struct is refused when it is written, and a resume refuses a partial file holding one (a version
-that wrote ``verifier`` as JSON text took any keys).
-
-Files, for an output ``OUT``:
-
-* ``OUT.partial``: the records written so far, as JSON Lines whatever the output's format (for
-  Parquet it is a spool, converted at the end);
-* ``OUT.state.json``: the last checkpoint, and ``OUT.lock`` while a run writes
-  (:mod:`engine._backfill.checkpoint`);
-* ``OUT.tmp``: for Parquet, the file being built from the spool at the end;
-* ``OUT.ids``: a hash of each record's ``id``, to count repeated ids at the end (:mod:`engine._backfill.ids`).
-
-``OUT`` itself appears only when the run is complete, by ``os.replace`` after an fsync, so it is
-never half-written; a complete old ``OUT`` is replaced atomically.
-
-**Why finishing survives kill -9.** :meth:`RewardWriter.finish` builds the complete file (for
-Parquet, ``OUT.tmp`` from the spool), then saves a last checkpoint marked *finished* with that
-file's size and sha256, then renames it into place, then removes the other files, the state file
-last. A crash before the marker leaves an ordinary resumable run; after it, a resume that finds
-``OUT`` matching the marker only completes the cleanup (``RewardWriter.already_finished``), and
-one that does not (the rename never happened) builds ``OUT`` again from the partial file, which is
-still there. A state without the marker (written by an older version) whose partial file is gone
-is accepted when ``OUT`` is a JSON Lines file matching its checkpoint.
-
-**Why it survives kill -9.** :meth:`RewardWriter.checkpoint` first fsyncs the partial file, then
-replaces the state file atomically. So the state on disk never claims more than the partial file
-durably holds, whatever the moment of the kill. A resume truncates the partial file back to the
-byte offset the state records, dropping any records written after the last checkpoint, and checks
-that what remains is byte for byte what was checkpointed (its sha256). The caller checkpoints after
-each chunk, so at most one chunk is scored again.
-
-**Why the result is identical.** Records are encoded the same way on every run, so the resumed
-partial file is byte-identical to an uninterrupted run's, and so is a JSON Lines output; a Parquet
-output is built from that same spool at the end in both cases, with the same settings.
+The output's files, and why a checkpoint and the finish survive a kill: docs/design.md, Crash-safe finish.
 """
 
 from __future__ import annotations
@@ -103,7 +65,7 @@ def _finite(reward: float) -> float:
 
 
 class RewardWriter(Closing):
-    """Writes reward records to ``partial_path(output)`` and checkpoints them; see the module docstring.
+    """Writes reward records to ``partial_path(output)`` and checkpoints them (docs/design.md, Crash-safe finish).
 
     Get one from :func:`open_output` (or :func:`engine._backfill.run.open_run`). As a context manager it closes the
     files on exit without finishing: unless :meth:`finish` ran, the partial and state files stay
@@ -239,7 +201,7 @@ class RewardWriter(Closing):
         return checksum(self._hash)
 
     def finish(self) -> None:
-        """Put the complete output in place atomically and remove the other files; see the module docstring.
+        """Put the complete output in place atomically and remove the other files (docs/design.md, Crash-safe finish).
 
         Steps, each safe to crash after: fsync the partial file; count
         repeated ids; for Parquet, convert the spool to ``OUT.tmp`` and fsync it; save the last
@@ -416,7 +378,14 @@ def _restore(output: Path, input_path: Path) -> RewardWriter:
 
 @dataclass(frozen=True, slots=True)
 class RewardRecord:
-    """One record of an output file."""
+    """One record of an output file: one input row's reward.
+
+    Attributes:
+        id: The row's ``id``, as read (None when it had none).
+        reward: The reward, a finite float.
+        verifier: The provenance: ``kind``, ``ref``, ``environment``, and the environment's digest or the
+            rubric's version and digest (a Parquet output's null fields left out).
+    """
 
     id: Any
     reward: float
@@ -424,10 +393,19 @@ class RewardRecord:
 
 
 def read_rewards(path: str | Path) -> Iterator[RewardRecord]:
-    """The records of a complete output file (JSON Lines or Parquet), streamed, in order.
+    """The records of a complete ``engine score`` output file, streamed, in order.
 
-    A Parquet ``verifier`` holds the struct's non-null fields (a kind's own); a Parquet file written
-    before the struct column, with ``verifier`` as JSON text, reads the same way.
+    Args:
+        path: The output: JSON Lines (``.jsonl``, ``.ndjson``, ``.json-lines``) or Parquet (``.parquet``).
+            A Parquet ``verifier`` holds the struct's non-null fields (a kind's own); a Parquet file
+            written before the struct column, with ``verifier`` as JSON text, reads the same way.
+
+    Returns:
+        An iterator of the records, one per input row, read as it is consumed.
+
+    Raises:
+        OutputError: The extension names neither format (raised, as the others, once iteration starts).
+        OSError: The file cannot be opened or read.
     """
     path = Path(path)
     if _output_format(path) == "jsonl":

@@ -1,8 +1,7 @@
 """The one contract every verifier kind resolves to.
 
-A plugin author writes a :data:`VerifyFn` (or its ``async def`` twin). Inside the engine every kind,
-plugin, endpoint and rubric, is a :class:`Verifier`: an object with a name and an async ``verify``
-of that same shape, so the scheduler never needs to know which kind it is driving.
+A plugin author writes a :data:`VerifyFn` (or its ``async def`` twin); inside the engine every kind is a
+:class:`Verifier` of that same shape, so the scheduler never needs to know which kind it is driving.
 """
 
 from __future__ import annotations
@@ -40,14 +39,15 @@ __all__ = [
     "check_reward",
     "is_async",
     "is_chunked",
+    "item_label",
     "private",
     "private_pair",
     "task_of",
-    "which",
 ]
 
+# What a plugin author writes: (task, trajectory) -> reward; every kind resolves to this shape.
 VerifyFn = Callable[[Mapping[str, Any], Any], float]
-AsyncVerifyFn = Callable[[Mapping[str, Any], Any], Awaitable[float]]
+AsyncVerifyFn = Callable[[Mapping[str, Any], Any], Awaitable[float]]  # its ``async def`` twin, awaited on the loop
 
 
 def is_async(fn: Callable[..., Any]) -> bool:
@@ -240,7 +240,7 @@ def check_first_index(first_index: Any, count: int) -> None:
                          "(2**63 - 1), the last an index can hold")
 
 
-def which(index: int, item: Mapping[str, Any]) -> str:
+def item_label(index: int, item: Mapping[str, Any]) -> str:
     """How a message names an item: its position, and its ``id`` if it has one."""
     item_id = item.get("id")
     return f"item {index}" if item_id is None else f"item {index} (id {item_id!r})"
@@ -257,11 +257,13 @@ def check_item(index: int, item: Any) -> str:
         raise TypeError(f"item {index} is {a_or_an(type(item).__name__)}, not a mapping")
     if "environment" not in item:
         raise ValueError(
-            f"{which(index, item)} has no 'environment' (an item needs 'environment', 'task', 'trajectory')"
+            f"{item_label(index, item)} has no 'environment' (an item needs 'environment', 'task', 'trajectory')"
         )
     name = item["environment"]
     if not isinstance(name, str) or not ENV_NAME.fullmatch(name):
-        raise ValueError(f"{which(index, item)}: 'environment' must be an environment's directory name, got {name!r}")
+        raise ValueError(
+            f"{item_label(index, item)}: 'environment' must be an environment's directory name, got {name!r}"
+        )
     return name
 
 

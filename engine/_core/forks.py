@@ -1,12 +1,6 @@
 """Which process opened something that only that process can use: a forked child leaves it alone.
 
-``os.fork()`` copies a process's memory but only the thread that called it. A child has its parent's
-engines without their threads (a blocking engine's event loop: a call would wait for ever), and the
-parent's worker processes, which are not its children (killing them fails the parent's batch in
-flight on an innocent item; their pipes are the parent's conversations). Whatever holds such things
-notes the process that opened it (:class:`Owner`). In any other process it is refused
-(:meth:`Owner.check` raises, saying so) or left alone: closing it, or an exit hook, does nothing of
-the parent's.
+Why a child must neither use nor close its parent's engines and workers: docs/design.md, Forked children.
 """
 
 from __future__ import annotations

@@ -1,22 +1,7 @@
 """Every limit the engine keeps, in one vocabulary: *slots* (how many at once) and a *rate* (how many a second).
 
-A verifier's ``max_concurrency`` and ``max_rate`` become a :class:`Meter`, shared by every batch one
-engine scores; the judge has one of its own; the engine-wide cap on items in flight, a worker
-pool's workers and a plugin's serial chunks are slots; the threads of sync plugins are
-:func:`threads`. Slots are anyio semaphores with ``fast_acquire``: an uncontended acquire does not
-yield to the event loop, so holding one costs a cheap plugin's item next to nothing.
-
-A limit inside a call (the judge's own, which every rubric shares) is still a limit: the verifier
-waits for it in :func:`waiting`, which tells the call's :class:`Account` (the scheduler's), so the
-time is reported as waiting, not as time in the verifier. Starting a verifier up inside a call (a
-plugin's first import, a worker process's spawn) is neither: the call does it in :func:`starting`,
-and the time is reported as start-up, apart from the call's latency.
-
-:class:`LoopCalls` is not a limit but a gauge beside them: how many of the engine's calls are in
-flight on one event loop, which a chunk of cheap calls in a thread reads to give that loop turns.
-
-Only anyio is imported here, and aiolimiter only when a rate is asked for: most verifiers have none.
-(A plugin's worker process imports neither: it has no limits of its own.)
+Which limits are meters, and how a call's waiting and start-up are told from its time verifying:
+docs/design.md, Limits and accounts.
 """
 
 from __future__ import annotations
@@ -144,7 +129,7 @@ def _account() -> Account | None:
 
 
 @contextmanager
-def _aside(done: Callable[[Account, float], None]) -> Iterator[None]:
+def _account_paused(done: Callable[[Account, float], None]) -> Iterator[None]:
     """Time inside a call that is not the call's own: the account is paused, then told how long by ``done``."""
     account = _account()
     if account is None:
@@ -160,7 +145,7 @@ def _aside(done: Callable[[Account, float], None]) -> Iterator[None]:
 
 def waiting() -> AbstractContextManager[None]:
     """Wait for a limit inside a call (the judge's slots or rate): the time is the call's account's waiting."""
-    return _aside(lambda account, seconds: account.resumed(seconds))
+    return _account_paused(lambda account, seconds: account.resumed(seconds))
 
 
 @asynccontextmanager
@@ -179,17 +164,15 @@ def starting() -> AbstractContextManager[None]:
     """Start a verifier up inside a call (a plugin's import, a worker's spawn): the time is the call's
     account's start-up, neither waiting nor time verifying. Entered only on the path that starts
     something, so a warm call pays nothing for it."""
-    return _aside(lambda account, seconds: account.started_up(seconds))
+    return _account_paused(lambda account, seconds: account.started_up(seconds))
 
 
 class LoopCalls:
     """How many of the engine's calls that run on one event loop are in flight (an endpoint's request, a
     judge's, an async plugin's; counted by the scheduler around each call of one item).
 
-    A chunk of cheap calls in a thread gives that loop turns at the GIL while any are (see
-    ``engine._verifiers.plugin.threads.Turns``): their work is on the loop, and each socket read or
-    file write the loop makes lets go of the GIL, which a chunk not taking turns keeps for up to the
-    switch interval (5 ms) each time.
+    A chunk of cheap calls in a thread gives that loop turns at the GIL while any are:
+    docs/design.md, Limits and accounts.
     """
 
     __slots__ = ("__weakref__", "count")

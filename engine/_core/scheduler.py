@@ -40,7 +40,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from engine._core.contract import Items, MalformedItem, Verifier, check_item, is_chunked, task_of, which
+from engine._core.contract import Items, MalformedItem, Verifier, check_item, is_chunked, item_label, task_of
 from engine._core.meters import Meter, ledger, loop_calls
 from engine._core.report import BatchResult, VerifierReport
 from engine._errors import ConfigError, Failure, VerificationError
@@ -251,7 +251,7 @@ class _Batch:
         except ConfigError:  # its manifest is bad: the error names the file
             raise
         except ValueError as exc:
-            raise ValueError(f"{which(self.first + index, item)}: {exc}") from None
+            raise ValueError(f"{item_label(self.first + index, item)}: {exc}") from None
 
     def _lanes(self, groups: Mapping[str, Sequence[int]], guess: bool = False) -> list[Lane]:
         """A lane per verifier for ``groups`` (environment -> positions); ``guess``: the one group is a guess."""

@@ -1,27 +1,6 @@
 """An environment directory's content digest, the pin that gates plugin imports, and its source snapshot.
 
-``sha256:<hex>`` over every file below the directory, sorted by relative POSIX path; each file
-contributes ``<path> NUL <size> NUL <bytes>`` so that no two different trees hash alike. Caches
-that Python and the usual tools write next to code are left out, so importing a vetted plugin
-does not change its digest.
-
-Symbolic links are followed, as ``import`` follows them: a linked file or directory is hashed by
-its content, so editing code behind a link changes the digest. A link back up the tree (a loop)
-is not entered twice; a dangling link contributes ``<path> NUL -> <target> NUL``. Anything that is
-not a regular file or a directory once links are followed (a FIFO, a socket, a device such as
-``/dev/zero``) is refused with :class:`~engine._errors.DigestError` naming it: reading one could
-block or never end, and nothing in it could be vetted. A regular file is read only up to the size
-``fstat`` gave it, plus one byte: one that reads more (``/proc/self/pagemap``: size 0, ~256 GiB of
-bytes) or less (it changed while hashed) is refused too. The walk is bounded (``MAX_PATHS``,
-``MAX_BYTES``): links can make a small directory hold any number of paths (a chain of directories
-each with two links to the next holds 2^depth), and a walk past either bound is refused, not run.
-Paths are hashed as the bytes the file system holds (``os.fsencode``), so a name that is not UTF-8
-is hashed, not a crash; for UTF-8 names those are the same bytes as before.
-
-:func:`snapshot_directory` keeps the bytes of the ``.py`` files while it hashes them, read once
-each: the importer serves modules from that snapshot, so the code that runs is the code that
-was hashed, whatever happens to the files afterwards. It keeps ``manifest.json``'s bytes the same
-way, so the plugin can check that the manifest which named its verifier is the one hashed.
+What is hashed, what is refused, and why plugins import from the snapshot: docs/design.md, Snapshots.
 """
 
 from __future__ import annotations
@@ -250,5 +229,18 @@ def pin_verdict(digest: str, pin: str | None, *, required: bool) -> Pin:
 
 
 def digest_directory(path: str | Path) -> str:
-    """The digest of directory ``path``, written ``sha256:<hex>`` (raises as :func:`snapshot_directory`)."""
+    """The content digest of an environment directory, the value its pin must hold.
+
+    Args:
+        path: The directory. Links in it are followed; caches (``__pycache__``, ``*.pyc``) are left out.
+
+    Returns:
+        ``sha256:<hex>`` over every file's relative path, size and bytes, sorted by path
+        (docs/design.md, Snapshots).
+
+    Raises:
+        NotADirectoryError: ``path`` is not a directory.
+        DigestError: A file in it is not a regular file or directory, cannot be read, or does not read as
+            its size, or the walk passes ``MAX_PATHS`` files and directories or ``MAX_BYTES`` bytes.
+    """
     return snapshot_directory(path).digest

@@ -1,22 +1,6 @@
-"""Environments and their ``manifest.json``.
+"""Environments and their ``manifest.json``: one verifier of one of three kinds, read once and validated.
 
-An environment is a directory whose name is the environment's name. Its manifest names exactly
-one verifier of one of three kinds; there is no fourth kind and no built-in scorer::
-
-    {"kind": "environment", "verifier": {"kind": "plugin", "ref": "verify:score"}}
-
-Other top-level keys (``version``, ``description``, ...) are descriptive and allowed.
-
-A plugin may also say where its sync callable runs::
-
-    {"kind": "plugin", "ref": "verify:score", "executor": "process", "workers": 2}
-
-``executor`` is ``"thread"`` (the default: the engine's shared thread pool, in the engine's
-process) or ``"process"``: worker processes of its own, each of which imports the plugin once and
-calls it in its main thread, so a call that hangs can be killed, a crash (a segfault,
-``os._exit``) fails the item instead of the trainer, libraries that time themselves out with
-signals work, and CPU-bound code uses every core. ``workers`` (process executor only) is how many
-worker processes; by default one per CPU the engine may run on.
+The manifest's fields: :func:`load_environment` and :class:`VerifierSpec`.
 """
 
 from __future__ import annotations
@@ -37,7 +21,7 @@ from engine._reasons import a_or_an
 __all__ = ["EXECUTORS", "KINDS", "Environment", "VerifierSpec", "load_environment", "parse_verifier"]
 
 MAX_MANIFEST_BYTES = 1 << 20  # a manifest is a few lines of JSON; more is refused, not read
-KINDS: tuple[str, ...] = ("rubric", "plugin", "endpoint")
+KINDS: tuple[str, ...] = ("rubric", "plugin", "endpoint")  # the three verifier kinds: no fourth, no built-in scorer
 Kind = Literal["rubric", "plugin", "endpoint"]
 EXECUTORS: tuple[str, ...] = ("thread", "process")
 Executor = Literal["thread", "process"]
@@ -59,9 +43,21 @@ _REF_FORMS = {
 class VerifierSpec:
     """What a manifest says about its verifier: one of the three kinds and its ref.
 
-    ``executor`` and ``workers`` concern plugins only (see the module docstring); ``workers`` is
-    ``None`` for the thread executor, and for the process executor when the manifest leaves the
-    count to the engine (one worker per CPU).
+    A plugin may also say where its sync callable runs:
+    ``{"kind": "plugin", "ref": "verify:score", "executor": "process", "workers": 2}``.
+
+    Attributes:
+        kind: ``"plugin"``, ``"endpoint"`` or ``"rubric"``: there is no fourth kind and no built-in scorer.
+        ref: A plugin's ``module:callable``, an endpoint's ``http://`` or ``https://`` URL, a rubric's
+            ``owner/name`` (the latest version) or ``owner/name@N``.
+        executor: A plugin's only. ``"thread"`` (the default): the engine's shared thread pool, in the
+            engine's process. ``"process"``: worker processes of its own, each of which imports the plugin
+            once and calls it in its main thread, so a call that hangs can be killed, a crash (a segfault,
+            ``os._exit``) fails the item instead of the trainer, libraries that time themselves out with
+            signals work, and CPU-bound code uses every core.
+        workers: How many worker processes (the process executor only); ``None`` for the thread executor,
+            and for the process executor when the manifest leaves the count to the engine (one worker
+            per CPU the engine may run on).
     """
 
     kind: Kind
@@ -74,8 +70,14 @@ class VerifierSpec:
 class Environment:
     """A loaded, validated environment directory.
 
-    ``manifest_bytes`` is its manifest as read: a plugin runs only if the digest hashed these same
-    bytes (``engine._verifiers.plugin.verifier``), so the verifier the engine was configured with is the one pinned.
+    Attributes:
+        name: The directory's name, which is the environment's.
+        path: The directory.
+        verifier: What its manifest says of its verifier.
+        manifest: The manifest's JSON object, whole: keys beside ``kind`` and ``verifier`` (``version``,
+            ``description``, ``example``, ...) are descriptive and allowed.
+        manifest_bytes: The manifest as read: a plugin runs only if the digest hashed these same bytes
+            (``engine._verifiers.plugin``), so the verifier the engine was configured with is the one pinned.
     """
 
     name: str
@@ -171,7 +173,22 @@ def _read_manifest(manifest_path: Path) -> bytes:
 
 
 def load_environment(path: Path) -> Environment:
-    """Load and validate the environment in directory ``path``; raises ``ManifestError``."""
+    """Load and validate the environment in a directory.
+
+    Its ``manifest.json`` names exactly one verifier of one of three kinds::
+
+        {"kind": "environment", "verifier": {"kind": "plugin", "ref": "verify:score"}}
+
+    Args:
+        path: The environment's directory; its name is the environment's name.
+
+    Returns:
+        The environment, its manifest read once (a regular file of at most 1 MiB).
+
+    Raises:
+        ManifestError: The manifest is missing, not a regular file, too large, not JSON, or not a valid
+            environment manifest (its kind, its verifier's kind, ref, executor or workers, unknown keys).
+    """
     manifest_path = path / MANIFEST
     raw = _read_manifest(manifest_path)
     try:

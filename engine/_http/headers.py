@@ -1,9 +1,6 @@
 """Extra request headers whose values name environment variables: ``Authorization = "Basic ${VERIFIER_AUTH}"``.
 
-An endpoint's ``[refs."<url>"]`` table and the ``[judge]`` table may send such headers. Every value
-names at least one variable (the config itself never holds a secret); the variables are read at
-each call, and their values are scrubbed from every message. This module checks the templates
-when the config is built and fills them in at call time, for both.
+Checked when the config is built, filled in at each call, for endpoints and the judge: docs/design.md, Transport.
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
-"""How the engine reaches its servers: credentials in URLs, the TLS trust, and proxies from the environment.
+"""How the engine reaches its servers: credentials in URLs refused, the TLS trust, proxies from the environment.
 
-* A URL that carries credentials (``https://user:secret@host/...``) is refused where it is
-  configured: a URL is logged, shown in errors and written with every reward, so a password in it
-  would leak everywhere. Credentials go in a header whose value is read from an environment variable.
-  A URL is shown (in a refusal, or a proxy's in a log line) without anything up to its last '@'.
-* HTTPS is verified against httpx's default trust (certifi's bundle, or ``SSL_CERT_FILE`` /
-  ``SSL_CERT_DIR`` when set), plus the config's ``ca_bundle``: a private CA is added to the default
-  trust, never in place of it, so a public judge still verifies.
-* ``HTTP_PROXY``, ``HTTPS_PROXY``, ``ALL_PROXY`` and ``NO_PROXY`` (either case) are read as httpx
-  reads them (``urllib.request.getproxies()``, then httpx's rules for NO_PROXY: ``*`` turns proxies
-  off, ``.example.com`` covers its subdomains, ``example.com`` covers itself and them, an IP address
-  or ``localhost`` only itself; loopback addresses are proxied unless NO_PROXY names them, as in
-  httpx; ``[::1]`` is the IPv6 address, where httpx raises). NO_PROXY is read only when a proxy is
-  set, and an entry httpx cannot read is a ``ConfigError``. A URL the environment proxies is sent
-  through httpx's own transport with that proxy; every other URL keeps the engine's transport. The
-  environment is read once, when an engine opens.
+The rules, as httpx's: docs/design.md, Transport (Networks).
 """
 
 from __future__ import annotations

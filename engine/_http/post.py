@@ -1,31 +1,6 @@
 """The one HTTP call the engine makes: a bounded POST with retries, for endpoint verifiers and the judge alike.
 
-An endpoint verifier and the judge differ in what they send and how they read the answer; how the
-request travels, how long it may take, how much of an answer is read and which failures are tried
-again is the same for both, and written here once. :class:`Post` sends a body to one URL and
-returns the response (any status the caller must judge), or raises :class:`PostFailed` saying why
-in words, the real failure chained as its cause.
-
-How each kind of work the engine waits for times out: one mechanism per kind, each in one place.
-
-* An HTTP call (an endpoint verifier's, the judge's: the same): ``timeout`` seconds for the whole
-  call, here. The request carries the deadline (``extensions["total_timeout"]``) and the engine's
-  transport (``engine._http.transport``) ends every phase by it, each failing as that phase's httpx
-  timeout (a connect that timed out is retried; a read that did is not, the server may be working);
-  a transport that does not keep deadlines (httpx's own, to a proxy) gets a timer of this module's
-  around the whole call. Either way the reason is :class:`CallTimeout`'s, written only there. Retries
-  have their own budget on top: ``max_attempts`` tries, no wait that would end past
-  ``retry_deadline`` seconds from the first try (``engine._http.retry``).
-* A process plugin: its worker writes each call's start time to memory it shares with the engine,
-  which waits on the worker's pipe until that start plus ``timeout`` and then kills the worker
-  (``engine._verifiers.plugin.pool``).
-* A thread plugin: ``anyio.move_on_after(timeout)`` around the call; its thread, which cannot be
-  killed, is abandoned and counted (``engine._verifiers.plugin.verifier``). Vetting a plugin's
-  digest before its first call is held to the same ``timeout`` the same way.
-* Starting a worker process: ``STARTUP_TIMEOUT`` for its interpreter to say it is up, then the
-  call's ``timeout`` for the import (``engine._verifiers.plugin.pool``).
-* ``engine check``'s probe of an endpoint: ``CONNECT_TIMEOUT`` to connect, nothing sent
-  (``engine._check``).
+Its routes, bounds and deadline: docs/design.md, Transport; how every other kind of work times out: Timeouts.
 """
 
 from __future__ import annotations

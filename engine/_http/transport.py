@@ -1,64 +1,7 @@
 """The HTTP transport under the engine's ``httpx.AsyncClient``: keep-alive HTTP/1.1 pools on asyncio.
 
-Why not httpx's own: on 127.0.0.1 with 64 calls in flight its pool cost ~2.9 ms of CPU per request
-and grew with the pool's size; ``httpx-aiohttp`` cost ~350 us; this one costs a few tens of us and
-stays flat as concurrency grows (figures in benchmarks/README.md). It is an ordinary
-``httpx.AsyncBaseTransport``, so everything above it (``httpx.Request``, ``httpx.Response``,
-timeouts, the client's API) is httpx's.
-
-Scope, kept deliberately small: HTTP/1.1 over TCP or TLS, one request at a time per connection
-(no pipelining), responses delimited by Content-Length, chunked encoding or connection close,
-parsed by httptools (the C parser uvicorn uses). No proxies, no HTTP/2, no upgrades. Interim
-responses (``100 Continue``, ``103 Early Hints``, any 1xx but 101) are skipped: the final response
-is the request's, and nothing of an interim one is kept. An interim response that carries a body
-(none may: a server that sends one is out of step), a status under 100, and a ``101 Switching
-Protocols`` nobody asked for are protocol errors. Trailers after a chunked body are read and
-dropped, as httpx drops them.
-
-Connections: one is reused only after a complete response that allows keep-alive, and never once
-it has seen EOF or bytes nobody asked for (a second response to one request, or anything arriving
-while it is idle): those are closed, not handed out. A request that is cancelled, times out or
-fails aborts its connection (a reset, not a graceful close: a graceful one waits for the unsent
-request body to drain, which a server that stopped reading never lets happen), so the server sees
-the abort at once and no socket outlives the call. tests/test_conformance.py checks all this
-against httpx's own transport on the same bytes.
-
-Sending a request again: only when it went out on a *reused* connection and the connection then
-failed (EOF or reset) before *any byte* of a response arrived, and only once, on a fresh
-connection. That is a kept connection the server had already closed (an idle timeout, a cap on
-requests per connection, a load balancer), which the server never acted on; well-kept clients
-do the same. A request on a new connection, one that saw any byte of a response (an interim one
-included), or one that timed out is never sent twice: the server may have acted on it. What the
-rule cannot tell apart: a server that reads a request on a kept connection and closes it without
-a byte of answer gets that request once more (harmless for a verifier's pure computation; a
-judge's call is paid twice).
-
-Closing a socket costs ~10 us of the event loop's time, so closing 1,024 of them when a batch
-aborts held its caller ~15 ms longer. Inside :meth:`PoolTransport.closes_deferred` (the engine
-scores each batch inside it), the connections of requests cancelled in that block are closed just
-after it is left instead: the abort reaches the caller first, the closes follow in the next turn of
-the event loop. Their connections count against the pool's limit until then. Each block closes its
-own (a context variable says which block a request runs in), so one batch's abort does not wait
-for another batch that is still running. A request woken for a free connection that is cancelled
-before it takes it hands the wake-up to the next one waiting.
-
-Closing the transport closes idle connections gracefully and resets, after ``CLOSE_WAIT``, any whose
-peer never completes the close (a TLS server that does not answer ``close_notify``).
-
-Bounds: a request may carry ``extensions["max_body"]`` (bytes). A response announcing a longer
-body is refused before its body is read, one whose body grows past the cap is cut off (the
-connection closed) as soon as it does, and a compressed one is refused (under a cap the engine asks
-for ``identity``: a small compressed body can inflate to any size). A response's head is bounded
-too (``MAX_HEAD``, interim heads included), and so are the bytes around a chunked body (chunk
-extensions, trailers: httptools buffers them whole), to ``MAX_HEAD`` plus ``FRAMING`` bytes per
-byte of body.
-
-Deadlines: httpx's timeouts apply to each phase in turn (waiting for a connection, connecting,
-reading), so a call can take several times its timeout. A request may also carry
-``extensions["total_timeout"]``, the seconds the whole call may take from when it reaches the
-transport; every phase then ends by that deadline, and still fails as that phase's httpx timeout
-(a connect that times out is retried, a read that does is not). One timer per phase, as before:
-the deadline costs nothing, and a caller's extensions stay one constant dict.
+Why not httpx's own, what it speaks, when it sends a request again, and its bounds and deadlines:
+docs/design.md, Transport.
 """
 
 from __future__ import annotations

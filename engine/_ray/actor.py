@@ -1,17 +1,6 @@
 """What each Ray actor runs: one engine, opened once, scoring blocks as engine batches and committing each block.
 
-An actor reads its block's rows itself, with the single-machine reader's checks
-(:mod:`engine._backfill.input`), scores them as one batch whose ``first_index`` is the block's first
-row in the whole input (a ``VerificationError`` names that row, and a note its file and line), and
-commits the block: its records become a Parquet file in ``OUTDIR/_tmp`` with the single-machine
-output's columns and types (:func:`engine._backfill.parquet.output_schema`), fsynced, then renamed
-to the block's part file. A part is there whole or not at all; scoring a
-block again replaces it with the same rows.
-
-**Limits.** Each verifier's ``max_concurrency`` and ``max_rate`` in a config are meant for the whole
-job; :func:`split_limits` gives each of N actors ``ceil(max_concurrency / N)`` and ``max_rate / N``
-(the judge's too). With a URL, every actor scores through one ``engine serve`` instead, whose
-engine holds the limits whole.
+How a block is committed whole, and how each actor's share of the limits is set: docs/design.md, Backfills on Ray.
 """
 
 from __future__ import annotations

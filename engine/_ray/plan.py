@@ -1,17 +1,6 @@
 """What a Ray backfill will do: its input files, cut into blocks of rows, and the files it leaves in OUTDIR.
 
-The driver plans before anything is scored: the input (a file, a directory, or a glob of Parquet
-or JSON Lines files, taken in sorted order) is cut into :class:`Block` s of about ``block_rows``
-rows, each numbered by the place of its first row in the whole input (from 0). A JSON Lines block
-starts at a byte offset (found by one pass over the file); a Parquet block is a run of whole row
-groups (found in the footer), so that an actor reads only its own rows.
-
-OUTDIR holds, besides one ``part-<start>-<stop>.parquet`` per committed block (rows
-``start <= n < stop``; a resume counts it done only if its footer holds that many rows, see
-:func:`whole_parts`): ``_plan.json`` (the plan, written first: a resume must find the same),
-``_SUCCESS`` (written only once every block's part is in), ``_run.lock`` while a driver runs, and
-``_tmp/`` (parts being written). Names starting with ``_`` are skipped by Parquet readers
-(pyarrow, Ray Data, Spark), so OUTDIR reads as one table.
+How blocks are cut and what OUTDIR holds: docs/design.md, Backfills on Ray (The plan).
 """
 
 from __future__ import annotations

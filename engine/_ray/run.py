@@ -1,20 +1,6 @@
 """The driver of a Ray backfill: plan, skip what is committed, map the rest over an actor pool, mark completion.
 
-``engine score INPUT -o OUTDIR --ray`` calls :func:`backfill`. Every block whose part file is
-missing is sent, as a one-row item, through ``Dataset.map_batches`` over a pool of actors, each
-holding one engine (:class:`engine._ray.actor.BlockScorer`). Ray Data retries a block whose actor
-died (OOM, a segfaulting plugin: the actor is restarted) and never one that raised: a verification
-error or a bad row aborts the job (``max_errored_blocks`` stays 0, so no block is ever dropped).
-
-**Exactly once.** A block's rows are committed as one part file named by its row range, renamed
-into place whole (:func:`engine._ray.actor.commit`); a block scored twice (a retry, a resume)
-replaces its part with the same rows. So whatever stops the job (driver killed, actor or node
-lost, an abort), ``--resume`` scores only the blocks without a whole part (a part cut short or
-overwritten since is scored again, :func:`engine._ray.plan.whole_parts`), and ``_SUCCESS`` is written
-only when every planned block's part is there. A run after success finds ``_SUCCESS``, the same
-plan and every part whole, and does nothing.
-
-Ray is imported here only when a backfill runs: ``import engine`` never imports it.
+Why each block is scored exactly once, whatever stops the job: docs/design.md, Backfills on Ray.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """The JSON both sides of ``engine serve`` speak: a batch's result, and an error, each way.
 
-A result is ``BatchResult``'s fields as they are (``rewards``, ``verifiers``, ``elapsed``,
-``verifier_of``, ``usage``), each verifier report its dataclass fields; floats cross exactly
-(orjson writes the shortest repr that reads back to the same float). An error is
-``{"error": {"type", "kind", "ref", "environment", "index", "item_id", "message"}}``: the client
-raises the same class with the same fields, or ``ServiceError`` for anything that is not one.
+What crosses, exactly, and what the client checks: docs/design.md, Remote engine.
 """
 
 from __future__ import annotations
@@ -108,8 +104,8 @@ def _result(data: Any) -> BatchResult:
     named = [verifier_of.count(position) for position in range(size)]  # a pass in C each: reports are few
     # every entry an int (no bool: True would pass for report 1) and each counted by one report: all valid
     if not {int}.issuperset(map(type, verifier_of)) or sum(named) != len(verifier_of):
-        index, which = next((i, w) for i, w in enumerate(verifier_of) if type(w) is not int or not 0 <= w < size)
-        raise _Malformed(f"verifier_of[{index}] is {_shown(which)}, not the index of one of its {size} reports")
+        index, entry = next((i, w) for i, w in enumerate(verifier_of) if type(w) is not int or not 0 <= w < size)
+        raise _Malformed(f"verifier_of[{index}] is {_shown(entry)}, not the index of one of its {size} reports")
     for position, (report, count) in enumerate(zip(decoded, named, strict=True)):
         if report.items != count:  # the figures a client's stats add up would not be the batch's
             raise _Malformed(f"verifier report {position} counts {report.items} items; verifier_of gives it {count}")

@@ -1,17 +1,6 @@
 """The service's ASGI application: a few routes, written straight on ASGI (no framework).
 
-``POST /v1/score`` scores ``{"items": [...], "first_index": n}`` as ``Engine.run`` would and
-answers its result (``engine._remote.wire``); ``POST /get_reward`` is OpenRLHF's protocol
-(``engine._serve.openrlhf``); ``GET /healthz`` and ``GET /metrics``. Every request carries the
-bearer token when the service has one (401 otherwise).
-
-One engine scores every request's batch, so its limits hold across all of them. A body over
-``max_bytes`` is refused (413) from its ``Content-Length`` before a byte is read, or as soon as it
-grows past it; a batch over ``max_items`` too; one that does not fit in what is admitted across
-requests gets 503 with ``Retry-After``. While a batch is scored the request's ``receive`` is
-watched: a client that hangs up cancels its batch (nobody reads the answer, so no verifier and no
-judge should keep working on it). A request of a few plugin items shares one engine batch with the
-others that arrive with it (``engine._serve.gather``, which says what each still gets alone).
+Its routes, admission, and what a client that hangs up cancels: docs/design.md, The service.
 """
 
 from __future__ import annotations

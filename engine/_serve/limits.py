@@ -1,9 +1,6 @@
 """What ``engine serve`` is told at start (its address, token and limits), and the admission of batches.
 
-One service takes every rank's and worker's batches: a batch over ``max_items`` or ``max_bytes`` is
-refused with 413 (it could never be admitted), and one that would take the items admitted over
-``max_queued`` with 503 and ``Retry-After`` (it can be, later). The engine's own ``max_in_flight``
-then bounds what runs at once of what was admitted.
+Refused for good (413) or for now (503 and ``Retry-After``): docs/design.md, The service (Admission).
 """
 
 from __future__ import annotations

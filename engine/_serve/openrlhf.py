@@ -1,13 +1,6 @@
 """``POST /get_reward``: OpenRLHF's remote reward protocol, turned into a batch of items and back.
 
-OpenRLHF (``--reward.remote_url``) posts ``{"query": [...], "prompts": [...], "labels": [...]}``, one
-entry per sample, and reads ``{"rewards": [...], "scores": [...], "extra_logs": {...}}``. The samples
-map to items as the OpenRLHF adapter's do (``engine._openrlhf``); a label that is not an item is
-scored in the environment the service was started with (``--environment``).
-
-OpenRLHF 0.11.2 posts a request again when it is not answered 200 (5 tries, a second apart; a 422, a failed
-verification, is not answered 200 either), so a failure would be scored 5 times (5 judge calls for a
-rubric). ``Replays`` answers a request whose body is byte for byte one that just failed from that failure.
+The protocol, and why a failure just answered is answered again from memory: docs/design.md, The service.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """``engine serve``: one ``Engine`` for the process's life, served by uvicorn (httptools) on one event loop.
 
-uvicorn rather than hypercorn, and its httptools parser rather than h11, by measurement
-(``benchmarks/bench_serve.py``). SIGTERM (and Ctrl-C) is uvicorn's graceful shutdown: it stops
-accepting, lets the requests in flight be answered for up to ``graceful_timeout`` seconds, then
-cancels what is left; the engine closes after it (plugin workers stop) and the command exits 0.
+Why uvicorn and httptools, and how SIGTERM ends it: docs/design.md, The service.
 """
 
 from __future__ import annotations

@@ -1,22 +1,6 @@
 """OpenRLHF: a file for ``--reward.remote_url /path/to/this/file.py`` (``engine adapters openrlhf-path`` prints it).
 
-OpenRLHF loads this file by its path and calls ``reward_func(queries, prompts, labels, **kw)`` from each
-vLLM actor's loop through ``asyncio.to_thread``, one sample at a time. Its arguments map to items as
-``engine serve``'s ``/get_reward`` maps them: ``queries`` are the prompts with their responses, and each
-item's ``trajectory`` is its query less its prompt (the whole query when it does not start with it); a
-label that is a JSON object (or a string holding one) is the item's ``environment``, ``task`` and
-``id``, any other label the task's ``reference``, ``{"prompt": prompt, "reference": label}``, in the
-environment ``ENGINE_ENVIRONMENT`` names. The engine is configured by environment variables:
-``ENGINE_CONFIG``, or ``ENGINE_URL`` and ``ENGINE_TOKEN``. The calls of a process's threads are scored on
-one background loop, the concurrent ones gathered into engine batches (OpenRLHF runs at most
-``asyncio.to_thread``'s pool of them at once per rollout actor). It returns ``{"rewards": [...], "scores":
-[...], "extra_logs": {}}``, lists of floats, or raises.
-
-OpenRLHF 0.11.2 catches what ``reward_func`` raises, logs it at INFO and records the sample's reward as
-None; training stops later on that None (``AttributeError: 'NoneType' object has no attribute 'size'``).
-So before raising, the adapter logs the error at ERROR on the ``engine`` logger, a line starting
-``engine: OpenRLHF's reward_func failed``: without logging configured, Python's last-resort handler
-prints it to stderr.
+How OpenRLHF calls it, and why a failure is logged at ERROR before it is raised: docs/design.md, Trainer adapters.
 """
 
 from __future__ import annotations
@@ -46,9 +30,10 @@ def reward_func(
     """OpenRLHF's reward function: one reward per query, in order, or a raised error (logged at ERROR first).
 
     Args:
-        queries: Each sample's prompt followed by its response.
+        queries: Each sample's prompt followed by its response; the response is the item's trajectory.
         prompts: Each sample's prompt.
-        labels: Each sample's label: a reference, or an item (a JSON object, or a string holding one).
+        labels: Each sample's label: an item (a JSON object, or a string holding one), or else the task's
+            ``reference``, ``{"prompt": prompt, "reference": label}``, in ``ENGINE_ENVIRONMENT``'s environment.
         **kw: What else OpenRLHF passes; unused.
 
     Returns:

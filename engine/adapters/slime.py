@@ -1,14 +1,6 @@
 """slime: ``custom_rm`` for ``--custom-rm-path engine.adapters.slime.custom_rm`` (with or without ``--group-rm``).
 
-slime awaits ``custom_rm(args, sample)`` for one sample, or ``custom_rm(args, samples)`` for a group
-(``--group-rm``), on its rollout loop. The engine is configured by environment variables
-(``ENGINE_CONFIG``, or ``ENGINE_URL`` and ``ENGINE_TOKEN``); a sample's environment is its
-``metadata["environment"]``, else ``ENGINE_ENVIRONMENT``. ``task`` = ``{"prompt": sample.prompt,
-"reference": sample.label, **the rest of its metadata}`` (no ``reference`` when the label is None),
-``trajectory`` = ``sample.response``, ``id`` = ``sample.index``. Concurrent calls on one loop, single
-samples and groups alike, are gathered into engine batches. A group gets exactly one reward per
-sample (slime pairs them with ``zip(strict=False)``, which would drop the rest of a short list in
-silence): anything else raises.
+How slime calls it, for one sample or a group: docs/design.md, Trainer adapters.
 """
 
 from __future__ import annotations
@@ -22,7 +14,12 @@ __all__ = ["custom_rm"]
 
 
 def item(sample: Any) -> dict[str, Any]:
-    """The engine item of one slime ``Sample`` (see the module's docstring)."""
+    """The engine item of one slime ``Sample``.
+
+    ``environment`` = its ``metadata["environment"]``, else ``ENGINE_ENVIRONMENT``; ``task`` =
+    ``{"prompt": sample.prompt, "reference": sample.label, **the rest of its metadata}`` (no ``reference``
+    when the label is None); ``trajectory`` = ``sample.response``; ``id`` = ``sample.index``.
+    """
     metadata = getattr(sample, "metadata", None) or {}
     if not isinstance(metadata, Mapping):
         raise TypeError(f"a sample's metadata must be a mapping, got {type(metadata).__name__}")
@@ -43,7 +40,21 @@ def item(sample: Any) -> dict[str, Any]:
 
 
 async def custom_rm(args: Any, sample: Any) -> float | list[float]:
-    """The reward of ``sample``, or the rewards of a group of samples (a list), one per sample, in order."""
+    """The reward of a slime sample, or the rewards of a group of samples (``--group-rm``).
+
+    Args:
+        args: slime's arguments; unused (the engine is configured by ``ENGINE_CONFIG``, or ``ENGINE_URL``
+            and ``ENGINE_TOKEN``).
+        sample: One ``Sample``, or a list of them.
+
+    Returns:
+        The sample's reward, or one reward per sample of the group, in order.
+
+    Raises:
+        engine.VerificationError: A sample failed verification.
+        ValueError: No engine configured, or no environment for a sample.
+        TypeError: A sample's metadata that is not a mapping, or a value the engine cannot take.
+    """
     gather = coalescer(source_of(None, None, None))
     if isinstance(sample, list | tuple):
         rewards = await gather.score_many([item(one) for one in sample])

@@ -1,19 +1,7 @@
 """TRL: reward functions for ``GRPOTrainer(reward_funcs=[...])``.
 
-TRL 1.16.0 calls a reward function once per generation batch per rank with columns, not rows
-(``GRPOTrainer._calculate_rewards``): ``prompts``, ``completions``, ``completion_ids``, every dataset
-column as a list, and its own context: ``trainer_state``, ``log_extra``, ``log_metric``, and, with
-``environment_factory``, ``environments`` (one environment instance per row). The context is never
-read as a column. Each row becomes an item: ``environment`` the reward's own ``environment=`` (every
-row's: two rewards built for two environments never both read one column), else the row's environment
-column (``environment_column=``, ``"environment"`` by default: the column TRL's dict
-``environment_factory`` routes by), else ``ENGINE_ENVIRONMENT``; ``task`` =
-``{"prompt": prompt, **the row's other columns}`` (but the environment column and ``id``);
-``trajectory`` = the completion (text or messages); ``id`` from an ``id`` column if there is one.
-
-``EngineReward`` is synchronous: it runs on the training thread, scoring on the process's background
-engine loop. ``AsyncEngineReward`` is awaited on TRL's own event loop, and its engine is bound to that
-loop. Both pickle as their arguments: the engine is opened again where they land.
+How TRL calls them, with columns and its own context, and how each row finds its environment:
+docs/design.md, Trainer adapters.
 """
 
 from __future__ import annotations
@@ -139,6 +127,23 @@ class EngineReward:
     def __call__(
         self, prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Any = None, **kwargs: Any
     ) -> list[float | None]:
+        """Score one generation batch, as TRL calls a reward function, on the process's background engine loop.
+
+        Args:
+            prompts: Each row's prompt.
+            completions: Each row's completion (text or messages): the item's trajectory.
+            completion_ids: TRL's token ids; unused.
+            kwargs: The dataset's other columns, each a list, and TRL's own context (``trainer_state``,
+                ``log_extra``, ``log_metric``, ``environments``); figures go to ``log_metric``.
+
+        Returns:
+            One reward per row, in order; under ``on_error="skip_batch"``, ``None`` for every row of a
+            batch that failed verification.
+
+        Raises:
+            engine.VerificationError: A row failed verification (under ``on_error="raise"``).
+            ValueError: Columns of other lengths than the prompts, or a row no environment names.
+        """
         rewards, figures = in_background(self._score, self.items(prompts, completions, kwargs))
         _log(figures, kwargs.get("log_metric"))  # on the training thread, where TRL keeps its metrics
         return rewards
@@ -146,7 +151,12 @@ class EngineReward:
     def items(
         self, prompts: Sequence[Any], completions: Sequence[Any], kwargs: Mapping[str, Any]
     ) -> list[dict[str, Any]]:
-        """The engine items of TRL's columns (see the module's docstring).
+        """The engine items of TRL's columns: one per row.
+
+        ``environment`` = the reward's own ``environment=`` (every row's), else the row's environment
+        column, else ``ENGINE_ENVIRONMENT``; ``task`` = ``{"prompt": prompt, **the row's other columns}``
+        (but the environment column and ``id``; TRL's own context is never a column); ``trajectory`` =
+        the completion (text or messages); ``id`` from an ``id`` column if there is one.
 
         Raises:
             ValueError: Columns of other lengths than the prompts, or a row no environment names.

@@ -1,17 +1,6 @@
 """verifiers (v1): ``engine_reward``, plugged as ``"engine.adapters.verifiers:engine_reward"``.
 
-verifiers' ``Task.score`` awaits a plugged reward with ``task`` (the task's ``TaskData``) and ``trace``
-(the rollout's ``Trace``) by name; an exception marks the trace failed (``ok`` false, the error on
-``trace.errors``). The engine is configured by environment variables (``ENGINE_CONFIG``, or
-``ENGINE_URL`` and ``ENGINE_TOKEN``).
-
-The item: the task's fields (``model_dump()``, ``None`` fields left out, and without the fields that
-``TaskData`` itself declares to place and run the rollout: ``image``, ``timeout``, ``resources``...;
-its ``prompt`` and ``system_prompt`` stay), its ``environment`` (else ``ENGINE_ENVIRONMENT``) and
-``id`` taken out, its ``answer`` becoming ``reference`` when there is none. The trajectory is
-``trace.last_reply``: the text of the model's final reply, what verifiers' own reward judges and
-``read_answer_file_or_last_reply`` read (never the prompt, never message objects). Concurrent calls on
-one loop are gathered into engine batches; each call gets its own reward or its own error.
+How verifiers awaits it, and what of its task and trace is scored: docs/design.md, Trainer adapters.
 """
 
 from __future__ import annotations
@@ -69,7 +58,13 @@ def _trajectory(trace: Any) -> str:
 
 
 def item(task: Any, trace: Any) -> dict[str, Any]:
-    """The engine item of one verifiers task and trace (see the module's docstring).
+    """The engine item of one verifiers task and trace.
+
+    ``task`` = the task's fields (``model_dump()``, ``None`` fields left out, and without the fields
+    that ``TaskData`` itself declares to place and run the rollout: ``image``, ``timeout``,
+    ``resources``...; its ``prompt`` and ``system_prompt`` stay), its ``environment`` (else
+    ``ENGINE_ENVIRONMENT``) and ``id`` taken out, its ``answer`` becoming ``reference`` when there is
+    none; ``trajectory`` = ``trace.last_reply``, the text of the model's final reply.
 
     Raises:
         TypeError: ``task`` is neither a pydantic model nor a mapping, or ``trace`` has no ``last_reply``.

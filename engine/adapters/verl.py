@@ -1,22 +1,6 @@
 """verl: ``compute_score`` for ``reward.custom_reward_function`` (``path`` this file, ``name`` compute_score).
 
-verl 0.9.1 hands it the keyword arguments under ``reward.custom_reward_function.reward_kwargs``
-(``verl/trainer/ppo/reward.py``; keys under ``reward.reward_kwargs`` never reach it): ``config`` (the
-engine's config file) or ``url`` (an ``engine serve``'s, with ``token``), and ``environment``
-(default: the sample's ``data_source``); without ``config`` and ``url``, ``ENGINE_CONFIG`` or
-``ENGINE_URL`` in the reward worker's process. verl's ``NaiveRewardManager`` calls it once per sample,
-one asyncio task per sample on its reward worker's loop; the calls that reach one loop together are
-gathered into engine batches (``engine.adapters._runtime.Coalescer``), each call getting exactly what
-it would get alone. How many calls one batch gathers depends on verl's path: the batch path
-(``RewardLoopManager.compute_rm_score``) hands each worker its chunk at once, the streaming path
-(``AgentLoopWorker``, one Ray call per finished sample to a random worker) as samples finish
-(docs/trainers/verl.md has the measured counts). ``task`` = ``{"reference": ground_truth,
-**extra_info}``, a ``question`` in ``extra_info`` becoming ``prompt`` when there is no ``prompt``;
-``trajectory`` = ``solution_str``; verl's numpy values (``num_turns``, ``np.str_`` data sources) are
-accepted (the engine names an ``np.str_`` environment as the str it is). It returns a float every time (so its
-keys never differ), or raises: the ``VerificationError`` naming the call's own sample when that sample
-fails, the engine's ``ValueError``/``TypeError`` on misuse (an unknown environment, no engine
-configured). verl then fails the step (see docs/trainers/verl.md).
+How verl calls it on its two paths, and how many calls one engine batch gathers: docs/design.md, Trainer adapters.
 """
 
 from __future__ import annotations
@@ -36,7 +20,12 @@ def item(
     extra_info: Mapping[str, Any] | None,
     environment: str | None,
 ) -> dict[str, Any]:
-    """The engine item of one verl sample (see the module's docstring)."""
+    """The engine item of one verl sample.
+
+    ``environment`` = ``environment`` if given, else ``data_source``; ``task`` = ``{"reference":
+    ground_truth, **extra_info}``, a ``question`` in ``extra_info`` becoming ``prompt`` when there is no
+    ``prompt``; ``trajectory`` = ``solution_str``.
+    """
     task = {"reference": ground_truth, **(extra_info or {})}
     if "prompt" not in task and "question" in task:
         task["prompt"] = task.pop("question")

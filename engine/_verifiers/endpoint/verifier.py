@@ -1,15 +1,6 @@
 """Endpoint verifiers: POST the item to an HTTP URL, read ``{"reward": <number>}`` back.
 
-Every endpoint shares the engine's one ``httpx.AsyncClient``. The request body is
-``{"task": ..., "trajectory": ...}`` serialized with orjson; the answer must be a JSON object
-whose ``reward`` is a JSON number (not a boolean, string, null or NaN). Transient failures are
-retried within the verifier's budget; anything else fails the item at once.
-
-Every call is the one bounded POST (``engine._http.post``, which says how it times out):
-``timeout`` seconds for the whole of it, and ``max_body`` bytes of response body, refused rather
-than read past. Redirects are never followed (a 3xx is an answer like any other non-2xx: an
-error). Headers configured for the endpoint take their values from environment variables, read at
-each call; their values never appear in an error message.
+Each call is the one bounded POST with retries (docs/design.md, Transport); the protocol: :class:`EndpointVerifier`.
 """
 
 from __future__ import annotations
@@ -83,9 +74,16 @@ def parse_reward(response: httpx.Response, scrub: Scrub | None = None) -> float:
 class EndpointVerifier:
     """One verifier URL; one instance per URL per engine, whatever environments use it.
 
+    The request body is ``{"task": ..., "trajectory": ...}`` serialized with orjson; the answer must be
+    a JSON object whose ``reward`` is a JSON number (not a boolean, string, null or NaN). Every call is
+    the one bounded POST: ``timeout`` seconds for the whole of it, and ``max_body`` bytes of response
+    body, refused rather than read past. Transient failures are retried within the verifier's budget;
+    anything else fails the item at once. Redirects are never followed (a 3xx is an answer like any
+    other non-2xx: an error). Headers configured for the endpoint take their values from environment
+    variables, read at each call; their values never appear in an error message.
+
     Requests go straight to the engine's transport (the connection pool under its shared
-    ``httpx.AsyncClient``), as ``engine._http.post`` explains, or to a proxy's when the
-    environment names one.
+    ``httpx.AsyncClient``), or to a proxy's when the environment names one (docs/design.md, Transport).
     """
 
     kind = "endpoint"

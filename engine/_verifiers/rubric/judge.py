@@ -1,27 +1,6 @@
 """The LLM judge: the client that grades one item against one rubric through any OpenAI-compatible chat API.
 
-vLLM, SGLang, llama.cpp's server, OpenAI and others serve ``POST {base_url}/chat/completions``.
-The judge sends the rubric, the task's prompt, its reference (when there is one) and the
-flattened trajectory, asks for ``{"score": <number>, "reason": "..."}`` and parses the reply
-strictly (``engine._verifiers.rubric.prompt`` writes the prompt and reads the reply): anything but
-one JSON object with a number ``score`` inside the rubric's scale (a ```` ```json ```` fence around
-it is tolerated) is a failure (``engine._errors.Failure``, which the engine reports as the item's
-``VerificationError``), never a default score.
-
-Reasoning models must not put their thinking in ``content``: serve them with the server's
-reasoning parser (vLLM and SGLang: ``--reasoning-parser``), which moves it to ``reasoning_content``.
-
-The judge has its own concurrency and rate limits, shared by every rubric it grades, because
-judge APIs have request quotas of their own; the time a grade waits for them is reported as
-waiting, not as time in the verifier (``engine._core.meters.waiting``). Throttling (429) and
-server errors (5xx) are retried with backoff, honouring ``Retry-After``, within a bounded budget.
-The API key is read from the environment variable the config names, on every request, as are
-the variables of ``headers`` (``engine._http.headers``); they are never stored or logged, and a
-reply that echoes one has it scrubbed before any of the reply goes into a message.
-
-Every request is the one bounded POST an endpoint's call is (``engine._http.post``): ``timeout``
-seconds for the whole request (not per phase), and ``max_body`` bytes of reply (1 MiB by default),
-refused rather than read past.
+Its strict reading of replies, its limits, retries and secrets: docs/design.md, The judge.
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
 """What the judge model reads and what it answers, as pure functions: no I/O, no HTTP.
 
-* :func:`flatten` turns a trajectory, whatever shape the harness submitted, into text;
-* :func:`build_messages` fills the prompt (written here, and only here) with a rubric and an item;
-* :func:`reply_content` takes the reply's text out of a chat completion, :func:`parse_score` the
-  score out of that text, checked against the rubric's scale (the one check of it) and mapped to 0..1.
-
-The rules of :func:`flatten`, in order:
-
-* a string is itself;
-* ``None`` is no text (assistant messages that only call tools have ``content: null``);
-* a list or tuple is its elements flattened and joined with newlines, skipping those with no text
-  (``None``, ``""``, an image part, a list of nothing but those), so no blank lines appear;
-* a message, as a mapping or as an object with attributes, is its ``content`` if that is not
-  ``None``, else its ``text``; content that is a list of parts is flattened like any list;
-* a part that has a ``type`` but no text (``{"type": "image_url", ...}``) is no text;
-* anything else (numbers, bytes, a mapping with neither ``content`` nor ``text``) is a
-  ``TypeError`` that names the shape and where it was found, never ``str()`` of it.
+:func:`flatten` turns a trajectory into text, :func:`build_messages` fills the prompt (written here, and only
+here), :func:`reply_content` and :func:`parse_score` read the reply (the one check of the rubric's scale).
 """
 
 from __future__ import annotations
@@ -73,7 +59,26 @@ def _flatten(value: Any, path: str) -> str | None:
 
 
 def flatten(trajectory: Any) -> str:
-    """The text of ``trajectory``; see the module docstring for the rules."""
+    """The text of a trajectory, whatever shape the harness submitted: what a judge reads of it.
+
+    The rules, in order: a string is itself; ``None`` is no text (assistant messages that only call
+    tools have ``content: null``); a list or tuple is its elements flattened and joined with
+    newlines, skipping those with no text (``None``, ``""``, an image part, a list of nothing but
+    those), so no blank lines appear; a message, as a mapping or as an object with attributes, is its
+    ``content`` if that is not ``None``, else its ``text``, and content that is a list of parts is
+    flattened like any list; a part that has a ``type`` but no text (``{"type": "image_url", ...}``)
+    is no text.
+
+    Args:
+        trajectory: A string, a list of chat messages or parts, or any nesting of those.
+
+    Returns:
+        Its text; ``""`` when it holds none.
+
+    Raises:
+        TypeError: Anything else (numbers, bytes, a set, a mapping with neither ``content`` nor ``text``),
+            naming the shape and where it was found (``trajectory[2].content``), never ``str()`` of it.
+    """
     return _flatten(trajectory, "trajectory") or ""
 
 

@@ -1,22 +1,6 @@
-"""Rubrics: a team's written grading standards, as numbered, immutable files.
+"""Rubrics: a team's written grading standards, as numbered, immutable files ``<root>/<owner>/<name>/<N>.md``.
 
-Layout of the registry directory::
-
-    <root>/<owner>/<name>/<N>.md        N = 1, 2, ...; a new standard is a new file, never an edit
-
-A file is Markdown, the text the judge applies, optionally preceded by TOML front matter between
-two ``+++`` lines::
-
-    +++
-    scale = [0, 10]        # the range the judge scores in; [0, 1] when absent
-    description = "..."    # other keys are allowed and ignored by the engine
-    +++
-    Award 10 when the final answer ...
-
-``owner/name`` resolves to the latest version, ``owner/name@N`` to version N. A resolved
-:class:`Rubric` holds the text and a digest of the exact bytes it was parsed from, so a batch is
-judged against one version even if a new file appears while it runs, and the caller can record
-which. Files whose names are not ``<N>.md`` (``README.md``, ``draft.md``) are not versions.
+Their front matter, and how a batch is judged against one version: docs/design.md, The judge (Rubrics).
 """
 
 from __future__ import annotations
@@ -103,7 +87,8 @@ def parse_rubric(data: bytes) -> tuple[str, tuple[float, float]]:
 
 
 class RubricRegistry:
-    """The rubrics under one directory; reads the files on every call, so new versions show up."""
+    """The rubrics under one directory, ``<root>/<owner>/<name>/<N>.md``; reads the files on every call, so
+    new versions show up."""
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
