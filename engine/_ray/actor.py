@@ -190,7 +190,7 @@ class BlockScorer:
         self._local: Engine | None = None
         engine: Any
         if url is not None:
-            engine = Engine.connect(url, token=token)  # type: ignore[attr-defined,unused-ignore]
+            engine = Engine.connect(url, token=token)
         else:
             engine = self._local = Engine(config)
         self._engine = engine

@@ -37,7 +37,7 @@ class RowScorer:
                  json_columns: Collection[str] = ()) -> None:
         self._stack = ExitStack()
         portal = self._stack.enter_context(start_blocking_portal(backend="asyncio"))
-        engine: Any = Engine.connect(url, token=token) if url is not None else Engine(config)  # type: ignore[attr-defined,unused-ignore]
+        engine: Any = Engine.connect(url, token=token) if url is not None else Engine(config)
         self._engine = engine
         self._stack.enter_context(portal.wrap_async_context_manager(engine))
         self._portal = portal

@@ -146,18 +146,10 @@ def environment_from(explicit: str | None, what: str) -> str:
     return name
 
 
-def _connect(source: Source) -> Any:
-    """A client of the ``engine serve`` at ``source.url``: ``Engine.connect`` (issue 14), when this engine has it."""
-    connect: Callable[..., Any] | None = getattr(engine.Engine, "connect", None)
-    if connect is None:
-        raise NotImplementedError("url= needs Engine.connect, which this version of engine does not have")
-    return connect(source.url, token=source.token)
-
-
 async def _open(source: Source) -> Any:
     """The engine ``source`` names, opened on the running loop."""
     if source.url is not None:
-        eng = _connect(source)
+        eng: Any = engine.Engine.connect(source.url, token=source.token)
     else:
         config = source.config
         eng = engine.Engine(config if isinstance(config, engine.EngineConfig) else engine.load_config(str(config)))
