@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import concurrent.futures
 import functools
 import logging
 import os
@@ -34,10 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import anyio
-from anyio.from_thread import BlockingPortal
-
 import engine
+from engine._core.portal import LoopThread
 
 __all__ = [
     "DEFAULT_MAX_BATCH",
@@ -222,7 +219,7 @@ async def _keeper(entry: _LoopEngines) -> AsyncIterator[None]:
 
 _LOCK = threading.Lock()
 _ENTRIES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopEngines] = weakref.WeakKeyDictionary()
-_PORTAL: _Background | None = None
+_PORTAL: LoopThread | None = None
 _PID = os.getpid()
 _EXIT_REGISTERED = False
 _INHERITED: list[Any] = []  # what a forked child's parent had opened
@@ -293,39 +290,6 @@ def coalescer(source: Source) -> Coalescer:
     return found
 
 
-class _Background:
-    """The synchronous adapters' event loop: an anyio blocking portal in a daemon thread of our own, which
-    still runs when ``atexit`` hooks run (the interpreter joins every other thread before them)."""
-
-    def __init__(self) -> None:
-        ready: concurrent.futures.Future[BlockingPortal] = concurrent.futures.Future()
-        self.thread = threading.Thread(target=self._run, args=(ready,), name="engine-adapters-loop", daemon=True)
-        self.thread.start()
-        self.portal = ready.result()
-
-    @staticmethod
-    def _run(ready: concurrent.futures.Future[BlockingPortal]) -> None:
-        async def host() -> None:
-            async with BlockingPortal() as portal:
-                ready.set_result(portal)
-                await portal.sleep_until_stopped()
-
-        try:
-            anyio.run(host, backend="asyncio")
-        except BaseException as exc:
-            if ready.done():
-                raise
-            ready.set_exception(exc)  # the loop never started: the caller waiting for it hears why
-
-    def stop(self) -> None:
-        """Let the calls under way finish, stop the loop, and wait (a while) for its thread to end."""
-        try:
-            self.portal.call(self.portal.stop)
-        except RuntimeError:  # stopped already
-            return
-        self.thread.join(CLOSE_TIMEOUT)
-
-
 def in_background(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
     """``await fn(*args)`` on the process's background loop, from synchronous code, blocking until done."""
     global _PORTAL
@@ -333,7 +297,7 @@ def in_background(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         _this_process()
         if _PORTAL is None:
             _register_exit()
-            _PORTAL = _Background()
+            _PORTAL = LoopThread("engine-adapters-loop")
         portal = _PORTAL.portal
     return portal.call(fn, *args)
 
@@ -371,7 +335,7 @@ def close_engines() -> None:
             raise RuntimeError("close_engines() is called from synchronous code, not from the loop it would close")
         _close(loop, entry)
     if portal is not None:
-        portal.stop()
+        portal.stop(timeout=CLOSE_TIMEOUT)  # the calls under way finish first
 
 
 @dataclass(eq=False)
