@@ -12,7 +12,7 @@ from typing import Any
 import pyarrow as pa
 from anyio.from_thread import start_blocking_portal
 
-from engine._backfill.input import FIELDS, RowReader
+from engine._backfill.input import FIELDS, RowDecoder
 from engine._backfill.parquet import VERIFIER_TYPE
 from engine._config import EngineConfig
 from engine._core.report import BatchResult
@@ -41,7 +41,7 @@ class RowScorer:
         self._engine = engine
         self._stack.enter_context(portal.wrap_async_context_manager(engine))
         self._portal = portal
-        self._reader = RowReader.done(DATASET_NAME, 0, json_columns=json_columns)
+        self._decoder = RowDecoder(DATASET_NAME, json_columns)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
@@ -49,9 +49,9 @@ class RowScorer:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         try:
-            self._reader.use_schema(batch.schema)  # each batch's own: Ray may type two blocks differently
+            self._decoder.use_schema(batch.schema)  # each batch's own: Ray may type two blocks differently
             columns = [batch.column(name).to_pylist() for name in FIELDS]
-            rows = [self._reader._decode(n, values) for n, values in enumerate(zip(*columns, strict=True), 1)]
+            rows = [self._decoder.decode(n, values) for n, values in enumerate(zip(*columns, strict=True), 1)]
             result: BatchResult = self._portal.call(partial(self._engine.run, [row.as_item() for row in rows]))
         except EngineError as exc:
             raise Carried(exc) from None
