@@ -25,7 +25,7 @@ TRAINERS = {"trl", "verl", "openrlhf", "slime", "verifiers", "torch", "ray", "tr
 # see only the public face and the runtime.
 ALLOWED = {
     "openrlhf.py": {"engine._openrlhf"},
-    "_runtime.py": {"engine._core.portal"},
+    "_runtime.py": {"engine._core.batcher", "engine._core.portal"},
 }
 
 
