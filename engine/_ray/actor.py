@@ -21,25 +21,24 @@ import math
 import os
 import uuid
 from collections.abc import Collection, Iterator, Mapping
-from contextlib import ExitStack
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from anyio.from_thread import start_blocking_portal
 
 from engine import _json
 from engine._backfill.files import file_format, fsync
 from engine._backfill.input import BATCH_ROWS, FIELDS, Row, RowDecoder
 from engine._backfill.parquet import PARQUET_BATCH_ROWS, ids_kind, output_batch, output_schema, verifier_problem
 from engine._config import EngineConfig, Limits
+from engine._core.portal import Blocking
 from engine._core.report import BatchResult, VerifierTotals, add_reports
 from engine._engine import Engine
 from engine._errors import EngineError, InputError, VerificationError
 from engine._ray.plan import Block, Plan, part_name, tmp_dir
+from engine._remote.client import RemoteEngine
 
 __all__ = ["BlockScorer", "Carried", "absolute", "split_limits"]
 
@@ -184,21 +183,17 @@ class BlockScorer:
         # small arguments: Ray keeps large ones in its object store, and a restarted actor needs them again
         self._outdir = Path(outdir)
         self._json_columns = tuple(json_columns)
-        self._stack = ExitStack()
-        portal = self._stack.enter_context(start_blocking_portal(backend="asyncio"))
         self._local: Engine | None = None
-        engine: Any
+        engine: Engine | RemoteEngine
         if url is not None:
             engine = Engine.connect(url, token=token)
         else:
             engine = self._local = Engine(config)
-        self._engine = engine
-        self._stack.enter_context(portal.wrap_async_context_manager(engine))
-        self._portal = portal
+        self._engine = Blocking(engine).__enter__()  # open for the actor's whole life, on a loop of its own
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
-            self._stack.close()
+            self._engine.__exit__(None, None, None)
 
     def score_block(self, path: Path, block: Block) -> dict[str, Any]:
         """Score ``block`` of input file ``path`` and commit its part; its totals per verifier."""
@@ -207,9 +202,7 @@ class BlockScorer:
             if self._local is not None:
                 decoder.check_environments(rows, self._local)
             try:
-                result: BatchResult = self._portal.call(
-                    partial(self._engine.run, [row.as_item() for row in rows], first_index=block.start)
-                )
+                result = self._engine.run([row.as_item() for row in rows], first_index=block.start)
             except VerificationError as exc:
                 if exc.index is not None and block.start <= exc.index < block.stop:
                     exc.add_note(f"input: {decoder.path}, {decoder.unit} {rows[exc.index - block.start].number}")
