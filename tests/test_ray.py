@@ -366,7 +366,6 @@ def free_port() -> int:
         return port
 
 
-@pytest.mark.skipif(not hasattr(engine.Engine, "connect"), reason="needs Engine.connect (issue 14)")
 def test_every_actor_scores_through_one_engine_serve_with_url(space: Workspace, cluster: str) -> None:
     port = free_port()
     service = subprocess.Popen(engine_command("serve", "--config", space.config, "--port", str(port)), cwd=space.root,

@@ -226,6 +226,27 @@ async def test_a_200_that_is_not_json_is_a_service_error_quoting_it(lying: Calla
     assert not isinstance(err, ValueError)
 
 
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e999"])
+@pytest.mark.parametrize("where", ["a reward", "elapsed", "a report's busy"])
+async def test_an_answer_holding_a_number_json_cannot_mean_is_a_service_error(
+    lying: Callable[..., Server], number: str, where: str
+) -> None:
+    """No reward, figure or time that is not a finite number is read: the body is refused as a whole."""
+    placeholder = 0.123456789
+    data = answer([0.5, 0.5, 0.5])
+    if where == "a reward":
+        data["rewards"][1] = placeholder
+    elif where == "elapsed":
+        data["elapsed"] = placeholder
+    else:
+        data["verifiers"][0]["busy"] = placeholder
+    body = json.dumps(data).replace(repr(placeholder), number).encode()
+    assert number.encode() in body
+    err = await service_error(lying(Response(200, body, {"content-type": "application/json"})))
+    assert "answered HTTP 200 with a body that is not JSON" in str(err), err
+    assert err.status == 200
+
+
 @pytest.mark.parametrize(
     "error",
     [

@@ -26,6 +26,7 @@ from engine._http.retry import (
     parse_retry_after,
 )
 from engine._reasons import describe
+from engine._remote import client
 from engine._verifiers.endpoint import verifier as endpoint
 from engine._verifiers.rubric import judge
 
@@ -188,6 +189,17 @@ async def test_stops_before_a_wait_that_would_pass_the_deadline(sleeps: SleepRec
     assert info.value.last_attempt.attempt_number == 1
 
 
+async def test_without_a_cap_on_tries_only_the_deadline_stops_it(sleeps: SleepRecorder) -> None:
+    operation = Flaky(*(status(503) for _ in range(30)))
+    assert await run(make_retrying(None, 60.0, sleeps), operation) == "done"  # the waits take no time here
+    assert operation.calls == 31 and len(sleeps.calls) == 30
+    assert max(sleeps.calls) <= BACKOFF_MAX
+    operation = Flaky(status(503, "5"), status(503, "5"))
+    with pytest.raises(tenacity.RetryError):
+        await run(make_retrying(None, 2.0, sleeps), operation)
+    assert operation.calls == 1  # a wait past the deadline is not begun
+
+
 async def test_non_transient_failure_is_raised_at_once(sleeps: SleepRecorder) -> None:
     operation = Flaky(ValueError("HTTP 400: bad request"))
     with pytest.raises(ValueError, match="HTTP 400"):
@@ -203,6 +215,12 @@ def test_endpoint_and_judge_call_one_bounded_post_and_drive_no_retries_of_their_
         assert "tenacity" not in vars(module) and "make_retrying" not in source, module.__name__
         assert "CallTimeout" not in source and "read_capped" not in source, module.__name__
         assert Post in vars(module).values(), module.__name__
+
+
+def test_the_services_client_retries_with_the_one_driver() -> None:
+    source = inspect.getsource(client)
+    assert make_retrying in vars(client).values()
+    assert "AsyncRetrying" not in source and "wait_before_retry" not in source and "stop_" not in source
 
 
 # --- describing failures in words (engine._reasons.describe) ---

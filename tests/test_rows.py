@@ -12,9 +12,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine import EngineError, InputError
+from engine import EngineError, InputError, ManifestError
 from engine._backfill.files import EMPTY_CHECKSUM
-from engine._backfill.input import BATCH_ROWS, Row, open_rows
+from engine._backfill.input import BATCH_ROWS, Row, RowDecoder, open_rows
 from engine._backfill.parquet import JSON_COLUMNS_KEY
 
 TASKS: list[dict[str, Any]] = [{"a": 1, "b": 2}, {"question": "2+2?", "answer": "4"}, {"nested": {"x": [1, 2, 3]}}]
@@ -567,3 +567,74 @@ def test_an_id_holding_an_integer_orjson_cannot_keep_exact_is_refused_by_its_lin
             list(rows)
         assert (info.value.unit, info.value.number) == ("line", 1)
         assert "an integer in an id must fit in 64 bits; write it as a string" in str(info.value)
+
+
+# --- the decoder on its own (what the Ray actors and datasets read their rows with) ----------------------
+
+
+class Environments:
+    """An engine's environments, as far as a check of rows needs them: ``known`` exist, ``broken``'s manifest is."""
+
+    def __init__(self, *known: str, broken: str = "") -> None:
+        self.known, self.broken = set(known), broken
+
+    def environment(self, name: str) -> object:
+        if name == self.broken:
+            raise ManifestError(f"{name}/manifest.json: not JSON")
+        if name not in self.known:
+            raise ValueError(f"unknown environment {name!r}")
+        return name
+
+
+def test_the_decoder_reads_parquet_rows_as_the_reader_does_and_refuses_the_same_bad_ones(tmp_path: Path) -> None:
+    columns = nested_columns(rows_data(4))
+    columns["task"][2] = {"i": 2, "label": None}  # a struct field null in one row: refused, by its row
+    path = write_parquet(tmp_path / "in.parquet", columns, json_text="trajectory")
+    with open_rows(path) as rows:
+        read = [next(rows), next(rows)]
+        with pytest.raises(InputError) as by_reader:
+            next(rows)
+    decoder = RowDecoder(path)
+    decoder.use_schema(pq.ParquetFile(path).schema_arrow)
+    stored = list(zip(*(columns[name] for name in ("id", "environment", "task", "trajectory")), strict=True))
+    assert [decoder.decode(n, values) for n, values in enumerate(stored[:2], 1)] == read
+    with pytest.raises(InputError) as by_decoder:
+        decoder.decode(3, stored[2])
+    assert str(by_decoder.value) == str(by_reader.value)
+    assert (by_decoder.value.path, by_decoder.value.unit, by_decoder.value.number) == (path, "row", 3)
+
+
+@pytest.mark.parametrize(
+    ("line", "reason"),
+    [
+        (b"\xff\xfe not utf-8\n", "invalid UTF-8 at byte 1"),
+        (b'{"id": 1, "environment": "", "task": {}, "trajectory": 1}\n', "'environment' must be"),
+        (b'{"id": 1e999, "environment": "arith", "task": {}, "trajectory": 1}\n', "invalid JSON"),
+        (b"[" * 100_000 + b"\n", "invalid JSON"),
+    ],
+)
+def test_the_decoder_refuses_a_hostile_line_naming_it(tmp_path: Path, line: bytes, reason: str) -> None:
+    decoder = RowDecoder(tmp_path / "in.jsonl")  # never opened: the line is handed to it
+    with pytest.raises(InputError) as info:
+        decoder.decode(7, line)
+    assert (info.value.unit, info.value.number) == ("line", 7)
+    assert reason in str(info.value)
+
+
+def test_the_decoder_checks_rows_environments_against_the_engine(tmp_path: Path) -> None:
+    decoder = RowDecoder(tmp_path / "in.jsonl")
+    rows = [decoder.decode(n, orjson.dumps({**row, "environment": name}))
+            for n, (row, name) in enumerate(zip(rows_data(3), ["arith", "nope", "other"], strict=True), 4)]
+    decoder.check_environments(rows[:1], Environments("arith"))
+    with pytest.raises(InputError) as info:
+        decoder.check_environments(rows, Environments("arith", "other"))
+    assert (info.value.unit, info.value.number) == ("line", 5) and "unknown environment 'nope'" in str(info.value)
+    with pytest.raises(ManifestError):  # a broken manifest is the config's error, not the row's
+        decoder.check_environments(rows, Environments("arith", broken="nope"))
+
+
+def test_a_decoder_refuses_an_unknown_format_and_unknown_json_columns(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="supported"):
+        RowDecoder(tmp_path / "in.csv")
+    with pytest.raises(ValueError, match="JSON text columns can be task and trajectory only"):
+        RowDecoder(tmp_path / "in.parquet", ["id"])

@@ -11,7 +11,7 @@ from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Any, BinaryIO, Literal, Self
+from typing import Any, BinaryIO, Literal, Protocol, Self
 
 import orjson
 import pyarrow as pa
@@ -20,14 +20,16 @@ import pyarrow.parquet as pq
 from engine import _json
 from engine._backfill.files import Closing, checksum, file_format, unsupported
 from engine._backfill.parquet import JSON_COLUMNS_KEY
-from engine._errors import InputError
+from engine._errors import InputError, ManifestError
 
 __all__ = [
     "BATCH_ROWS",
     "COUNT_BLOCK",
     "FIELDS",
     "JSON_TEXT_COLUMNS",
+    "Environments",
     "Row",
+    "RowDecoder",
     "RowReader",
     "count_rows",
     "json_columns",
@@ -74,66 +76,44 @@ class Row:
         return {"id": self.id, "environment": self.environment, "task": self.task, "trajectory": self.trajectory}
 
 
-class RowReader(Closing):
-    """An iterator of :class:`Row` over one input file; use :func:`open_rows` to get one.
+class Environments(Protocol):
+    """What rows are checked against: an engine, which knows its environments."""
 
-    It is also a context manager that closes the file. ``rows_read`` counts the rows consumed so
-    far, skipped ones included; :meth:`checksum` covers exactly those rows. ``json_columns``
-    (:func:`json_columns`) names Parquet columns holding JSON text besides those the file's
-    metadata names; JSON Lines values are JSON already and are never decoded.
+    def environment(self, name: str) -> object: ...
+
+
+class RowDecoder:
+    """One input file's rows, checked and decoded as ``engine score`` reads them; its errors name the file and row.
+
+    The reader (:class:`RowReader`) decodes each row it reads with one; the Ray actors, which read their blocks
+    themselves, and ``engine.ray``'s datasets use one of their own. A Parquet row is decoded after
+    :meth:`use_schema` has said which of its columns are JSON text and which hold structs.
+
+    Args:
+        path: The file, named in errors; its extension says its format (it is never opened here).
+        listed: Parquet columns holding JSON text besides those the file's metadata names (:func:`json_columns`);
+            JSON Lines values are JSON already and are never decoded.
+
+    Raises:
+        InputError: ``path``'s extension is not an input format's.
+        ValueError: a name in ``listed`` is not one of :data:`JSON_TEXT_COLUMNS`.
     """
 
-    _raw: Iterator[tuple[int, Any]]
-
-    def __init__(self, path: Path, *, start: int = 0, json_columns: Collection[str] = ()) -> None:
-        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-            raise ValueError(f"start must be a whole number >= 0, got {start!r}")
-        self._empty(path, json_columns)
-        try:
-            self._raw = self._open_jsonl() if self.unit == "line" else self._open_parquet()
-            # Skipping happens now, not on the first next(), so checksum() covers the skipped rows
-            # as soon as the reader exists: that is what a resume compares against its state.
-            for _ in islice(self._raw, start):
-                pass
-        except BaseException:
-            self.close()
-            raise
-
-    def _empty(self, path: Path, listed: Collection[str]) -> None:
-        """Set up a reader of ``path`` that has read nothing and opened nothing."""
+    def __init__(self, path: Path, listed: Collection[str] = ()) -> None:
         fmt = file_format(path)
         if fmt is None:
             raise InputError(path, unsupported(path))
-        self._listed = json_columns(listed)
-        self._decoded: frozenset[str] = frozenset()  # the columns read as JSON text (Parquet: see use_schema)
-        self._structs: dict[str, pa.DataType] = {}  # the columns holding a struct, each with its type
-        self.unit: Unit = UNITS[fmt]
         self.path = path
-        self.rows_read = 0
-        self._hash = hashlib.sha256()
-        self._through_last_row: hashlib._Hash | None = None  # _hash at the last row, while blank lines follow
-        self._file: BinaryIO | None = None
-        self._parquet: pq.ParquetFile | None = None
-        self._raw = iter(())
-
-    @classmethod
-    def done(cls, path: str | Path, rows_read: int, *, json_columns: Collection[str] = ()) -> RowReader:
-        """A reader past the last of ``rows_read`` rows that never opens ``path``: nothing is left to read.
-
-        For a run that had already finished: completing its cleanup must not need the input, which
-        may have been edited or moved since. Its :meth:`checksum` covers nothing. The Ray actors
-        use one to check rows they read themselves (:meth:`use_schema` first, for Parquet's).
-        """
-        reader = cls.__new__(cls)
-        reader._empty(Path(path), json_columns)
-        reader.rows_read = rows_read
-        return reader
+        self.unit: Unit = UNITS[fmt]
+        self._listed = json_columns(listed)
+        self.decoded: frozenset[str] = frozenset()  # the columns read as JSON text (Parquet: see use_schema)
+        self._structs: dict[str, pa.DataType] = {}  # the columns holding a struct, each with its type
 
     def use_schema(self, schema: pa.Schema) -> None:
         """Read Parquet rows of ``schema`` from now on: which columns are JSON text, which hold structs.
 
-        A column is JSON text if the schema's metadata (``engine.json_columns``) or ``json_columns``
-        lists it, or if it is a text ``task`` (a task must be an object: text can only be JSON).
+        A column is JSON text if the schema's metadata (``engine.json_columns``) or ``listed`` names it,
+        or if it is a text ``task`` (a task must be an object: text can only be JSON).
 
         Raises:
             InputError: a column is missing, or one listed as JSON text is not text.
@@ -156,10 +136,139 @@ class RowReader(Closing):
                 decoded.add(name)
             elif _holds_struct(kind):
                 self._structs[name] = kind
-        self._decoded = frozenset(decoded)
+        self.decoded = frozenset(decoded)
 
-    def _fail(self, number: int, reason: str) -> InputError:
+    def error(self, number: int, reason: str) -> InputError:
+        """The error naming row ``number`` of the file."""
         return InputError(self.path, reason, unit=self.unit, number=number)
+
+    def decode(self, number: int, raw: Any) -> Row:
+        """Row ``number``, from its line (JSON Lines: bytes) or its four values as stored (Parquet), checked.
+
+        Raises:
+            InputError: the row is not one (not JSON, a field missing or of the wrong type, an id the output
+                cannot hold), naming its line or row.
+        """
+        if self.unit == "line":
+            try:
+                data = _json.loads(raw)  # every integer exact: a task's 2**64 + 1 reaches the plugin as it is
+            except _json.JSONDecodeError as exc:
+                raise self.error(number, _invalid_json(raw, number, exc)) from None
+            if not isinstance(data, dict):
+                raise self.error(number, f"must be a JSON object, got {type(data).__name__}")
+            missing = [name for name in FIELDS if name not in data]
+            if missing:
+                raise self.error(number, f"missing field(s) {', '.join(map(repr, missing))} (a row needs {FIELDS})")
+            row_id, environment, task, trajectory = (data[name] for name in FIELDS)
+        else:
+            if self.decoded or self._structs:
+                raw = [self._stored(number, name, value) for name, value in zip(FIELDS, raw, strict=True)]
+            row_id, environment, task, trajectory = raw
+        if not (row_id is None or isinstance(row_id, str) or (type(row_id) is int and _fits(row_id))):
+            self._check_id(number, row_id)
+        if not isinstance(environment, str) or not environment:
+            raise self.error(number, f"'environment' must be an environment's name, got {environment!r}")
+        if not isinstance(task, dict):
+            raise self.error(number, f"'task' must be an object, got {type(task).__name__}")
+        return Row(number=number, id=row_id, environment=environment, task=task, trajectory=trajectory)
+
+    def check_environments(self, rows: Iterable[Row], engine: Environments) -> None:
+        """Refuse rows naming an environment ``engine`` does not have, by the first one's line, before any is scored.
+
+        Raises:
+            InputError: a row names no environment of ``engine``'s.
+            ManifestError: an environment's manifest is broken (a config error, reported as such).
+        """
+        for row in rows:
+            try:
+                engine.environment(row.environment)
+            except ManifestError:
+                raise
+            except ValueError as exc:
+                raise self.error(row.number, str(exc)) from None
+
+    def _stored(self, number: int, name: str, value: Any) -> Any:
+        """Column ``name``'s ``value`` in a Parquet row: decoded if the column is JSON text, refused if it is a
+        struct (at any depth) with a null field, which may be a key only other rows have."""
+        if name in self.decoded:
+            if value is None:
+                return None
+            try:
+                return _json.loads(value)
+            except _json.JSONDecodeError as exc:
+                raise self.error(number, f"{name!r} is text but not valid JSON: {exc}") from None
+        kind = self._structs.get(name)
+        if kind is not None and (where := _null_field(kind, value, name)) is not None:
+            store = "as JSON text" if name == "task" else f"as JSON text and pass --json-columns {name}"
+            raise self.error(
+                number,
+                f"{where} is null in a struct column: Arrow gives a struct every key any row has, null where a row "
+                f"has none, so a key this row lacks cannot be told from one holding null; store {name!r} {store}",
+            )
+        return value
+
+    def _check_id(self, number: int, row_id: Any) -> None:
+        """Refuse an id the output cannot hold as it is: an integer outside 64 bits (in it, at any depth), or one
+        nested deeper than orjson writes."""
+        wide = _wide_integer(row_id)
+        if wide is not None:
+            what = "an integer id" if wide is row_id else "an integer in an id"  # shown exactly, as it was written
+            raise self.error(number, f"'id' {_id_text(row_id)}: {what} must fit in 64 bits; write it as a string")
+        try:
+            orjson.dumps({"id": row_id})  # as the output's record will hold it
+        except orjson.JSONEncodeError as exc:
+            raise self.error(number, f"'id' cannot be written to the output as JSON: {exc}") from None
+
+
+class RowReader(Closing):
+    """An iterator of :class:`Row` over one input file; use :func:`open_rows` to get one.
+
+    It is also a context manager that closes the file. ``rows_read`` counts the rows consumed so
+    far, skipped ones included; :meth:`checksum` covers exactly those rows. ``json_columns``
+    (:func:`json_columns`) names Parquet columns holding JSON text besides those the file's
+    metadata names; JSON Lines values are JSON already and are never decoded. Each row is checked
+    and decoded by its :class:`RowDecoder` (``decoder``).
+    """
+
+    _raw: Iterator[tuple[int, Any]]
+
+    def __init__(self, path: Path, *, start: int = 0, json_columns: Collection[str] = ()) -> None:
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ValueError(f"start must be a whole number >= 0, got {start!r}")
+        self._empty(path, json_columns)
+        try:
+            self._raw = self._open_jsonl() if self.unit == "line" else self._open_parquet()
+            # Skipping happens now, not on the first next(), so checksum() covers the skipped rows
+            # as soon as the reader exists: that is what a resume compares against its state.
+            for _ in islice(self._raw, start):
+                pass
+        except BaseException:
+            self.close()
+            raise
+
+    def _empty(self, path: Path, listed: Collection[str]) -> None:
+        """Set up a reader of ``path`` that has read nothing and opened nothing."""
+        self.decoder = RowDecoder(path, listed)
+        self.unit: Unit = self.decoder.unit
+        self.path = path
+        self.rows_read = 0
+        self._hash = hashlib.sha256()
+        self._through_last_row: hashlib._Hash | None = None  # _hash at the last row, while blank lines follow
+        self._file: BinaryIO | None = None
+        self._parquet: pq.ParquetFile | None = None
+        self._raw = iter(())
+
+    @classmethod
+    def done(cls, path: str | Path, rows_read: int) -> RowReader:
+        """A reader past the last of ``rows_read`` rows that never opens ``path``: nothing is left to read.
+
+        For a run that had already finished: completing its cleanup must not need the input, which
+        may have been edited or moved since. Its :meth:`checksum` covers nothing.
+        """
+        reader = cls.__new__(cls)
+        reader._empty(Path(path), ())
+        reader.rows_read = rows_read
+        return reader
 
     def _open_jsonl(self) -> Iterator[tuple[int, Any]]:
         try:
@@ -188,8 +297,8 @@ class RowReader(Closing):
             self._parquet = pq.ParquetFile(self.path)
         except (OSError, pa.ArrowException) as exc:
             raise InputError(self.path, f"cannot read as Parquet: {exc}") from exc
-        self.use_schema(self._parquet.schema_arrow)
-        if also := ",".join(sorted(self._decoded - {"task"})):  # a resume decoding otherwise reads other rows
+        self.decoder.use_schema(self._parquet.schema_arrow)
+        if also := ",".join(sorted(self.decoder.decoded - {"task"})):  # a resume decoding otherwise reads other rows
             self._hash.update(f"json_columns:{also}\n".encode())
         return self._parquet_rows(self._parquet)
 
@@ -204,67 +313,11 @@ class RowReader(Closing):
                     try:
                         self._hash.update(_json.dumps(values))
                     except TypeError as exc:
-                        raise self._fail(number, f"holds a value JSON cannot represent: {exc}") from exc
+                        raise self.decoder.error(number, f"holds a value JSON cannot represent: {exc}") from exc
                     self.rows_read += 1
                     yield number, values
         except (OSError, pa.ArrowException) as exc:
             raise InputError(self.path, f"cannot read as Parquet after row {number}: {exc}") from exc
-
-    def _decode(self, number: int, raw: Any) -> Row:
-        if self.unit == "line":
-            try:
-                data = _json.loads(raw)  # every integer exact: a task's 2**64 + 1 reaches the plugin as it is
-            except _json.JSONDecodeError as exc:
-                raise self._fail(number, _invalid_json(raw, number, exc)) from None
-            if not isinstance(data, dict):
-                raise self._fail(number, f"must be a JSON object, got {type(data).__name__}")
-            missing = [name for name in FIELDS if name not in data]
-            if missing:
-                raise self._fail(number, f"missing field(s) {', '.join(map(repr, missing))} (a row needs {FIELDS})")
-            row_id, environment, task, trajectory = (data[name] for name in FIELDS)
-        else:
-            if self._decoded or self._structs:
-                raw = [self._stored(number, name, value) for name, value in zip(FIELDS, raw, strict=True)]
-            row_id, environment, task, trajectory = raw
-        if not (row_id is None or isinstance(row_id, str) or (type(row_id) is int and _fits(row_id))):
-            self._check_id(number, row_id)
-        if not isinstance(environment, str) or not environment:
-            raise self._fail(number, f"'environment' must be an environment's name, got {environment!r}")
-        if not isinstance(task, dict):
-            raise self._fail(number, f"'task' must be an object, got {type(task).__name__}")
-        return Row(number=number, id=row_id, environment=environment, task=task, trajectory=trajectory)
-
-    def _stored(self, number: int, name: str, value: Any) -> Any:
-        """Column ``name``'s ``value`` in a Parquet row: decoded if the column is JSON text, refused if it is a
-        struct (at any depth) with a null field, which may be a key only other rows have."""
-        if name in self._decoded:
-            if value is None:
-                return None
-            try:
-                return _json.loads(value)
-            except _json.JSONDecodeError as exc:
-                raise self._fail(number, f"{name!r} is text but not valid JSON: {exc}") from None
-        kind = self._structs.get(name)
-        if kind is not None and (where := _null_field(kind, value, name)) is not None:
-            store = "as JSON text" if name == "task" else f"as JSON text and pass --json-columns {name}"
-            raise self._fail(
-                number,
-                f"{where} is null in a struct column: Arrow gives a struct every key any row has, null where a row "
-                f"has none, so a key this row lacks cannot be told from one holding null; store {name!r} {store}",
-            )
-        return value
-
-    def _check_id(self, number: int, row_id: Any) -> None:
-        """Refuse an id the output cannot hold as it is: an integer outside 64 bits (in it, at any depth), or one
-        nested deeper than orjson writes."""
-        wide = _wide_integer(row_id)
-        if wide is not None:
-            what = "an integer id" if wide is row_id else "an integer in an id"  # shown exactly, as it was written
-            raise self._fail(number, f"'id' {_id_text(row_id)}: {what} must fit in 64 bits; write it as a string")
-        try:
-            orjson.dumps({"id": row_id})  # as the output's record will hold it
-        except orjson.JSONEncodeError as exc:
-            raise self._fail(number, f"'id' cannot be written to the output as JSON: {exc}") from None
 
     def checksum(self) -> str:
         """``sha256:<hex>`` of the rows consumed so far, which a resume compares with its state.
@@ -283,7 +336,7 @@ class RowReader(Closing):
 
     def __next__(self) -> Row:
         number, raw = next(self._raw)
-        return self._decode(number, raw)
+        return self.decoder.decode(number, raw)
 
     def close(self) -> None:
         """Close the file; the reader yields nothing more."""

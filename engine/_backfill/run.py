@@ -19,7 +19,7 @@ from engine._backfill.writer import RewardWriter, open_output
 from engine._config import EngineConfig
 from engine._core.report import BatchResult, VerifierTotals, add_reports
 from engine._engine import Engine
-from engine._errors import InputError, ManifestError, ResumeError, VerificationError
+from engine._errors import ResumeError, VerificationError
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "RunSummary", "open_run", "score_chunks", "score_file"]
 
@@ -94,17 +94,6 @@ def _check_input(writer: RewardWriter, rows: RowReader) -> None:
         )
 
 
-def _refuse_unknown_environments(engine: Engine, rows: RowReader, chunk: list[Row]) -> None:
-    """Refuse a chunk naming an unknown environment, by its line, before any of it is scored."""
-    for row in chunk:
-        try:
-            engine.environment(row.environment)
-        except ManifestError:
-            raise  # a broken manifest is a config error, reported as such
-        except ValueError as exc:
-            raise InputError(rows.path, str(exc), unit=rows.unit, number=row.number) from None
-
-
 async def score_chunks(
     engine: Engine, rows: RowReader, size: int, totals: dict[str, VerifierTotals], scored: Scored
 ) -> None:
@@ -115,7 +104,7 @@ async def score_chunks(
     the input's first row, not the chunk's (``first_index``), and a note names the line (or row).
     """
     while chunk := list(islice(rows, size)):
-        _refuse_unknown_environments(engine, rows, chunk)
+        rows.decoder.check_environments(chunk, engine)
         first = rows.rows_read - len(chunk)  # the chunk's first row's place in the input (0-based)
         try:
             result = await engine.run([row.as_item() for row in chunk], first_index=first)

@@ -36,8 +36,8 @@ class LoopThread:
     interpreter ends), where the loop's thread is not: it would wait for it for ever. Nothing of this
     runs when it is collected. A daemon thread (older anyio releases' ``start_blocking_portal`` use a
     pool's thread, not a daemon): the interpreter joins every thread that is not a daemon before it
-    runs ``atexit`` hooks, so a loop in one would hang the exit before a hook that ends it ran. (The
-    adapters have a twin, ``engine.adapters._runtime._Background``: they import only the public face.)
+    runs ``atexit`` hooks, so a loop in one would hang the exit before a hook that ends it ran. The one
+    thread running a loop for synchronous callers: ``BlockingEngine``'s, its client twin's, and the adapters'.
     """
 
     def __init__(self, name: str) -> None:

@@ -95,8 +95,8 @@ def backoff(attempt: int, rng: Callable[[], float] = random.random) -> float:
 def wait_before_retry(state: tenacity.RetryCallState) -> float:
     """The wait before the next try: the backoff, or the failed try's ``Retry-After`` if that is longer.
 
-    The one retry driver's wait (``make_retrying``'s, and ``engine serve``'s client's): a server that says
-    ``Retry-After: 0`` is still not asked again at once, which would hammer it as fast as it answers.
+    The one retry driver's wait (:func:`make_retrying`'s): a server that says ``Retry-After: 0`` is still
+    not asked again at once, which would hammer it as fast as it answers.
     """
     exc = state.outcome.exception() if state.outcome is not None else None
     floor = backoff(state.attempt_number)
@@ -125,14 +125,26 @@ class _StopBefore(tenacity.stop.stop_base):
 
 
 def make_retrying(
-    max_attempts: int, deadline: float, sleep: Sleep, *, started: float | None = None
+    max_attempts: int | None, deadline: float, sleep: Sleep, *, started: float | None = None
 ) -> tenacity.AsyncRetrying:
-    """A bounded retry loop: at most ``max_attempts`` tries, and no wait that would end past ``deadline``
-    seconds from ``started`` (a ``time.monotonic()``: when the first try began, if it ran before the
-    loop), or from now."""
+    """The one retry driver: a loop retrying what :func:`is_transient` says, waiting :func:`wait_before_retry`.
+
+    Args:
+        max_attempts: The most tries (None: as many as ``deadline`` leaves time for).
+        deadline: Seconds from ``started`` past which no wait ends.
+        sleep: What it waits with (tests inject one that takes no time).
+        started: A ``time.monotonic()``: when the first try began, if it ran before the loop (else now).
+
+    Returns:
+        The loop; when it gives up, it raises ``tenacity.RetryError`` (see :func:`last_failure`); a failure
+        that is not transient is raised as it is, at once.
+    """
     origin = time.monotonic() if started is None else started
+    stop: tenacity.stop.stop_base = _StopBefore(deadline, origin)
+    if max_attempts is not None:
+        stop = tenacity.stop_after_attempt(max_attempts) | stop
     return tenacity.AsyncRetrying(
-        stop=tenacity.stop_after_attempt(max_attempts) | _StopBefore(deadline, origin),
+        stop=stop,
         wait=wait_before_retry,
         retry=tenacity.retry_if_exception(is_transient),
         sleep=sleep,

@@ -10,26 +10,24 @@ import math
 import os
 import uuid
 from collections.abc import Collection, Iterator, Mapping
-from contextlib import ExitStack
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from anyio.from_thread import start_blocking_portal
 
 from engine import _json
 from engine._backfill.files import file_format, fsync
-from engine._backfill.input import BATCH_ROWS, FIELDS, Row, RowReader
+from engine._backfill.input import BATCH_ROWS, FIELDS, Row, RowDecoder
 from engine._backfill.parquet import PARQUET_BATCH_ROWS, ids_kind, output_batch, output_schema, verifier_problem
-from engine._backfill.run import _refuse_unknown_environments
 from engine._config import EngineConfig, Limits
+from engine._core.portal import Blocking
 from engine._core.report import BatchResult, VerifierTotals, add_reports
 from engine._engine import Engine
 from engine._errors import EngineError, InputError, VerificationError
 from engine._ray.plan import Block, Plan, part_name, tmp_dir
+from engine._remote.client import RemoteEngine
 
 __all__ = ["BlockScorer", "Carried", "absolute", "split_limits"]
 
@@ -85,10 +83,10 @@ class Carried(Exception):
         return _rebuild, (type(error), error.args, dict(error.__dict__))
 
 
-def _rows_of(path: Path, block: Block, json_columns: Collection[str]) -> tuple[RowReader, list[Row]]:
+def _rows_of(path: Path, block: Block, json_columns: Collection[str]) -> tuple[RowDecoder, list[Row]]:
     """The rows of ``block`` of file ``path``, read and checked as ``engine score`` reads them (``json_columns``
-    too); the reader names the file in errors."""
-    reader = RowReader.done(path, 0, json_columns=json_columns)  # opens nothing: its checks, its file's name
+    too); the decoder names the file in errors."""
+    decoder = RowDecoder(path, json_columns)
     rows: list[Row] = []
     if file_format(path) == "jsonl":
         try:
@@ -97,7 +95,7 @@ def _rows_of(path: Path, block: Block, json_columns: Collection[str]) -> tuple[R
                 for number, line in enumerate(f, block.number):
                     if line.isspace():
                         continue
-                    rows.append(reader._decode(number, line))
+                    rows.append(decoder.decode(number, line))
                     if len(rows) == block.rows:
                         break
         except OSError as exc:
@@ -107,17 +105,17 @@ def _rows_of(path: Path, block: Block, json_columns: Collection[str]) -> tuple[R
         number = block.number
         try:
             with pq.ParquetFile(path) as file:
-                reader.use_schema(file.schema_arrow)
+                decoder.use_schema(file.schema_arrow)
                 for batch in file.iter_batches(batch_size=BATCH_ROWS, columns=list(FIELDS), row_groups=groups):
                     columns = [batch.column(name).to_pylist() for name in FIELDS]
                     for values in zip(*columns, strict=True):
-                        rows.append(reader._decode(number, values))
+                        rows.append(decoder.decode(number, values))
                         number += 1
         except (OSError, pa.ArrowException) as exc:
             raise InputError(path, f"cannot read as Parquet: {exc}") from exc
     if len(rows) != block.rows:
         raise InputError(path, f"has {len(rows)} rows where {block.rows} were planned: it changed during the run")
-    return reader, rows
+    return decoder, rows
 
 
 def _verifiers(rows: list[Row], result: BatchResult) -> list[Mapping[str, Any]]:
@@ -174,35 +172,29 @@ class BlockScorer:
         # small arguments: Ray keeps large ones in its object store, and a restarted actor needs them again
         self._outdir = Path(outdir)
         self._json_columns = tuple(json_columns)
-        self._stack = ExitStack()
-        portal = self._stack.enter_context(start_blocking_portal(backend="asyncio"))
         self._local: Engine | None = None
-        engine: Any
+        engine: Engine | RemoteEngine
         if url is not None:
-            engine = Engine.connect(url, token=token)  # type: ignore[attr-defined,unused-ignore]
+            engine = Engine.connect(url, token=token)
         else:
             engine = self._local = Engine(config)
-        self._engine = engine
-        self._stack.enter_context(portal.wrap_async_context_manager(engine))
-        self._portal = portal
+        self._engine = Blocking(engine).__enter__()  # open for the actor's whole life, on a loop of its own
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
-            self._stack.close()
+            self._engine.__exit__(None, None, None)
 
     def score_block(self, path: Path, block: Block) -> dict[str, Any]:
         """Score ``block`` of input file ``path`` and commit its part; its totals per verifier."""
         try:
-            reader, rows = _rows_of(path, block, self._json_columns)
+            decoder, rows = _rows_of(path, block, self._json_columns)
             if self._local is not None:
-                _refuse_unknown_environments(self._local, reader, rows)
+                decoder.check_environments(rows, self._local)
             try:
-                result: BatchResult = self._portal.call(
-                    partial(self._engine.run, [row.as_item() for row in rows], first_index=block.start)
-                )
+                result = self._engine.run([row.as_item() for row in rows], first_index=block.start)
             except VerificationError as exc:
                 if exc.index is not None and block.start <= exc.index < block.stop:
-                    exc.add_note(f"input: {reader.path}, {reader.unit} {rows[exc.index - block.start].number}")
+                    exc.add_note(f"input: {decoder.path}, {decoder.unit} {rows[exc.index - block.start].number}")
                 raise
             commit(self._outdir, block, rows, result)
         except EngineError as exc:

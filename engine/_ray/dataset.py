@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Collection
-from contextlib import ExitStack
-from functools import partial
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
-from anyio.from_thread import start_blocking_portal
 
-from engine._backfill.input import FIELDS, RowReader
+from engine._backfill.input import FIELDS, RowDecoder
 from engine._backfill.parquet import VERIFIER_TYPE
 from engine._config import EngineConfig
-from engine._core.report import BatchResult
+from engine._core.portal import Blocking
 from engine._engine import Engine
 from engine._errors import EngineError
 from engine._ray.actor import Carried
@@ -35,24 +31,20 @@ class RowScorer:
 
     def __init__(self, config: EngineConfig | None, url: str | None, token: str | None,
                  json_columns: Collection[str] = ()) -> None:
-        self._stack = ExitStack()
-        portal = self._stack.enter_context(start_blocking_portal(backend="asyncio"))
-        engine: Any = Engine.connect(url, token=token) if url is not None else Engine(config)  # type: ignore[attr-defined,unused-ignore]
-        self._engine = engine
-        self._stack.enter_context(portal.wrap_async_context_manager(engine))
-        self._portal = portal
-        self._reader = RowReader.done(DATASET_NAME, 0, json_columns=json_columns)
+        engine = Engine.connect(url, token=token) if url is not None else Engine(config)
+        self._engine = Blocking(engine).__enter__()  # open for the actor's whole life, on a loop of its own
+        self._decoder = RowDecoder(DATASET_NAME, json_columns)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
-            self._stack.close()
+            self._engine.__exit__(None, None, None)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         try:
-            self._reader.use_schema(batch.schema)  # each batch's own: Ray may type two blocks differently
+            self._decoder.use_schema(batch.schema)  # each batch's own: Ray may type two blocks differently
             columns = [batch.column(name).to_pylist() for name in FIELDS]
-            rows = [self._reader._decode(n, values) for n, values in enumerate(zip(*columns, strict=True), 1)]
-            result: BatchResult = self._portal.call(partial(self._engine.run, [row.as_item() for row in rows]))
+            rows = [self._decoder.decode(n, values) for n, values in enumerate(zip(*columns, strict=True), 1)]
+            result = self._engine.run([row.as_item() for row in rows])
         except EngineError as exc:
             raise Carried(exc) from None
         verifiers = [

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from engine._backfill.files import file_format, fsync, unsupported
-from engine._backfill.input import RowReader
+from engine._backfill.input import RowDecoder
 from engine._backfill.input import json_columns as columns_of_json
 from engine._backfill.parquet import output_schema
 from engine._errors import InputError, OutputError, ResumeError
@@ -217,13 +217,13 @@ def _parquet_blocks(
     index: int, path: Path, first: int, block_rows: int, json_columns: tuple[str, ...]
 ) -> Iterator[Block]:
     """Blocks of a Parquet file: runs of whole row groups of about ``block_rows`` rows (at least one group); its
-    columns checked first as an actor will read them (``json_columns``: see :meth:`RowReader.use_schema`)."""
+    columns checked first as an actor will read them (``json_columns``: see :meth:`RowDecoder.use_schema`)."""
     try:
         meta = pq.ParquetFile(path).metadata
         schema = meta.schema.to_arrow_schema()
     except (OSError, pa.ArrowException) as exc:
         raise InputError(path, f"cannot read as Parquet: {exc}") from exc
-    RowReader.done(path, 0, json_columns=json_columns).use_schema(schema)  # its columns, checked before any block
+    RowDecoder(path, json_columns).use_schema(schema)  # its columns, checked before any block
     rows = group = 0
     while group < meta.num_row_groups:
         start, count = group, 0

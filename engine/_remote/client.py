@@ -32,7 +32,7 @@ from engine._core.report import BatchResult
 from engine._core.stats import Stats
 from engine._errors import ServiceError
 from engine._http.headers import token_problem
-from engine._http.retry import Sleep, TransientStatus, last_failure, wait_before_retry
+from engine._http.retry import Sleep, TransientStatus, last_failure, make_retrying
 from engine._reasons import Scrubber
 from engine._remote.wire import decode_error, decode_result
 
@@ -168,12 +168,7 @@ class RemoteEngine:
         client = self._client
         if client is None:
             raise RuntimeError(f"the engine is not open: use '{self._opened_as}'")
-        retrying = tenacity.AsyncRetrying(
-            stop=tenacity.stop_before_delay(self._retry_budget),
-            wait=wait_before_retry,
-            retry=tenacity.retry_if_exception_type(TransientStatus),  # raised for 503 only
-            sleep=self._sleep,
-        )
+        retrying = make_retrying(None, self._retry_budget, self._sleep)  # TransientStatus is raised for 503 only
         try:
             async for attempt in retrying:
                 with attempt:

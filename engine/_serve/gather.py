@@ -1,37 +1,5 @@
-"""Small requests' items gathered into one engine batch: many clients' one-item requests cost one batch.
-
-A batch of one item costs the engine ~150 us of its own work (a thread hop, a report), far more than
-the item itself for a cheap plugin; sixty-four connections each sending one item (OpenRLHF's pattern)
-would spend the service's time on that. Requests of at most ``gather_items`` items (the service's
-setting, ``GATHER_ITEMS`` by default), all of them for *plugin* verifiers, wait while each pass of
-the event loop brings more and, while another gathered batch is in the engine, for its end (so the
-batches grow with the load), for at most ``GATHER_WINDOW`` seconds or until ``MAX_GATHERED`` items
-wait; then they are scored as one batch, and each request gets its own slice of the result.
-Endpoint and rubric items are never gathered: their calls are the cost (a batch of one adds little
-to an HTTP call), and a failure of one request's item must not cost another request a second
-judge call. Nor are a plugin's until its batches have measured it cheap (``GATHER_CALL`` seconds an
-item or less, the mean of its items' latencies halved in with each batch's; a timeout sets it to
-``SLOW``): every request of a gathered batch waits for its slowest item, so a request for a cheap
-item gathered with one whose plugin takes seconds would wait seconds, where alone it would be
-answered at once; and a slow plugin's item costs far more than a batch of its own, so it gains
-nothing from sharing one. A plugin's first requests go alone, and measure it.
-
-Each request still gets exactly what it would have got alone:
-
-- its rewards, in its order, and reports whose ``items`` and ``reward_sum`` are its own; the timing
-  figures are the shared batch's (see :func:`_part`);
-- a verifier failure on one of its items raises the same ``VerificationError``, naming the item by
-  the request's own ``first_index`` and position; the *other* requests of that batch are then
-  scored again, each alone (their plugin calls run twice; no judge or endpoint is involved). A
-  timeout is not blamed on its item: a thread chunk's timeout covers every call in it, others'
-  requests' items too, so every request of that batch is scored again alone;
-- a malformed item (``TypeError``/``ValueError``) sends every request of the batch to be scored
-  alone, so the error is its own request's.
-
-A client that hangs up stops waiting (``Gone``) once the batch has run ``WATCH_AFTER`` seconds (the
-hang-up is watched from then on: a watcher per request from the start cost more than a cheap item);
-a batch whose every request is gone, by a hang-up or a cancelled request, is cancelled.
-"""
+"""``engine serve``'s gathering: small plugin-only requests from many clients scored as one engine batch, each
+request still getting exactly what it would get alone (what is gathered and why: docs/design.md, "Gathering")."""
 
 from __future__ import annotations
 
@@ -41,6 +9,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMappi
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from engine._core.batcher import Batcher
 from engine._core.report import BatchResult, VerifierReport
 from engine._core.scheduler import total
 from engine._core.stats import error_key, timed_out
@@ -97,7 +66,7 @@ class _Batch:
     task: asyncio.Task[None] | None = None
     watchers: list[asyncio.Task[bool]] = field(default_factory=list)
     done: bool = False  # its engine call ended
-    scoring: bool = True  # counted in the gatherer's batches being scored
+    scoring: bool = True  # counted in the window's running batches
 
 
 class Gatherer:
@@ -122,14 +91,9 @@ class Gatherer:
         self._failed = failed
         self._keys: dict[str, str | None] = {}  # environment name -> its plugin's verifier key (None: no plugin)
         self._costs: dict[str, float] = {}  # verifier key -> seconds an item, recent batches' mean (decaying)
-        self._pending: list[_Request] = []
-        self._count = 0  # items pending
-        self._generation = 0  # which hop chain is current: a flush at max size ends the one under way
-        self._seen = 0
-        self._deadline = 0.0
+        # while a gathered batch is in the engine, what arrives waits for its end: batches grow with the load
+        self._window = Batcher(self._start, window=GATHER_WINDOW, most=MAX_GATHERED, hold=True)
         self._running: set[asyncio.Task[None]] = set()
-        self._scoring = 0  # gathered batches in the engine now
-        self._held: asyncio.TimerHandle | None = None  # the deadline of requests held for a batch's end
         self.batches = 0  # engine batches started for gathered requests (tests and benchmarks read it)
         self.gathered = 0  # requests those batches took
 
@@ -183,44 +147,14 @@ class Gatherer:
 
     async def run(self, items: list[Any], first_index: int, receive: Receive) -> BatchResult:
         """``items``' result, scored in a gathered batch; ``Gone`` if the client hung up meanwhile."""
-        loop = asyncio.get_running_loop()
-        request = _Request(items, first_index, receive, loop.create_future())
-        self._pending.append(request)
-        self._count += len(items)
-        if self._count >= MAX_GATHERED:
-            self._flush(loop)
-        elif len(self._pending) == 1:
-            self._seen, self._deadline = 1, loop.time() + GATHER_WINDOW
-            loop.call_soon(self._hop, loop, self._generation)
+        request = _Request(items, first_index, receive, asyncio.get_running_loop().create_future())
+        self._window.add(request, len(items))
         return await request.future
 
-    def _hop(self, loop: asyncio.AbstractEventLoop, generation: int) -> None:
-        """One pass of the loop later: wait one more if the last brought requests; else, while a gathered
-        batch is being scored, wait for its end (what arrives meanwhile goes as one batch after it, so
-        batches grow with the load instead of each pass's few requests paying a batch of their own),
-        and at most until the deadline; else score what waits."""
-        if generation != self._generation:
-            return  # flushed at max size meanwhile
-        count = len(self._pending)
-        if loop.time() < self._deadline:
-            if count > self._seen:
-                self._seen = count
-                loop.call_soon(self._hop, loop, generation)
-                return
-            if self._scoring:
-                self._held = loop.call_at(self._deadline, self._flush, loop)
-                return
-        self._flush(loop)
-
-    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
-        if self._held is not None:
-            self._held.cancel()
-            self._held = None
-        requests, self._pending, self._count = self._pending, [], 0
-        self._generation += 1
+    def _start(self, requests: list[_Request]) -> None:
+        """The window sends ``requests``: one engine batch, scored in a task of its own."""
         batch = _Batch(requests, len(requests))
-        batch.task = task = loop.create_task(self._score(batch))
-        self._scoring += 1
+        batch.task = task = asyncio.get_running_loop().create_task(self._score(batch))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
         task.add_done_callback(lambda _: self._ended(batch))
@@ -243,9 +177,7 @@ class Gatherer:
         if not batch.scoring:
             return
         batch.scoring = False
-        self._scoring -= 1
-        if self._held is not None and self._pending:
-            self._flush(asyncio.get_running_loop())
+        self._window.ended()
 
     def _answered(self, batch: _Batch) -> None:
         """A request of ``batch`` has its answer: if it came before the batch's end, that request is gone."""
@@ -357,12 +289,7 @@ class Gatherer:
     async def aclose(self) -> None:
         """Cancel the batches under way (the server has answered or cancelled every request), and close the
         window: a request still in it is ``Gone``, and no batch starts after this (the engine closes next)."""
-        if self._held is not None:
-            self._held.cancel()
-            self._held = None
-        self._generation += 1  # the pass of the loop under way, if any, flushes nothing
-        waiting, self._pending, self._count = self._pending, [], 0
-        for request in waiting:
+        for request in self._window.close():  # the pass of the loop under way, if any, sends nothing
             if not request.future.done():
                 request.future.set_exception(Gone())
         for task in list(self._running):

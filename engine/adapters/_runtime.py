@@ -1,29 +1,11 @@
-"""What every adapter shares: where its engine is configured, one engine per event loop, and per-sample
-calls gathered into engine batches.
-
-An adapter's engine is configured by a config file (``config=``, or ``ENGINE_CONFIG``) or is a running
-``engine serve`` (``url=``/``token=``, or ``ENGINE_URL``/``ENGINE_TOKEN``). It is opened on the event loop
-that first needs it, once per loop and source (concurrent first calls share the opening), and closed:
-
-* when that loop shuts down its async generators (``asyncio.run`` and ``asyncio.Runner`` do, as they
-  close it): each loop's engines are held by an async generator, which asyncio closes then;
-* else at exit (a plain ``atexit`` hook, registered once the engine's own modules are imported, so
-  that it runs before theirs): a loop still running in another thread (TRL's daemon-thread loop, or
-  the adapters' own) closes them there, a loop that is stopped but not closed runs their closing
-  itself, a closed loop's are left to the process's end.
-
-Synchronous adapters call through one process-wide loop in a background thread (an anyio blocking
-portal), started on first use, in a daemon thread of the adapters' own: the interpreter joins every
-thread that is not a daemon before it runs ``atexit`` hooks, so a loop in one would hang the exit
-before the hook that ends it ran (older anyio releases' ``start_blocking_portal`` use a pool's
-thread, not a daemon). A forked child forgets its parent's loops and engines and opens its own.
-"""
+"""What every adapter shares: where its engine is configured (a config file, or a running ``engine serve``), one
+engine per event loop (closed with its loop, or at exit), a background loop for synchronous adapters, and
+per-sample calls gathered into engine batches (docs/design.md, "Gathering")."""
 
 from __future__ import annotations
 
 import asyncio
 import atexit
-import concurrent.futures
 import functools
 import logging
 import os
@@ -34,10 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import anyio
-from anyio.from_thread import BlockingPortal
-
 import engine
+from engine._core.batcher import Batcher
+from engine._core.portal import LoopThread
 
 __all__ = [
     "DEFAULT_MAX_BATCH",
@@ -146,18 +127,10 @@ def environment_from(explicit: str | None, what: str) -> str:
     return name
 
 
-def _connect(source: Source) -> Any:
-    """A client of the ``engine serve`` at ``source.url``: ``Engine.connect`` (issue 14), when this engine has it."""
-    connect: Callable[..., Any] | None = getattr(engine.Engine, "connect", None)
-    if connect is None:
-        raise NotImplementedError("url= needs Engine.connect, which this version of engine does not have")
-    return connect(source.url, token=source.token)
-
-
 async def _open(source: Source) -> Any:
     """The engine ``source`` names, opened on the running loop."""
     if source.url is not None:
-        eng = _connect(source)
+        eng: Any = engine.Engine.connect(source.url, token=source.token)
     else:
         config = source.config
         eng = engine.Engine(config if isinstance(config, engine.EngineConfig) else engine.load_config(str(config)))
@@ -166,7 +139,20 @@ async def _open(source: Source) -> Any:
 
 
 class _LoopEngines:
-    """The engines and coalescers of one event loop, closed together (see the module's docstring)."""
+    """The engines and coalescers of one event loop, closed together.
+
+    An engine is opened on the event loop that first needs it, once per loop and source (concurrent first
+    calls share the opening), and closed:
+
+    * when that loop shuts down its async generators (``asyncio.run`` and ``asyncio.Runner`` do, as they
+      close it): each loop's engines are held by an async generator (``keeper``), which asyncio closes then;
+    * else at exit (:func:`close_engines`, a plain ``atexit`` hook registered once the engine's own modules
+      are imported, so that it runs before theirs): a loop still running in another thread (TRL's
+      daemon-thread loop, or the adapters' own) closes them there, a loop that is stopped but not closed
+      runs their closing itself, a closed loop's are left to the process's end.
+
+    A forked child forgets its parent's loops and engines and opens its own.
+    """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = weakref.ref(loop)
@@ -230,7 +216,7 @@ async def _keeper(entry: _LoopEngines) -> AsyncIterator[None]:
 
 _LOCK = threading.Lock()
 _ENTRIES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopEngines] = weakref.WeakKeyDictionary()
-_PORTAL: _Background | None = None
+_PORTAL: LoopThread | None = None
 _PID = os.getpid()
 _EXIT_REGISTERED = False
 _INHERITED: list[Any] = []  # what a forked child's parent had opened
@@ -301,47 +287,19 @@ def coalescer(source: Source) -> Coalescer:
     return found
 
 
-class _Background:
-    """The synchronous adapters' event loop: an anyio blocking portal in a daemon thread of our own, which
-    still runs when ``atexit`` hooks run (the interpreter joins every other thread before them)."""
-
-    def __init__(self) -> None:
-        ready: concurrent.futures.Future[BlockingPortal] = concurrent.futures.Future()
-        self.thread = threading.Thread(target=self._run, args=(ready,), name="engine-adapters-loop", daemon=True)
-        self.thread.start()
-        self.portal = ready.result()
-
-    @staticmethod
-    def _run(ready: concurrent.futures.Future[BlockingPortal]) -> None:
-        async def host() -> None:
-            async with BlockingPortal() as portal:
-                ready.set_result(portal)
-                await portal.sleep_until_stopped()
-
-        try:
-            anyio.run(host, backend="asyncio")
-        except BaseException as exc:
-            if ready.done():
-                raise
-            ready.set_exception(exc)  # the loop never started: the caller waiting for it hears why
-
-    def stop(self) -> None:
-        """Let the calls under way finish, stop the loop, and wait (a while) for its thread to end."""
-        try:
-            self.portal.call(self.portal.stop)
-        except RuntimeError:  # stopped already
-            return
-        self.thread.join(CLOSE_TIMEOUT)
-
-
 def in_background(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-    """``await fn(*args)`` on the process's background loop, from synchronous code, blocking until done."""
+    """``await fn(*args)`` on the process's background loop, from synchronous code, blocking until done.
+
+    The loop (a :class:`~engine._core.portal.LoopThread`, the blocking face's too) is started on first use,
+    in a daemon thread, which still runs when ``atexit`` hooks run, so :func:`close_engines` can close its
+    engines there.
+    """
     global _PORTAL
     with _LOCK:
         _this_process()
         if _PORTAL is None:
             _register_exit()
-            _PORTAL = _Background()
+            _PORTAL = LoopThread("engine-adapters-loop")
         portal = _PORTAL.portal
     return portal.call(fn, *args)
 
@@ -379,7 +337,7 @@ def close_engines() -> None:
             raise RuntimeError("close_engines() is called from synchronous code, not from the loop it would close")
         _close(loop, entry)
     if portal is not None:
-        portal.stop()
+        portal.stop(timeout=CLOSE_TIMEOUT)  # the calls under way finish first
 
 
 @dataclass(eq=False)
@@ -395,24 +353,16 @@ class _Call:
 class Coalescer:
     """Per-sample calls on one loop gathered into engine batches (verl's, slime's, OpenRLHF's calls).
 
-    A call's items wait while each pass of the loop brings more (a ``call_soon`` chain: a pass that
-    brings none flushes), for at most ``DEFAULT_WINDOW`` seconds, or until ``DEFAULT_MAX_BATCH`` items
-    wait; then they are scored as one batch. Each call gets exactly what it would get alone, as
-    ``engine serve``'s gatherer gives each request: its own rewards; when the batch fails on an item,
-    that item's call gets the ``VerificationError`` naming its own sample (and a note saying it was
-    gathered), and every other call is scored again as a batch of its own; a misuse error (an unknown
-    environment, a malformed item) names no call, so each call is scored alone to learn its own.
+    A call's items wait in the window (``engine._core.batcher``) for at most ``DEFAULT_WINDOW`` seconds, in
+    batches of at most ``DEFAULT_MAX_BATCH`` items. Each call gets exactly what it would get alone, as
+    ``engine serve``'s gatherer gives each request: its own rewards, or its own error naming its own sample
+    (how: docs/design.md, "Gathering").
     """
 
     def __init__(self, entry: _LoopEngines, source: Source) -> None:
         self._entry = entry
         self._source = source
-        self._pending: list[_Call] = []
-        self._count = 0  # items pending
-        self._generation = 0  # which hop chain is current: a flush at max size ends the one under way
-        self._scheduled = False
-        self._seen = 0
-        self._deadline = 0.0
+        self._window = Batcher(self._start_batch, window=DEFAULT_WINDOW, most=DEFAULT_MAX_BATCH)
         self._running: set[asyncio.Task[None]] = set()
         self.batches = 0  # engine batches scored or failed so far (tests and benchmarks read it)
 
@@ -424,15 +374,7 @@ class Coalescer:
             future.set_result([])
             return future
         items = tuple(items)  # the caller's list may change while it waits: its rewards are these items'
-        if self._pending and self._count + len(items) > DEFAULT_MAX_BATCH:
-            self._flush(loop)  # a batch never holds more than the largest
-        self._pending.append(_Call(items, future))
-        self._count += len(items)
-        if self._count >= DEFAULT_MAX_BATCH:
-            self._flush(loop)
-        elif not self._scheduled:
-            self._scheduled, self._seen, self._deadline = True, self._count, loop.time() + DEFAULT_WINDOW
-            loop.call_soon(self._hop, loop, self._generation)
+        self._window.add(_Call(items, future), len(items))
         return future
 
     async def score(self, item: Mapping[str, Any]) -> float:
@@ -443,30 +385,17 @@ class Coalescer:
         """The rewards of one call's items (a group), in order, scored with the loop's other concurrent calls."""
         return await self.submit(items)
 
-    def _hop(self, loop: asyncio.AbstractEventLoop, generation: int) -> None:
-        if generation != self._generation:
-            return  # flushed at max size meanwhile
-        if self._count > self._seen and loop.time() < self._deadline:  # the last pass brought more: one more pass
-            self._seen = self._count
-            loop.call_soon(self._hop, loop, generation)
-            return
-        self._flush(loop)
+    def _start_batch(self, calls: list[_Call]) -> None:
+        self._start(self._score(calls))
 
-    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
-        calls, self._pending, self._count = self._pending, [], 0
-        self._scheduled = False
-        self._generation += 1
-        self._start(loop, self._score(calls))
-
-    def _start(self, loop: asyncio.AbstractEventLoop, work: Coroutine[Any, Any, None]) -> None:
-        task = loop.create_task(work)
+    def _start(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
     async def drain(self) -> None:
         """Wait for the batches under way (before the engine closes)."""
-        if self._pending:
-            self._flush(asyncio.get_running_loop())
+        self._window.flush()
         while self._running:  # a failed batch starts its calls again, alone
             await asyncio.wait(list(self._running))
 
@@ -549,11 +478,10 @@ class Coalescer:
     def _alone(self, calls: list[_Call], eng: Any, gathered: int) -> None:
         """Each call scored as a batch of its own, as if it had never been gathered, on the same engine (which
         the loop's closing keeps open until they are done)."""
-        loop = asyncio.get_running_loop()
         for call in calls:
             if not call.future.done():
                 call.gathered = gathered
-                self._start(loop, self._score([call], eng))
+                self._start(self._score([call], eng))
 
 
 def _fail(call: _Call, exc: BaseException) -> None:

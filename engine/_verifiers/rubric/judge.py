@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import anyio
@@ -35,8 +35,7 @@ JUDGE_RETRY_STATUSES = RETRY_STATUSES | frozenset(range(500, 600))
 class Usage:
     """What judging cost: requests sent (retries among them) and tokens, as the replies report them.
 
-    Add a reply's ``usage`` object with :meth:`add`; subtract two snapshots for the cost of what
-    happened between them (``Judge.usage`` returns a snapshot).
+    Add a reply's ``usage`` object with :meth:`add`.
     """
 
     requests: int = 0
@@ -59,12 +58,6 @@ class Usage:
         self.completion_tokens += completion
         self.total_tokens += count("total_tokens") if "total_tokens" in usage else prompt + completion
 
-    def __sub__(self, other: Usage) -> Usage:
-        return Usage(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
-
-    def copy(self) -> Usage:
-        return Usage(**asdict(self))
-
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
 
@@ -74,21 +67,16 @@ _HEADERS = {"content-type": "application/json", "accept": "application/json", "a
 
 
 class Judge:
-    """A judge model behind an OpenAI-compatible API, with its own limits and cost accounting.
+    """A judge model behind an OpenAI-compatible API, with its own limits.
 
-    One judge serves every rubric of an engine. ``sleep`` is what retries wait with.
+    One judge serves every rubric of an engine; each rubric's verifier keeps its own cost accounting.
+    ``sleep`` is what retries wait with.
     """
 
     def __init__(self, config: JudgeConfig, client: httpx.AsyncClient, *, sleep: Sleep = anyio.sleep) -> None:
         self.config = config
         self._post = Post(config.url, client, config, sleep=sleep, retry_statuses=JUDGE_RETRY_STATUSES)
         self._meter = Meter.of(config.max_concurrency, config.max_rate)
-        self._usage = Usage()
-
-    @property
-    def usage(self) -> Usage:
-        """A snapshot of everything judged so far; ``after - before`` is the cost in between."""
-        return self._usage.copy()
 
     def _headers(self, ref: str) -> tuple[dict[str, str], Scrubber | None]:
         """The request's headers, and what scrubs the API key and header variables (if any) from messages."""
@@ -124,31 +112,29 @@ class Judge:
             request["response_format"] = {"type": "json_object"}
         return orjson.dumps(request)
 
-    async def _count(self, accounts: tuple[Usage, ...], attempt: int) -> None:
+    async def _count(self, usage: Usage, attempt: int) -> None:
         """Before each try of a request: count it (and a retry), and wait for the rate limit."""
         if attempt > 1:
-            for account in accounts:
-                account.retries += 1
+            usage.retries += 1
         if self._meter.rate is not None:
             with waiting():  # the judge's quota is a limit: time queued for it is waiting, not judging
                 await self._meter.rate.acquire()  # every request counts against the quota, retries too
-        for usage in accounts:
-            usage.requests += 1
+        usage.requests += 1
 
     async def grade(
         self, rubric: Rubric, task: Mapping[str, Any], trajectory: Any, *, usage: Usage | None = None
     ) -> float:
         """The item's score on ``rubric``, normalised to 0..1; raises ``Failure``.
 
-        ``usage``, if given, is charged with this call's cost as well as the judge's own total.
+        ``usage``, if given, is charged with this call's cost (requests, retries, tokens).
         """
         ref = rubric.ref
         body = self._body(rubric, task, trajectory)
         headers, scrub = self._headers(ref)
-        accounts = (self._usage,) if usage is None else (self._usage, usage)
+        account = Usage() if usage is None else usage
         try:
             async with held(self._meter.slots):  # queued behind the judge's max_concurrency: waiting
-                response = await self._post(body, headers, scrub, functools.partial(self._count, accounts))
+                response = await self._post(body, headers, scrub, functools.partial(self._count, account))
         except PostFailed as exc:
             reason = f"judge request failed: {exc.reason}"
             # the cause is what really failed (the last try's error), not tenacity's wrapper of it
@@ -162,8 +148,7 @@ class Judge:
         except orjson.JSONDecodeError:
             raise Failure(f"judge response is not JSON: {excerpt(content)!r}") from None
         if isinstance(data, dict):
-            for account in accounts:
-                account.add(data.get("usage"))
+            account.add(data.get("usage"))
         try:
             return parse_score(reply_content(data), rubric.scale)
         except ValueError as exc:

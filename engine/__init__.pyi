@@ -1,0 +1,31 @@
+# The public face's names, each imported from the private module it lives in: the one list of them. Type
+# checkers read it for engine's types; engine/__init__.py reads it for what to import when a name is first used.
+from engine._backfill.writer import RewardRecord as RewardRecord
+from engine._backfill.writer import read_rewards as read_rewards
+from engine._blocking import BlockingEngine as BlockingEngine
+from engine._config import EngineConfig as EngineConfig
+from engine._config import JudgeConfig as JudgeConfig
+from engine._config import Limits as Limits
+from engine._config import load_config as load_config
+from engine._core.contract import AsyncVerifyFn as AsyncVerifyFn
+from engine._core.contract import VerifyFn as VerifyFn
+from engine._core.report import BatchResult as BatchResult
+from engine._core.report import VerifierReport as VerifierReport
+from engine._engine import Engine as Engine
+from engine._environments.digest import digest_directory as digest_directory
+from engine._environments.manifest import KINDS as KINDS
+from engine._environments.manifest import Environment as Environment
+from engine._environments.manifest import VerifierSpec as VerifierSpec
+from engine._environments.manifest import load_environment as load_environment
+from engine._errors import ConfigError as ConfigError
+from engine._errors import DigestError as DigestError
+from engine._errors import EngineError as EngineError
+from engine._errors import InputError as InputError
+from engine._errors import ManifestError as ManifestError
+from engine._errors import OutputError as OutputError
+from engine._errors import ResumeError as ResumeError
+from engine._errors import RubricError as RubricError
+from engine._errors import ServiceError as ServiceError
+from engine._errors import VerificationError as VerificationError
+from engine._errors import WriteError as WriteError
+from engine._verifiers.rubric.prompt import flatten as flatten
