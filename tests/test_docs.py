@@ -20,7 +20,7 @@ def _pointers() -> list[tuple[str, str]]:
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         text = " ".join(path.read_text().split())  # a pointer may wrap onto the next line
-        for match in re.finditer(r"docs/design\.md[,:]? \(?", text):
+        for match in re.finditer(r"docs/design\.md[,:]? \(?'?\"?", text):
             found.append((f"{path.relative_to(PACKAGE.parent)}", text[match.end() : match.end() + 80]))
     return found
 
