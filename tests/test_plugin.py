@@ -27,8 +27,8 @@ from engine import EngineConfig, Limits, VerificationError, digest_directory
 from engine._core.contract import BadItem, BadReward
 from engine._errors import Failure
 from engine._reasons import describe
+from engine._verifiers.plugin.executor import CallFailed
 from engine._verifiers.plugin.importer import PluginLoadError
-from engine._verifiers.plugin.pool import WorkerFailure
 from engine._verifiers.plugin.verifier import PluginVerifier
 
 
@@ -737,7 +737,7 @@ async def test_a_manifest_swapped_back_to_the_pinned_one_does_not_pick_the_verif
         BadItem(3, "cannot copy the item for the plugin: TypeError: cannot pickle '_thread.lock' object"),
         BadReward(2, "returned '42' (str), which is not a real number"),
         PluginLoadError("cannot import module 'verify': ModuleNotFoundError: No module named 'nowhere'"),
-        WorkerFailure("timed out after 0.5 s", 4),
+        CallFailed("timed out after 0.5 s", 4, timed_out=True),
     ],
     ids=lambda failure: type(failure).__name__,
 )

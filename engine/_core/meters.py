@@ -72,7 +72,7 @@ def rate(per_second: float) -> AsyncLimiter:
 
 
 def threads(size: int) -> anyio.CapacityLimiter:
-    """``size`` threads at once: the form of slots ``anyio.to_thread.run_sync`` takes."""
+    """``size`` threads at once: the limit the thread executor holds a token of per call in a thread."""
     return anyio.CapacityLimiter(size)
 
 
@@ -187,7 +187,7 @@ class LoopCalls:
     judge's, an async plugin's; counted by the scheduler around each call of one item).
 
     A chunk of cheap calls in a thread gives that loop turns at the GIL while any are (see
-    ``engine._verifiers.plugin.threads.Turns``): their work is on the loop, and each socket read or
+    ``engine._verifiers.plugin.turns.Turns``): their work is on the loop, and each socket read or
     file write the loop makes lets go of the GIL, which a chunk not taking turns keeps for up to the
     switch interval (5 ms) each time.
     """

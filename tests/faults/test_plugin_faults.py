@@ -41,8 +41,8 @@ from engine import (
     load_config,
     load_environment,
 )
-from engine._verifiers.plugin.pool import PluginError
 from engine._verifiers.plugin.verifier import PluginVerifier
+from engine._verifiers.plugin.worker_client import PluginError
 
 from .conftest import Snapshot, child_pids, process_gone
 

@@ -15,7 +15,7 @@ it, so tracebacks quote the code that ran.
 
 :func:`load_plugin` is the whole import of a plugin, shared by the engine's own process (thread
 executor) and its worker processes (process executor), so both say the same thing when it fails;
-:func:`said` is how both describe a plugin's exception. A worker imports this module: it imports
+:func:`safely_described` is how both describe a plugin's exception. A worker imports this module: it imports
 nothing a worker does not need (no event loop, no HTTP stack).
 """
 
@@ -40,7 +40,7 @@ from engine._environments.digest import Snapshot
 from engine._errors import Failure
 from engine._reasons import a_or_an, describe
 
-__all__ = ["PluginLoadError", "forget", "import_from_environment", "load_callable", "load_plugin", "said"]
+__all__ = ["PluginLoadError", "forget", "import_from_environment", "load_callable", "load_plugin", "safely_described"]
 
 _numbers = itertools.count()
 
@@ -197,7 +197,7 @@ def load_callable(snapshot: Snapshot, name: str, ref: str) -> Callable[..., Any]
     return fn
 
 
-def said(exc: BaseException) -> str:
+def safely_described(exc: BaseException) -> str:
     """What ``describe`` says of a plugin's exception; never raises (its ``__str__`` is the plugin's code)."""
     try:
         return describe(exc)
@@ -219,4 +219,4 @@ def load_plugin(snapshot: Snapshot, environment: str, ref: str) -> Callable[...,
     except (PluginLoadError, KeyboardInterrupt):
         raise
     except BaseException as exc:
-        raise PluginLoadError(f"cannot load {ref!r}: {said(exc)}") from exc
+        raise PluginLoadError(f"cannot load {ref!r}: {safely_described(exc)}") from exc

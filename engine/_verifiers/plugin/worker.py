@@ -32,7 +32,7 @@ from typing import Any
 
 from engine._core.contract import BadItem, as_rewards, is_async, private_pair
 from engine._environments.digest import Snapshot
-from engine._verifiers.plugin.importer import PluginLoadError, load_plugin, said
+from engine._verifiers.plugin.importer import PluginLoadError, load_plugin, safely_described
 from engine._verifiers.plugin.wire import PROGRESS_BYTES, Pair, PluginSpec, read_argv
 
 __all__ = ["main"]
@@ -42,7 +42,7 @@ _Call = Callable[[Mapping[str, Any], Any], Any]
 
 def _described(exc: BaseException) -> tuple[str, str, str]:
     """(type name, what ``describe`` says, the traceback) of a plugin's exception, as plain strings."""
-    return type(exc).__name__, said(exc), "".join(traceback.format_exception(exc))
+    return type(exc).__name__, safely_described(exc), "".join(traceback.format_exception(exc))
 
 
 def _watch_parent(alive: int) -> None:
@@ -110,7 +110,7 @@ def _first_unpicklable(pickles: Sequence[bytes], progress: memoryview[float]) ->
         try:
             ForkingPickler.loads(data)
         except BaseException as exc:  # whatever unpickling the trainer's objects raises, even SystemExit
-            return ("bad", position, f"the worker process cannot unpickle the item: {said(exc)}")
+            return ("bad", position, f"the worker process cannot unpickle the item: {safely_described(exc)}")
     return ("bad", -1, "every item unpickles alone")
 
 
@@ -156,7 +156,7 @@ def _serve(conn: Connection, progress: memoryview[float], spec: PluginSpec) -> N
                     tasks, trajectories = ForkingPickler.loads(piece)
                     pairs += zip(tasks, trajectories, strict=True)
         except BaseException as exc:  # pickled by the engine, but not unpicklable here (a class of its __main__)
-            conn.send(("unpicklable", said(exc)))  # the engine then asks which item it was (a probe)
+            conn.send(("unpicklable", safely_described(exc)))  # the engine then asks which item it was (a probe)
             continue
         if type(message) is tuple:  # a probe: ("probe", each item of the chunk that failed, pickled alone)
             conn.send(_first_unpicklable(message[1], progress))
