@@ -45,7 +45,7 @@ def run_chunk(
     converting: list[int],
     turns: Turns | None = None,
 ) -> tuple[list[float], Cost]:
-    """Call ``fn`` on each item into ``out`` (runs in a worker thread); the rewards, and what they cost.
+    """Call ``fn`` on each item into ``out`` (runs in a thread); the rewards, and what they cost.
 
     Everything a chunk does to its items happens here, in one thread (see ``engine._core.contract.Items``): it slices
     them ``step`` at a time, and between steps stops if its caller no longer waits (an abort, a

@@ -24,23 +24,9 @@ TURN_STEPS = 20  # steps a chunk takes turns (unless one finds the loop idle) af
 class Turns:
     """A chunk's turns with the event loop it was started from (docs/design.md, "Turns at the GIL").
 
-    Between two steps the chunk's thread calls :meth:`between` with the time its last step lost to
-    others (wall time less its CPU time: the GIL held by another thread, or the CPU taken by another
-    process). Past ``SHARED``, and for ``TURN_STEPS`` steps after (and its first ``TURN_STEPS``: a
-    loop whose work waits for the GIL shows none lost, as it gets none), it asks the loop for a turn
-    and waits for it. The loop gives it once a pass of it has used next to no CPU (``IDLE_PASS`` of
-    the loop thread's CPU time): a callback that calls itself again each pass until then, or until
-    ``longest`` has gone by. A pass that waits without the GIL (a trainer's numpy or tokenizer work,
-    a sleep) is idle by that measure: the chunk does not hold up such a loop, so it does not wait
-    for it. The chunk waits ``longest`` at most, so a loop held by other code (or not running) delays
-    it no more than that a step. While the loop spends CPU time of its own (``slow``) during the
-    turns, or the engine has calls of its own in flight on it (``engine._core.meters.LoopCalls``: an
-    endpoint's requests, whose every socket read lets go of the GIL, look idle by CPU time while they
-    wait for it), they go on; a turn that finds the loop idle ends them, until a step loses time again.
-
-    A chunk waits ``patience`` seconds in all at most, then runs on without turns: a loop never idle
-    would make each ~1 ms step wait ``longest``, and the chunk (sized to a tenth of its timeout in
-    calls) outlast its timeout, a cheap plugin timing out.
+    Between two steps the chunk's thread calls :meth:`between` with the time its last step lost to others;
+    while the loop has work, it asks the loop for a turn and waits until a pass of the loop is idle, or
+    ``longest`` at most, and ``patience`` seconds in all at most.
     """
 
     __slots__ = (

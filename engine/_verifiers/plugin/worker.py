@@ -1,18 +1,7 @@
 """A plugin's worker process: import the plugin once, from the sources the engine vetted, then call it on chunks.
 
-This is the worker's main (:func:`main`), run in a fresh interpreter that the engine's pool starts
-(``engine._verifiers.plugin.pool``; what they say to each other: ``engine._verifiers.plugin.wire``).
-Everything this module imports is imported again by every worker the engine starts or replaces,
-so it imports only what a worker uses: the standard library, the plugin contract, the importer and
-the wire protocol; no event loop (an ``async def`` plugin gets one when it is loaded), no HTTP
-stack, none of the engine's third-party dependencies (``tests/test_import.py`` holds it to that).
-
-A worker calls the plugin in its main thread, so libraries that time themselves out with
-``signal.alarm`` (math-verify) work. Before each call it writes the item's position and start time
-to the few bytes it shares with the engine, so the engine's per-item deadline, and a death, name
-the item. It ignores SIGINT (Ctrl-C is the trainer's to handle), and a thread of its own watches
-for the engine's process to die, then kills the worker's process group (which it leads: what the
-plugin started goes too) and exits, even in the middle of a call.
+It runs in a fresh interpreter, and imports only what a worker uses (no event loop, none of the engine's
+third-party dependencies): every worker started or replaced pays for it. docs/design.md, "Plugin executors".
 """
 
 from __future__ import annotations
@@ -51,7 +40,7 @@ def _watch_parent(alive: int) -> None:
     def watch() -> None:
         while os.read(alive, 1):  # nothing is ever written: it returns b"" when the writer is gone
             pass
-        if os.getpgrp() == os.getpid():  # it leads its group (see pool._Child): what the plugin started goes too
+        if os.getpgrp() == os.getpid():  # it leads its group (launcher.Child): what the plugin started goes too
             os.killpg(0, signal.SIGKILL)
         os._exit(70)
 
