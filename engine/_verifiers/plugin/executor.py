@@ -8,10 +8,10 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from engine._core.contract import ProcessHint
+from engine._core.contract import BadItem, ProcessHint, private_pair
 from engine._errors import Failure
 
-__all__ = ["MAX_CHUNK", "CallFailed", "Cost", "Executor", "must_pass"]
+__all__ = ["MAX_CHUNK", "CallFailed", "Cost", "Executor", "must_pass", "own_pair"]
 
 Cost = tuple[float, float]  # (wall seconds, CPU seconds of the calling thread) of some calls, measured where they ran
 MAX_CHUNK = 1 << 18  # items: bounds what one chunk holds (its values and rewards, ~2 MiB of pointers each)
@@ -34,7 +34,10 @@ class CallFailed(Failure):
 
 
 class Executor(Protocol):
-    """One way of running a loaded plugin's calls: on the event loop, in threads, or in worker processes."""
+    """One way of running a loaded plugin's calls: on the event loop, in threads, or in worker processes.
+
+    Executors subclass it for the defaults of what only some of them have (worker processes, a hint).
+    """
 
     def chunk_size(self, share: int) -> int:
         """Items per call (``Verifier.chunk_size``): 1 until its calls are measured, and always for some."""
@@ -56,20 +59,29 @@ class Executor(Protocol):
 
     def process_hint(self) -> ProcessHint | None:
         """Worker processes would use more cores for it, as its calls measured; or None."""
-        ...
+        return None
 
     @property
     def worker_pids(self) -> list[int]:
         """The process ids of its worker processes, if it has any."""
-        ...
+        return []
 
     async def warm(self) -> None:
         """Be ready to call at once (a worker process started); raises :class:`CallFailed` if it cannot be."""
-        ...
+        return None
 
     async def aclose(self) -> None:
         """Release its threads or processes; a call still running in a thread ends on its own."""
-        ...
+        return None
+
+
+def own_pair(task: Mapping[str, Any], trajectory: Any) -> tuple[dict[str, Any], Any]:
+    """The task and trajectory one call in this process is handed (``private_pair``); :class:`CallFailed` if they
+    cannot be copied."""
+    try:
+        return private_pair(0, task, trajectory)
+    except BadItem as exc:
+        raise CallFailed(exc.reason) from exc.__cause__
 
 
 def must_pass(exc: BaseException) -> bool:

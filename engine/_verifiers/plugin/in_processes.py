@@ -16,9 +16,9 @@ import anyio
 
 from engine._config import Limits
 from engine._core import meters
-from engine._core.contract import BadItem, ProcessHint
+from engine._core.contract import BadItem
 from engine._core.threads import in_thread, wait_future
-from engine._verifiers.plugin.executor import MAX_CHUNK, CallFailed, Cost
+from engine._verifiers.plugin.executor import MAX_CHUNK, CallFailed, Cost, Executor
 from engine._verifiers.plugin.wire import PluginSpec
 from engine._verifiers.plugin.worker_client import CLOSE_GRACE, WorkerClient, how_it_ended
 
@@ -31,7 +31,7 @@ PROCESS_SPLIT = 4  # a process chunk is at most this fraction of what is left pe
 logger = logging.getLogger("engine")
 
 
-class ProcessExecutor:
+class ProcessExecutor(Executor):
     """Calls a plugin in up to ``workers`` worker processes, importing it from ``sources`` (the vetted snapshot)."""
 
     def __init__(self, spec: PluginSpec, sources: Mapping[str, bytes], limits: Limits, workers: int) -> None:
@@ -69,9 +69,6 @@ class ProcessExecutor:
         per_call = max(self._costs[0] / self._costs[1], 1e-9)
         budget = min(PROCESS_CHUNK_SECONDS, self._limits.timeout / 10)
         self._chunk = max(1, min(MAX_CHUNK, int(budget / per_call)))
-
-    def process_hint(self) -> ProcessHint | None:
-        return None  # it runs in worker processes already
 
     @property
     def worker_pids(self) -> list[int]:

@@ -16,9 +16,9 @@ import anyio
 
 from engine._config import Limits
 from engine._core import meters
-from engine._core.contract import BadItem, MalformedItem, ProcessHint, private_pair
+from engine._core.contract import BadItem, MalformedItem, ProcessHint
 from engine._core.threads import ThreadPool, wait_future
-from engine._verifiers.plugin.executor import MAX_CHUNK, CallFailed, Cost, must_pass
+from engine._verifiers.plugin.executor import MAX_CHUNK, CallFailed, Cost, Executor, must_pass, own_pair
 from engine._verifiers.plugin.importer import safely_described
 from engine._verifiers.plugin.launcher import default_workers
 from engine._verifiers.plugin.thread_calls import Abandoned, Interrupted, run_chunk, timed
@@ -44,7 +44,7 @@ def _plugins(exc: BaseException) -> BaseException:
     return exc.raised if isinstance(exc, Interrupted) else exc
 
 
-class ThreadExecutor:
+class ThreadExecutor(Executor):
     """Calls ``fn`` of environment ``environment`` in threads, at most ``limiter``'s at once (serial chunks aside)."""
 
     def __init__(
@@ -102,13 +102,6 @@ class ThreadExecutor:
             return None
         return ProcessHint(wall / items, cpu / wall, cores)
 
-    @property
-    def worker_pids(self) -> list[int]:
-        return []
-
-    async def warm(self) -> None:
-        pass
-
     async def aclose(self) -> None:
         self._threads.close()
         self._serial_thread.close()
@@ -123,10 +116,7 @@ class ThreadExecutor:
             )
 
     async def call(self, task: Mapping[str, Any], trajectory: Any, deadline: float) -> float:
-        try:
-            task, trajectory = private_pair(0, task, trajectory)
-        except BadItem as exc:
-            raise CallFailed(exc.reason) from exc.__cause__
+        task, trajectory = own_pair(task, trajectory)
         with anyio.CancelScope(deadline=deadline):
             self._check_abandoned()
             call = self._abandoned.call()

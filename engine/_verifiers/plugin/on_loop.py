@@ -7,14 +7,14 @@ from typing import Any
 
 import anyio
 
-from engine._core.contract import BadItem, ProcessHint, as_rewards, private_pair
-from engine._verifiers.plugin.executor import CallFailed, must_pass
+from engine._core.contract import BadItem, as_rewards
+from engine._verifiers.plugin.executor import CallFailed, Executor, must_pass, own_pair
 from engine._verifiers.plugin.importer import safely_described
 
 __all__ = ["LoopExecutor"]
 
 
-class LoopExecutor:
+class LoopExecutor(Executor):
     """Awaits ``fn`` on the loop; its value's code (``__float__``) runs there too, as the plugin's own does."""
 
     def __init__(self, fn: Callable[..., Any], timeout: float) -> None:
@@ -25,10 +25,7 @@ class LoopExecutor:
         return 1  # a chunk would be one await after another: nothing is saved
 
     async def call(self, task: Mapping[str, Any], trajectory: Any, deadline: float) -> float:
-        try:
-            task, trajectory = private_pair(0, task, trajectory)
-        except BadItem as exc:
-            raise CallFailed(exc.reason) from exc.__cause__
+        task, trajectory = own_pair(task, trajectory)
         with anyio.CancelScope(deadline=deadline):
             try:
                 return as_rewards([await self._fn(task, trajectory)])[0]
@@ -42,16 +39,3 @@ class LoopExecutor:
 
     async def call_chunk(self, items: Sequence[Mapping[str, Any]]) -> list[float]:
         raise AssertionError("unreachable: an async plugin's chunks are of one item (chunk_size)")
-
-    def process_hint(self) -> ProcessHint | None:
-        return None  # its calls wait on the loop: worker processes would not use more cores for it
-
-    @property
-    def worker_pids(self) -> list[int]:
-        return []
-
-    async def warm(self) -> None:
-        pass
-
-    async def aclose(self) -> None:
-        pass
