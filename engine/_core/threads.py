@@ -50,12 +50,6 @@ class KeptThread:
                 return future
         return in_thread(fn, self.name)
 
-    @property
-    def busy(self) -> bool:
-        """Whether a job it was given is not done yet."""
-        last = self._last
-        return last is not None and not last.done()
-
     def wait(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s for every job it was given to be done; whether they are."""
         last = self._last
