@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from time import monotonic
 from typing import Any, TypeVar
@@ -33,7 +34,8 @@ class KeptThread:
         self.name = name
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._last: concurrent.futures.Future[Any] | None = None
+        # the last job's future, weakly: what it holds (a chunk's rewards) is not kept here once its waiter is done
+        self._last: weakref.ref[concurrent.futures.Future[Any]] | None = None
         self._lock = threading.Lock()
         self.closed = False
 
@@ -42,7 +44,7 @@ class KeptThread:
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._lock:
             if not self.closed:
-                self._last = future
+                self._last = weakref.ref(future)
                 self._jobs.put((fn, future))
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
@@ -52,7 +54,7 @@ class KeptThread:
 
     def wait(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s for every job it was given to be done; whether they are."""
-        last = self._last
+        last = self._last() if self._last is not None else None  # gone: done, and nobody waits for it
         return last is None or not concurrent.futures.wait([last], timeout).not_done
 
     def close(self) -> None:
