@@ -40,7 +40,7 @@ import orjson
 from _common import Sample, machine, measure, median_sample, table
 
 import engine
-from engine._verifiers.plugin.pool import default_workers
+from engine._verifiers.plugin.launcher import default_workers
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "envs"
 # ~1 ms of pure Python a call here (CPython 3.11): the work is in the task, so every call costs the same

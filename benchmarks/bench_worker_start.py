@@ -32,7 +32,7 @@ from pathlib import Path
 from _common import machine, table, write_env
 
 from engine._environments.digest import snapshot_directory
-from engine._verifiers.plugin.pool import WorkerPool
+from engine._verifiers.plugin.in_processes import WorkerPool
 from engine._verifiers.plugin.wire import PluginSpec
 
 WORKER_MODULE = "engine._verifiers.plugin.worker"

@@ -22,7 +22,7 @@ from cli_support import PLUGIN_ENV, RUBRICS, Ran, Workspace, make_workspace, row
 from conftest import SPIN, add_endpoint_env, add_env, add_rubric_env, process_twin
 from servers import Request, Response, Server, score
 
-from engine._verifiers.plugin.pool import default_workers
+from engine._verifiers.plugin.launcher import default_workers
 from engine.cli import EXIT_OK, EXIT_VERIFICATION
 
 

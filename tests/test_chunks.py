@@ -23,8 +23,9 @@ from polling import eventually
 
 import engine
 from engine import EngineConfig, Limits, VerificationError
-from engine._verifiers.plugin.pool import PIECE
+from engine._verifiers.plugin.in_threads import ThreadExecutor
 from engine._verifiers.plugin.verifier import PluginVerifier
+from engine._verifiers.plugin.wire import PIECE
 
 SIZE = 20_000
 KEY = "cheap/verify:score"
@@ -36,6 +37,15 @@ def batch(size: int = SIZE, **special: dict[str, Any]) -> list[dict[str, Any]]:
     for key, fields in special.items():
         items[int(key.removeprefix("at"))]["task"].update(fields)
     return items
+
+
+def in_threads(eng: engine.Engine, name: str) -> ThreadExecutor:
+    """The executor of environment ``name``'s sync plugin, once it has run: its chunk sizes, lock and counts."""
+    verifier = eng._verifier(name)
+    assert isinstance(verifier, PluginVerifier)
+    executor = verifier._executor
+    assert isinstance(executor, ThreadExecutor)
+    return executor
 
 
 async def warm(eng: engine.Engine) -> None:
@@ -172,9 +182,8 @@ async def test_an_abandoned_chunk_stops_within_a_step(config: EngineConfig, envs
     items = [item("cheap", "x", n=n) for n in range(400_000)] + [item("faulty", mode="raise")]
     async with engine.Engine(config) as eng:
         await warm(eng)
-        verifier = eng._verifier("cheap")
-        assert isinstance(verifier, PluginVerifier)
-        step, chunk = verifier._step, verifier._chunk  # what the batch's first chunk runs with
+        executor = in_threads(eng, "cheap")
+        step, chunk = executor._step, executor._chunk  # what the batch's first chunk runs with
         assert chunk >= 10 * step  # so "within two steps" is far from "to the chunk's end"
         module = plugin_module(envs, "cheap", "verify.py")
         with pytest.raises(VerificationError, match="the plugin blew up"):
@@ -346,9 +355,8 @@ async def test_chunks_queued_behind_each_other_do_not_time_out(envs: Path) -> No
     config = EngineConfig(environments=envs, allow_unpinned=True, refs={KEY: Limits(timeout=1.0)})
     async with engine.Engine(config) as eng:
         await warm(eng)
-        verifier = eng._verifier("cheap")
-        assert isinstance(verifier, PluginVerifier)
-        size = 15 * verifier._chunk  # chunks of a tenth of the timeout: one and a half timeouts in calls, in all
+        executor = in_threads(eng, "cheap")
+        size = 15 * executor._chunk  # chunks of a tenth of the timeout: one and a half timeouts in calls, in all
         result = await eng.run([item("cheap", "x", n=n) for n in range(size)])
     assert result.rewards == [(n % 7) / 7 for n in range(size)]
     # the chunks queued for the plugin's thread (its waiting, not its latency): more than a timeout of it in all
@@ -369,9 +377,8 @@ async def test_a_chunk_beside_a_loop_that_is_never_idle_ends_within_its_timeout(
 
     async with engine.Engine(config) as eng, anyio.create_task_group() as tg:
         await warm(eng)
-        verifier = eng._verifier("cheap")
-        assert isinstance(verifier, PluginVerifier)
-        size = verifier._chunk  # one chunk: nothing queues for the chunk lock
+        executor = in_threads(eng, "cheap")
+        size = executor._chunk  # one chunk: nothing queues for the chunk lock
         tg.start_soon(trainer)
         try:
             result = await eng.run([item("cheap", "x", n=n) for n in range(size)])
@@ -393,8 +400,7 @@ async def test_a_chunk_that_waited_while_the_engine_closed_leaves_no_thread(envs
 
     async with anyio.create_task_group() as tg, engine.Engine(config) as eng:
         assert len(await eng.score([item("closing", "x", n=n) for n in range(2_000)])) == 2_000  # chunks now
-        verifier = eng._verifier("closing")
-        assert isinstance(verifier, PluginVerifier)
+        executor = in_threads(eng, "closing")
         module = plugin_module(envs, "closing", "verify.py")
 
         async def score(name: str, items: list[dict[str, Any]]) -> None:
@@ -403,7 +409,7 @@ async def test_a_chunk_that_waited_while_the_engine_closed_leaves_no_thread(envs
         tg.start_soon(score, "first", [item("closing", "x", n=0, mode="hang", seconds=0.5), item("closing", n=1)])
         await eventually(lambda: module.running, message="the first chunk never started")
         tg.start_soon(score, "second", [item("closing", "x", n=n) for n in range(3)])
-        await eventually(lambda: verifier._chunk_lock.statistics().tasks_waiting, message="nothing waited")
+        await eventually(lambda: executor._chunk_lock.statistics().tasks_waiting, message="nothing waited")
     # closed, the second batch still waiting for the first's chunk; the task group then waits for both
     assert results == {"first": [1.0, 1 / 7], "second": [0.0, 1 / 7, 2 / 7]}
     await eventually(lambda: not chunk_threads(), message=f"threads left: {chunk_threads()}")
@@ -427,19 +433,18 @@ async def test_a_chunk_hanging_on_the_kept_thread_holds_up_no_later_batch(envs: 
     expected = [(n % 7) / 7 for n in range(100)]
     async with engine.Engine(config) as eng:
         assert len(await eng.score([item("hanging", "x", n=n) for n in range(2_000)])) == 2_000  # chunks now
-        verifier = eng._verifier("hanging")
-        assert isinstance(verifier, PluginVerifier)
+        executor = in_threads(eng, "hanging")
         for abandoned in (1, 2):
             with pytest.raises(VerificationError) as info:
                 await eng.score(hanging())
             assert (info.value.index, info.value.reason) == (0, f"timed out after {timeout:g} s")
-            assert verifier._abandoned.count == abandoned
+            assert executor._abandoned.count == abandoned
             if abandoned == 1:  # the next batch runs at once, on a thread of its own
                 assert await eng.score([item("hanging", n=n) for n in range(100)]) == expected
                 assert chunk_threads() == 2
         with pytest.raises(VerificationError, match=r"2 of its calls .* \(max_abandoned=1\)"):
             await eng.score([item("hanging", n=n) for n in range(100)])
-        await eventually(lambda: verifier._abandoned.count == 0, 2 * release,
+        await eventually(lambda: executor._abandoned.count == 0, 2 * release,
                          message="the hung calls never counted as ended")
         assert await eng.score([item("hanging", n=n) for n in range(100)]) == expected
         await eventually(lambda: chunk_threads() == 1, message="the hung chunks' threads did not end")
@@ -455,8 +460,7 @@ async def test_a_chunk_in_line_behind_one_that_hangs_is_refused_once_that_one_is
     )
     async with engine.Engine(config) as eng:
         assert len(await eng.score([item("hanging", "x", n=n) for n in range(2_000)])) == 2_000  # chunks now
-        verifier = eng._verifier("hanging")
-        assert isinstance(verifier, PluginVerifier)
+        executor = in_threads(eng, "hanging")
         outcomes: dict[str, BaseException | list[float]] = {}
 
         async def score(name: str, items: list[dict[str, Any]]) -> None:
@@ -467,7 +471,7 @@ async def test_a_chunk_in_line_behind_one_that_hangs_is_refused_once_that_one_is
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(score, "hangs", [item("hanging", "x", n=0, mode="hang", seconds=3.0)])
-            await eventually(lambda: verifier._chunk_lock.value == 0, message="the hanging chunk never started")
+            await eventually(lambda: executor._chunk_lock.value == 0, message="the hanging chunk never started")
             tg.start_soon(score, "in line", [item("hanging", n=n) for n in range(1, 50)])
     hangs, in_line = outcomes["hangs"], outcomes["in line"]
     assert isinstance(hangs, VerificationError) and hangs.reason == f"timed out after {timeout:g} s"

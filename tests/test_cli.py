@@ -53,7 +53,7 @@ from engine import digest_directory
 from engine._backfill.checkpoint import state_path
 from engine._backfill.run import open_run
 from engine._backfill.writer import partial_path
-from engine._verifiers.plugin.pool import default_workers
+from engine._verifiers.plugin.launcher import default_workers
 from engine.cli import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_IO, EXIT_OK, EXIT_VERIFICATION, _Commands, _outcome, cli
 
 JUDGE_SCORE = 4  # what the test judge answers for every item

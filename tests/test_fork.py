@@ -37,7 +37,7 @@ from servers import Request, Response, Server
 from test_remote_trust import answer as well_formed
 
 from engine import BlockingEngine, Engine, EngineConfig
-from engine._verifiers.plugin import pool
+from engine._verifiers.plugin import launcher
 
 CHILD_TIMEOUT = 20.0  # seconds a forked child has to answer and end; then it is killed and the test fails
 
@@ -247,17 +247,17 @@ def test_a_child_does_not_keep_the_parents_workers_watching_it(envs: Path) -> No
     config = EngineConfig(environments=envs, allow_unpinned=True)
     with BlockingEngine(config) as eng:
         eng.load(name)
-        read_end = pool._alive_fd()
-        assert pool._alive_pipe is not None
-        write_end = pool._alive_pipe[1]
+        read_end = launcher.alive_fd()
+        assert launcher._alive_pipe is not None
+        write_end = launcher._alive_pipe[1]
         pipe = os.fstat(read_end).st_ino
 
         def check() -> None:
-            assert pool._alive_pipe is None
+            assert launcher._alive_pipe is None
             for fd in (read_end, write_end):
                 with pytest.raises(OSError):
                     os.fstat(fd)
-            assert os.fstat(pool._alive_fd()).st_ino != pipe  # a pipe of its own
+            assert os.fstat(launcher.alive_fd()).st_ino != pipe  # a pipe of its own
 
         assert reap(fork(check)) == 0
         os.fstat(write_end)  # the parent's own copies are untouched

@@ -32,8 +32,8 @@ before = state()
 import engine
 for name in engine.__all__:  # every public name, and the modules behind them
     getattr(engine, name)
-import engine._verifiers.plugin.pool, engine._verifiers.plugin.importer, engine._verifiers.plugin.worker
-import engine._verifiers.plugin.threads, engine._http.transport, engine.cli
+import engine._verifiers.plugin.verifier, engine._verifiers.plugin.importer, engine._verifiers.plugin.worker
+import engine._verifiers.plugin.in_processes, engine._verifiers.plugin.in_threads, engine._http.transport, engine.cli
 after = state()
 sys.stdout.write(orjson.dumps([before, after]).decode())
 """

@@ -7,6 +7,7 @@ import marshal
 import math
 import pickle
 import struct
+import subprocess
 import sys
 import traceback
 from functools import partial
@@ -17,7 +18,8 @@ import anyio
 import orjson
 import pytest
 from asserts import check_error
-from conftest import add_env, import_count, item, process_twin
+from cli_support import child_env
+from conftest import add_env, import_count, item, plugin_module, process_twin
 from polling import eventually
 from special_files import SPECIAL_KINDS, make_special
 
@@ -27,8 +29,8 @@ from engine import EngineConfig, Limits, VerificationError, digest_directory
 from engine._core.contract import BadItem, BadReward
 from engine._errors import Failure
 from engine._reasons import describe
+from engine._verifiers.plugin.executor import CallFailed
 from engine._verifiers.plugin.importer import PluginLoadError
-from engine._verifiers.plugin.pool import WorkerFailure
 from engine._verifiers.plugin.verifier import PluginVerifier
 
 
@@ -431,6 +433,74 @@ async def test_a_slow_import_is_bounded_by_the_timeout(envs: Path) -> None:
             await eng.score([item("slow_import")])
 
 
+SLOW_IMPORT = """\
+import time
+
+started = time.perf_counter()
+time.sleep(0.3)  # a deterministic import: start-up can be no shorter
+IMPORT_SECONDS = time.perf_counter() - started
+
+
+def score(task, trajectory):
+    return 1.0
+"""
+
+
+async def test_start_up_holds_the_whole_import(envs: Path) -> None:
+    """The start-up figure begins before the import's thread does: it is at least the import's own time."""
+    add_env(envs, "slow_start", "plugin", "verify:score")
+    (envs / "slow_start" / "verify.py").write_text(SLOW_IMPORT)
+    async with engine.Engine(EngineConfig(environments=envs, allow_unpinned=True)) as eng:
+        result = await eng.run([item("slow_start"), item("slow_start")])
+        module = plugin_module(envs, "slow_start", "verify.py")
+    report = result.verifiers[0]
+    assert result.rewards == [1.0, 1.0]
+    assert 1 <= len(report.startup) <= 2  # the first calls waited for the one import
+    assert max(report.startup) >= module.IMPORT_SECONDS >= 0.3
+
+
+HANGING_SCRIPT = """\
+import asyncio, sys
+import engine
+
+config = engine.EngineConfig(environments=sys.argv[1], allow_unpinned=True,
+                             refs={"hang/hang:score": engine.Limits(timeout=1.0)})
+
+
+async def main():
+    async with engine.Engine(config) as eng:
+        await eng.load("hang")  # imported here: the call's second is the call's alone
+        try:
+            await eng.score([{"environment": "hang", "task": {}, "trajectory": "x"}])
+        except engine.VerificationError as exc:
+            print(exc.reason, flush=True)
+
+
+asyncio.run(main())
+"""
+HANGS = """\
+import threading
+
+
+def score(task, trajectory):
+    threading.Event().wait()  # never returns: the engine abandons the call at its timeout
+"""
+
+
+@pytest.mark.timeout(150)  # a new interpreter: its exit is the point
+def test_a_script_exits_once_its_batch_failed_on_a_call_that_hangs_in_a_thread(envs: Path, tmp_path: Path) -> None:
+    """The abandoned call runs on one of the engine's daemon threads: the interpreter's exit does not wait for it
+    (on anyio's worker threads, which are not daemons, it waited for ever)."""
+    add_env(envs, "hang", "plugin", "hang:score")
+    (envs / "hang" / "hang.py").write_text(HANGS)
+    script = tmp_path / "hangs.py"
+    script.write_text(HANGING_SCRIPT)
+    command = [sys.executable, str(script), str(envs)]
+    done = subprocess.run(command, env=child_env(None), capture_output=True, text=True, timeout=90, check=False)
+    assert (done.returncode, done.stdout) == (0, "timed out after 1 s\n"), done.stderr
+    assert [line for line in done.stderr.splitlines() if not line.startswith("batch aborted: ")] == []  # the log
+
+
 # --- what runs is what was hashed: files changed after the check do not run ---
 
 LAZY_VERIFY = '''\
@@ -737,7 +807,7 @@ async def test_a_manifest_swapped_back_to_the_pinned_one_does_not_pick_the_verif
         BadItem(3, "cannot copy the item for the plugin: TypeError: cannot pickle '_thread.lock' object"),
         BadReward(2, "returned '42' (str), which is not a real number"),
         PluginLoadError("cannot import module 'verify': ModuleNotFoundError: No module named 'nowhere'"),
-        WorkerFailure("timed out after 0.5 s", 4),
+        CallFailed("timed out after 0.5 s", 4, timed_out=True),
     ],
     ids=lambda failure: type(failure).__name__,
 )

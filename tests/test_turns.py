@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from engine._core.meters import loop_calls
-from engine._verifiers.plugin.threads import SHARED, TURN_STEPS, Turns
+from engine._verifiers.plugin.turns import SHARED, TURN_STEPS, Turns
 
 PASS = 0.002  # seconds each callback of a busy chain holds the loop: well past an idle pass
 

@@ -57,7 +57,7 @@ def rate(per_second: float) -> AsyncLimiter:
 
 
 def threads(size: int) -> anyio.CapacityLimiter:
-    """``size`` threads at once: the form of slots ``anyio.to_thread.run_sync`` takes."""
+    """``size`` threads at once: the limit the thread executor holds a token of per call in a thread."""
     return anyio.CapacityLimiter(size)
 
 
@@ -171,8 +171,8 @@ class LoopCalls:
     """How many of the engine's calls that run on one event loop are in flight (an endpoint's request, a
     judge's, an async plugin's; counted by the scheduler around each call of one item).
 
-    A chunk of cheap calls in a thread gives that loop turns at the GIL while any are:
-    docs/design.md, Limits and accounts.
+    A chunk of cheap calls in a thread gives that loop turns at the GIL while any are
+    (``engine._verifiers.plugin.turns``; why: docs/design.md, Turns at the GIL).
     """
 
     __slots__ = ("__weakref__", "count")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from polling import wait_until
 
-import engine._verifiers.plugin.pool
+import engine._verifiers.plugin.launcher
 
 SETTLE_SECONDS = 5.0  # how long abandoned threads and dying processes get to finish
 
@@ -67,7 +67,7 @@ class Snapshot:
         # process: it is not a leak of any one test
         multiprocessing.resource_tracker.ensure_running()
         # likewise the pipe that tells workers this process died, made when the first worker starts
-        engine._verifiers.plugin.pool._alive_fd()
+        engine._verifiers.plugin.launcher.alive_fd()
         return cls(frozenset(threading.enumerate()), frozenset(child_pids()), frozenset(channels()))
 
     def leaks(self) -> list[str]:

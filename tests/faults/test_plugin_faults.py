@@ -41,8 +41,8 @@ from engine import (
     load_config,
     load_environment,
 )
-from engine._verifiers.plugin.pool import PluginError
 from engine._verifiers.plugin.verifier import PluginVerifier
+from engine._verifiers.plugin.worker_client import PluginError
 
 from .conftest import Snapshot, child_pids, process_gone
 
@@ -410,9 +410,9 @@ ABORTS = 200
 
 
 def resources() -> tuple[int, int, int]:
-    """Open descriptors, threads (anyio's idle pool threads aside: it bounds and reuses them), and
+    """Open descriptors, threads (the thread executor's idle pool threads aside: it bounds and reuses them), and
     child processes, zombies included."""
-    threads = [t for t in threading.enumerate() if t.name != "AnyIO worker thread"]
+    threads = [t for t in threading.enumerate() if not t.name.startswith("engine-plugin-")]
     return len(os.listdir("/proc/self/fd")), len(threads), len(child_pids())
 
 

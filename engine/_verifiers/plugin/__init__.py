@@ -1,1 +1,1 @@
-"""The plugin kind: a vetted module's callable, in threads or worker processes."""
+"""The plugin kind: a vetted module's callable, on the event loop, in threads or in worker processes."""

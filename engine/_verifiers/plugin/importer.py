@@ -1,22 +1,7 @@
 """Importing a plugin environment's code: from the snapshot its digest was checked on, under a private name.
 
-Each environment is imported as a package of its own, ``_engine_env_<n>_<name>``, so two
-environments that both ship ``verify.py`` each get theirs, and a plugin reaches its sibling files
-with relative imports (``from . import helpers``).
-
-Modules come from a :class:`~engine._environments.digest.Snapshot`, the bytes of the environment's ``.py``
-files read once while their digest was computed, never from the disk again: a file changed or
-swapped after the check (by anyone, the plugin itself included, or before a sibling imported
-lazily on the first call) does not change what runs. Only ``.py`` sources are ever used, and
-compiled fresh: never a ``__pycache__`` entry or a stray ``.pyc``, which the digest does not cover.
-Nothing is written next to the environment's files either. A module's ``__file__`` is its real
-path (plugins find their data files by it), and :mod:`linecache` holds the snapshot's lines for
-it, so tracebacks quote the code that ran.
-
-:func:`load_plugin` is the whole import of a plugin, shared by the engine's own process (thread
-executor) and its worker processes (process executor), so both say the same thing when it fails;
-:func:`said` is how both describe a plugin's exception. A worker imports this module: it imports
-nothing a worker does not need (no event loop, no HTTP stack).
+Shared by the engine's process and its worker processes, so both say the same when an import fails; it
+imports nothing a worker does not need. docs/design.md, "Plugin executors".
 """
 
 from __future__ import annotations
@@ -40,7 +25,7 @@ from engine._environments.digest import Snapshot
 from engine._errors import Failure
 from engine._reasons import a_or_an, describe
 
-__all__ = ["PluginLoadError", "forget", "import_from_environment", "load_callable", "load_plugin", "said"]
+__all__ = ["PluginLoadError", "forget", "import_from_environment", "load_callable", "load_plugin", "safely_described"]
 
 _numbers = itertools.count()
 
@@ -197,7 +182,7 @@ def load_callable(snapshot: Snapshot, name: str, ref: str) -> Callable[..., Any]
     return fn
 
 
-def said(exc: BaseException) -> str:
+def safely_described(exc: BaseException) -> str:
     """What ``describe`` says of a plugin's exception; never raises (its ``__str__`` is the plugin's code)."""
     try:
         return describe(exc)
@@ -219,4 +204,4 @@ def load_plugin(snapshot: Snapshot, environment: str, ref: str) -> Callable[...,
     except (PluginLoadError, KeyboardInterrupt):
         raise
     except BaseException as exc:
-        raise PluginLoadError(f"cannot load {ref!r}: {said(exc)}") from exc
+        raise PluginLoadError(f"cannot load {ref!r}: {safely_described(exc)}") from exc

@@ -1,18 +1,7 @@
 """A plugin's worker process: import the plugin once, from the sources the engine vetted, then call it on chunks.
 
-This is the worker's main (:func:`main`), run in a fresh interpreter that the engine's pool starts
-(``engine._verifiers.plugin.pool``; what they say to each other: ``engine._verifiers.plugin.wire``).
-Everything this module imports is imported again by every worker the engine starts or replaces,
-so it imports only what a worker uses: the standard library, the plugin contract, the importer and
-the wire protocol; no event loop (an ``async def`` plugin gets one when it is loaded), no HTTP
-stack, none of the engine's third-party dependencies (``tests/test_import.py`` holds it to that).
-
-A worker calls the plugin in its main thread, so libraries that time themselves out with
-``signal.alarm`` (math-verify) work. Before each call it writes the item's position and start time
-to the few bytes it shares with the engine, so the engine's per-item deadline, and a death, name
-the item. It ignores SIGINT (Ctrl-C is the trainer's to handle), and a thread of its own watches
-for the engine's process to die, then kills the worker's process group (which it leads: what the
-plugin started goes too) and exits, even in the middle of a call.
+It runs in a fresh interpreter, and imports only what a worker uses (no event loop, none of the engine's
+third-party dependencies): every worker started or replaced pays for it. docs/design.md, "Plugin executors".
 """
 
 from __future__ import annotations
@@ -32,7 +21,7 @@ from typing import Any
 
 from engine._core.contract import BadItem, as_rewards, is_async, private_pair
 from engine._environments.digest import Snapshot
-from engine._verifiers.plugin.importer import PluginLoadError, load_plugin, said
+from engine._verifiers.plugin.importer import PluginLoadError, load_plugin, safely_described
 from engine._verifiers.plugin.wire import PROGRESS_BYTES, Pair, PluginSpec, read_argv
 
 __all__ = ["main"]
@@ -42,7 +31,7 @@ _Call = Callable[[Mapping[str, Any], Any], Any]
 
 def _described(exc: BaseException) -> tuple[str, str, str]:
     """(type name, what ``describe`` says, the traceback) of a plugin's exception, as plain strings."""
-    return type(exc).__name__, said(exc), "".join(traceback.format_exception(exc))
+    return type(exc).__name__, safely_described(exc), "".join(traceback.format_exception(exc))
 
 
 def _watch_parent(alive: int) -> None:
@@ -51,7 +40,7 @@ def _watch_parent(alive: int) -> None:
     def watch() -> None:
         while os.read(alive, 1):  # nothing is ever written: it returns b"" when the writer is gone
             pass
-        if os.getpgrp() == os.getpid():  # it leads its group (see pool._Child): what the plugin started goes too
+        if os.getpgrp() == os.getpid():  # it leads its group (launcher.Child): what the plugin started goes too
             os.killpg(0, signal.SIGKILL)
         os._exit(70)
 
@@ -110,7 +99,7 @@ def _first_unpicklable(pickles: Sequence[bytes], progress: memoryview[float]) ->
         try:
             ForkingPickler.loads(data)
         except BaseException as exc:  # whatever unpickling the trainer's objects raises, even SystemExit
-            return ("bad", position, f"the worker process cannot unpickle the item: {said(exc)}")
+            return ("bad", position, f"the worker process cannot unpickle the item: {safely_described(exc)}")
     return ("bad", -1, "every item unpickles alone")
 
 
@@ -156,7 +145,7 @@ def _serve(conn: Connection, progress: memoryview[float], spec: PluginSpec) -> N
                     tasks, trajectories = ForkingPickler.loads(piece)
                     pairs += zip(tasks, trajectories, strict=True)
         except BaseException as exc:  # pickled by the engine, but not unpicklable here (a class of its __main__)
-            conn.send(("unpicklable", said(exc)))  # the engine then asks which item it was (a probe)
+            conn.send(("unpicklable", safely_described(exc)))  # the engine then asks which item it was (a probe)
             continue
         if type(message) is tuple:  # a probe: ("probe", each item of the chunk that failed, pickled alone)
             conn.send(_first_unpicklable(message[1], progress))
