@@ -374,7 +374,8 @@ def test_a_failing_item_is_its_own_requests_error_and_the_others_get_their_rewar
     assert status == 422
     assert body["error"] == {
         "type": "VerificationError", "kind": "plugin", "ref": "verify:score",
-        "environment": failing[position]["environment"], "index": 40 + position, "item_id": {"row": 3},
+        "key": f"{failing[position]['environment']}/verify:score", "environment": failing[position]["environment"],
+        "index": 40 + position, "item_id": {"row": 3}, "timed_out": False, "cannot_load": False,
         "message": "raised RuntimeError: boom on 5",
     }
     for answer, items in zip(answers, good, strict=True):

@@ -124,8 +124,10 @@ class PluginError(Exception):
 class WorkerFailure(Failure):
     """A chunk (or a worker's start) failed: ``reason``, and ``position``, the item's place in the chunk."""
 
-    def __init__(self, reason: str, position: int = 0, cause: BaseException | None = None) -> None:
-        super().__init__(reason)
+    def __init__(
+        self, reason: str, position: int = 0, cause: BaseException | None = None, *, timed_out: bool = False
+    ) -> None:
+        super().__init__(reason, timed_out=timed_out)
         self.position = position
         self.cause = cause
 
@@ -225,11 +227,12 @@ class _Overran(Exception):
     """A deadline passed while waiting for a worker's message."""
 
 
-def _at(reason: str, position: int) -> WorkerFailure:
+def _at(reason: str, position: int, *, timed_out: bool = False) -> WorkerFailure:
     """A failure at ``position`` (from a worker's progress), or saying which item it was is not known."""
     if position < 0:
-        return WorkerFailure(f"{reason}, while reading its chunk, before any call (which item is not known)", 0)
-    return WorkerFailure(reason, position)
+        return WorkerFailure(f"{reason}, while reading its chunk, before any call (which item is not known)", 0,
+                             timed_out=timed_out)
+    return WorkerFailure(reason, position, timed_out=timed_out)
 
 
 def _how_it_ended(pid: int, code: int | None, doing: str = "") -> str:
@@ -534,12 +537,12 @@ class _Worker:
         position = int(self._progress[0])
         raise _at(_how_it_ended(self.pid or 0, self.close(grace=1.0), doing), position)
 
-    def _give_up(self, reason: str) -> WorkerFailure:
+    def _give_up(self, reason: str, *, timed_out: bool = False) -> WorkerFailure:
         """Kill and close it (it overran a deadline, or its pipe broke), and say why."""
         position = int(self._progress[0])
         self.kill()
         self.close()
-        return _at(reason, position)
+        return _at(reason, position, timed_out=timed_out)
 
     def start(self, timeout: float) -> None:
         """Start the process and wait until it has imported the plugin (``timeout`` bounds the import)."""
@@ -560,7 +563,7 @@ class _Worker:
             try:
                 message = self._receive(lambda: imported_by, " importing the module")
             except _Overran:
-                raise self._give_up(f"timed out after {timeout:g} s importing the module") from None
+                raise self._give_up(f"timed out after {timeout:g} s importing the module", timed_out=True) from None
             if message[0] == "failed":
                 _, reason, error = message
                 self.close(grace=CLOSE_GRACE)
@@ -588,7 +591,7 @@ class _Worker:
             try:
                 reply = self._receive(lambda: progress[1] + timeout)
             except _Overran:
-                raise self._give_up(f"timed out after {timeout:g} s") from None
+                raise self._give_up(f"timed out after {timeout:g} s", timed_out=True) from None
             if reply[0] == "unpicklable":  # a failure path: the items are read again, to pickle one by one
                 tasks, trajectories = columns_of(items[:count], self.spec.environment)
                 reply = self._probe(list(zip(tasks, trajectories, strict=True)), reply[1], timeout)
@@ -619,7 +622,8 @@ class _Worker:
         try:
             reply: tuple[Any, ...] = self._receive(lambda: progress[1] + timeout)
         except _Overran:
-            raise self._give_up(f"timed out after {timeout:g} s unpickling the items one by one") from None
+            reason = f"timed out after {timeout:g} s unpickling the items one by one"
+            raise self._give_up(reason, timed_out=True) from None
         if reply[0] == "bad" and reply[1] < 0:
             return (
                 "bad",

@@ -175,9 +175,9 @@ class PluginVerifier:
         """The process ids of its worker processes (process executor; none before the first call)."""
         return self._pool.pids if self._pool is not None else []
 
-    def _fail(self, reason: str, position: int | None = None) -> Failure:
+    def _fail(self, reason: str, position: int | None = None, *, timed_out: bool = False) -> Failure:
         """The failure of this verifier; ``position``, the failing item's place in its chunk, if one is known."""
-        return Failure(reason, position=position)
+        return Failure(reason, position=position, timed_out=timed_out)
 
     def _check_digest(self) -> Snapshot:
         """The environment's snapshot, once its digest matches the pin: what is imported, and only that.
@@ -369,7 +369,7 @@ class PluginVerifier:
             call.give_up()
 
     async def _call(self, fn: Callable[..., Any], task: Mapping[str, Any], trajectory: Any) -> float:
-        """The reward of one call; :class:`BadReward` if its value is not one."""
+        """The reward of one call; :class:`BadItem` if its value is not one."""
         if self._is_async:  # its value's code (__float__) runs on the loop, as the plugin's own code does
             return as_rewards([await fn(task, trajectory)])[0]
         reward, cost = await self._in_pool_thread(timed, fn, task, trajectory)
@@ -377,7 +377,7 @@ class PluginVerifier:
         return reward
 
     def _failure(self, exc: WorkerFailure) -> Failure:
-        failure = self._fail(exc.reason, exc.position)
+        failure = self._fail(exc.reason, exc.position, timed_out=exc.timed_out)
         failure.of_environment = exc.of_environment  # a worker that could not import the plugin
         return failure
 
@@ -388,7 +388,8 @@ class PluginVerifier:
         with anyio.move_on_after(self.limits.timeout) as deadline:
             await self._loaded()
         if deadline.cancelled_caught:
-            failure = self._fail(f"timed out after {self.limits.timeout:g} s checking the environment's digest")
+            failure = self._fail(f"timed out after {self.limits.timeout:g} s checking the environment's digest",
+                                 timed_out=True)
             failure.of_environment = True
             raise failure
         pool = self._pool
@@ -429,7 +430,7 @@ class PluginVerifier:
                 raise self._fail(f"raised {said(_raised(exc))}") from _raised(exc)
         assert deadline.cancelled_caught  # the only way here: the block returns or raises otherwise
         doing = " importing the module" if importing else ""
-        failure = self._fail(f"timed out after {self.limits.timeout:g} s{doing}")
+        failure = self._fail(f"timed out after {self.limits.timeout:g} s{doing}", timed_out=True)
         failure.of_environment = importing
         raise failure
 
@@ -488,7 +489,7 @@ class PluginVerifier:
             # the call running at the deadline: the one after the last that returned, as the loop reads it now
             # (a loop that comes late may find a later one; one that finds every call returned blames the last)
             at = converting[0] if converting[0] >= 0 else min(len(out), len(items) - 1)
-            raise self._fail(f"timed out after {self.limits.timeout:g} s", at)
+            raise self._fail(f"timed out after {self.limits.timeout:g} s", at, timed_out=True)
         if rewards:
             self._measured(cost, len(rewards))
         return rewards
