@@ -530,8 +530,9 @@ def test_a_service_told_to_gather_nothing_gathers_nothing(tmp_path: Path, endpoi
 
 @pytest.mark.parametrize("value", [-1, 4097, 1.5])
 def test_gather_items_is_validated(value: Any) -> None:
-    with pytest.raises(ValueError, match="gather_items must be a whole number from 0 to 4096"):
+    with pytest.raises(ValueError, match="gather_items: must be a whole number from 0 to 4096") as info:
         ServeConfig(gather_items=value)
+    assert isinstance(info.value, engine.ConfigError) and info.value.key == "gather_items"
 
 
 # --- endpoint items are not gathered, and answer beside gathered ones ----------------------------------------
