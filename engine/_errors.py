@@ -67,9 +67,13 @@ class EngineError(Exception):
 class ConfigError(EngineError, ValueError):
     """The engine's configuration is unusable; the message names the file and the key.
 
-    ``problem`` says what is wrong; ``key`` is the key it is wrong in (``defaults.timeout``,
-    ``refs.'x/y'.max_rate``, ``judge.model``; ``Limits.timeout`` for an object built in code), ``field`` that
-    key inside its ``table`` (``timeout`` in ``defaults``), and ``source`` the file; each None if not known.
+    Attributes:
+        problem: What is wrong, in words (the message without the file and the key).
+        key: The key it is wrong in, dotted (``defaults.timeout``, ``refs.'x/y'.max_rate``, ``judge.model``;
+            ``Limits.timeout`` for an object built in code), or None.
+        field: That key inside its ``table`` (``timeout`` in ``defaults``).
+        table: The table the key is in, or None.
+        source: The config file, or None.
     """
 
     def __init__(
@@ -105,16 +109,20 @@ class DigestError(EngineError):
 
 
 class VerificationError(EngineError):
-    """A verifier failed to produce a reward.
+    """A verifier failed to produce a reward; the original exception, if any, is chained as ``__cause__``.
 
-    ``kind`` and ``ref`` name the verifier, ``key`` the name its limits and reports go by (``Engine.stats``'
-    keys: a plugin's ``environment/module:callable``, a rubric's ``owner/name``; its ``ref`` when not given),
-    ``environment`` the environment the item came from, ``index`` the item's position in the batch and
-    ``item_id`` its ``id`` (when the item had one). ``reason`` says what went wrong; the original
-    exception, if any, is chained as ``__cause__``. ``timed_out``: the verifier ran out of time (its own
-    timeout, not a plugin's words). ``cannot_load``: the environment cannot load its verifier (a pin that
-    does not match, a module that does not import, a rubric that cannot be resolved), so none of its
-    items can be scored.
+    Attributes:
+        kind: The verifier's kind (``plugin``, ``endpoint``, ``rubric``).
+        ref: The verifier's ref, as its manifest names it.
+        key: The name its limits and figures go by (``Engine.stats``' keys): a plugin's
+            ``environment/module:callable``, a rubric's ``owner/name``, an endpoint's URL; ``ref`` if not given.
+        reason: What went wrong, in words.
+        environment: The environment of the item it failed on, or None.
+        index: That item's position in the batch, or None.
+        item_id: That item's ``id``, or None.
+        timed_out: The verifier ran out of its time (the engine's finding, never a plugin's words).
+        cannot_load: The environment cannot load its verifier (a pin that does not match, a module that
+            does not import, a rubric that cannot be resolved): none of its items can be scored.
     """
 
     def __init__(
