@@ -176,23 +176,12 @@ class VerificationError(EngineError):
 class RubricError(VerificationError):
     """A rubric cannot be used: missing, missing the version asked for, malformed, or a bad scale.
 
-    Every item of its environments fails alike: ``cannot_load`` unless told otherwise.
+    Its fields are a :class:`VerificationError`'s (``kind`` is ``rubric``); every item of its environments fails
+    alike, so ``cannot_load`` is true unless told otherwise.
     """
 
-    def __init__(
-        self,
-        ref: str,
-        reason: str,
-        *,
-        key: str | None = None,
-        environment: str | None = None,
-        index: int | None = None,
-        item_id: Any = None,
-        timed_out: bool = False,
-        cannot_load: bool = True,
-    ) -> None:
-        super().__init__("rubric", ref, reason, key=key, environment=environment, index=index, item_id=item_id,
-                         timed_out=timed_out, cannot_load=cannot_load)
+    def __init__(self, ref: str, reason: str, **fields: Any) -> None:
+        super().__init__("rubric", ref, reason, **{"cannot_load": True, **fields})
 
 
 class InputError(EngineError, ValueError):
