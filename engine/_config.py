@@ -45,6 +45,7 @@ from engine._http.headers import check_headers
 from engine._http.network import ca_bundle_problem, credentials_refusal, shown_url, url_problem, without_credentials
 
 __all__ = [
+    "COUNT",
     "DEFAULT_JUDGE_MAX_ATTEMPTS",
     "DEFAULT_JUDGE_MAX_BODY",
     "DEFAULT_JUDGE_MAX_CONCURRENCY",
@@ -60,9 +61,12 @@ __all__ = [
     "DEFAULT_RETRY_DEADLINE",
     "DEFAULT_THREADS",
     "DEFAULT_TIMEOUT",
+    "RATE",
+    "SECONDS",
     "EngineConfig",
     "JudgeConfig",
     "Limits",
+    "Number",
     "load_config",
 ]
 
@@ -94,31 +98,62 @@ def _is_endpoint_key(key: str) -> bool:
     return key[:8].lower().startswith(("http://", "https://"))
 
 
-def _check_headers(value: Any, key: str, source: Path | None) -> Mapping[str, str]:
-    """A refs table's ``headers``, validated (``engine._http.headers``); errors name the file and the key."""
-    return check_headers(value, lambda subkey, message: _fail(source, f"{key}{subkey}", message))
-
-
 def _is_rubric_key(key: str) -> bool:
     """A refs key naming a rubric (``owner/name``), not a plugin (``env/mod:fn``) or an endpoint (a URL)."""
     return ":" not in key
 
 
 def _fail(source: Path | None, key: str, message: str) -> ConfigError:
-    where = f"{source}: " if source is not None else ""
-    return ConfigError(f"{where}{key}: {message}")
+    return ConfigError(message, key=key, source=source)
 
 
-def _positive_int(value: Any, key: str, source: Path | None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _fail(source, key, f"must be a whole number >= 1, got {value!r}")
-    return value
+@dataclass(frozen=True)
+class Number:
+    """What a numeric setting must be: a whole number or any finite one, at least ``least`` (more than it when
+    ``above``) and at most ``most``; or None, when ``optional``. The one check of every number in a config
+    (``Limits``, ``JudgeConfig``, ``EngineConfig``, ``engine serve``'s ``ServeConfig``)."""
+
+    whole: bool
+    least: float
+    above: bool = False
+    most: float | None = None
+    optional: bool = False
+
+    def check(self, value: Any, key: str, table: str | None = None, source: Path | None = None) -> Any:
+        """``value`` as the setting takes it (a float for a number that need not be whole), or ``ConfigError``
+        naming ``key`` (in ``table`` of file ``source``) and saying what it must be."""
+        if value is None and self.optional:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int if self.whole else int | float):
+            fits = False
+        else:
+            low = value > self.least if self.above else value >= self.least
+            fits = math.isfinite(value) and low and (self.most is None or value <= self.most)
+        if not fits:
+            raise ConfigError(f"must be {self}, got {value!r}", key=key, table=table, source=source)
+        return value if self.whole else float(value)
+
+    def __str__(self) -> str:
+        kind = "a whole number" if self.whole else "a number"
+        if self.most is not None:
+            return f"{kind} from {self.least:g} to {self.most:g}"
+        return f"{kind} {'>' if self.above else '>='} {self.least:g}"
 
 
-def _positive_float(value: Any, key: str, source: Path | None) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-        raise _fail(source, key, f"must be a number > 0, got {value!r}")
-    return float(value)
+COUNT = Number(whole=True, least=1)  # a whole number >= 1
+SECONDS = Number(whole=False, least=0, above=True)  # a number > 0 (of seconds, of calls a second)
+RATE = Number(whole=False, least=0, above=True, optional=True)  # calls a second, or None: unlimited
+
+# each number of a Limits, and what it must be
+_LIMITS = {
+    "max_concurrency": COUNT,
+    "max_rate": RATE,
+    "timeout": SECONDS,
+    "max_attempts": COUNT,
+    "retry_deadline": SECONDS,
+    "max_body": COUNT,
+    "max_abandoned": Number(whole=True, least=0),
+}
 
 
 @dataclass(frozen=True)
@@ -137,21 +172,13 @@ class Limits:
     # an endpoint's extra request headers (see the module docstring); not hashed, a mapping is not hashable
     headers: Mapping[str, str] = field(default_factory=dict, hash=False)
 
-    def __post_init__(self) -> None:
-        self.validate(None, "Limits")
-
-    def validate(self, source: Path | None, prefix: str) -> None:
-        _positive_int(self.max_concurrency, f"{prefix}.max_concurrency", source)
-        if self.max_rate is not None:
-            _positive_float(self.max_rate, f"{prefix}.max_rate", source)
-        _positive_float(self.timeout, f"{prefix}.timeout", source)
-        _positive_int(self.max_attempts, f"{prefix}.max_attempts", source)
-        _positive_float(self.retry_deadline, f"{prefix}.retry_deadline", source)
-        _positive_int(self.max_body, f"{prefix}.max_body", source)
-        abandoned = self.max_abandoned
-        if isinstance(abandoned, bool) or not isinstance(abandoned, int) or abandoned < 0:
-            raise _fail(source, f"{prefix}.max_abandoned", f"must be a whole number >= 0, got {abandoned!r}")
-        object.__setattr__(self, "headers", _check_headers(self.headers, f"{prefix}.headers", source))
+    def __post_init__(self) -> None:  # built in code, its errors name it "Limits"; a table's, the table (parse)
+        for name, rule in _LIMITS.items():
+            object.__setattr__(self, name, rule.check(getattr(self, name), name, "Limits"))
+        headers = check_headers(
+            self.headers, lambda subkey, message: ConfigError(message, key=f"headers{subkey}", table="Limits")
+        )
+        object.__setattr__(self, "headers", headers)
 
     @classmethod
     def parse(cls, table: Any, base: Limits, prefix: str, source: Path | None) -> Limits:
@@ -161,22 +188,30 @@ class Limits:
         known = {f.name for f in fields(cls)}
         for key in table:
             if key not in known:
-                raise _fail(source, f"{prefix}.{key}", f"unknown key (known: {', '.join(sorted(known))})")
+                raise ConfigError(f"unknown key (known: {', '.join(sorted(known))})", key=key, table=prefix,
+                                  source=source)
         try:
             limits = replace(base, **dict(table))
-        except ConfigError as exc:  # re-raise naming the table's key and the file
-            where = f"{source}: " if source is not None else ""
-            raise ConfigError(f"{where}{prefix}.{str(exc).removeprefix('Limits.')}") from None
+        except ConfigError as exc:  # its key, in the table of the file it came from
+            raise exc.within(prefix, source) from None
         return limits
 
 
 def _judge_fail(source: Path | None, key: str, message: str) -> ConfigError:
-    where = f"{source}: " if source is not None else ""
-    return ConfigError(f"{where}judge.{key}: {message}")
+    return ConfigError(message, key=key, table="judge", source=source)
 
 
-def _is_number(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+# each number of a JudgeConfig, and what it must be
+_JUDGE = {
+    "max_concurrency": COUNT,
+    "max_tokens": COUNT,
+    "max_attempts": COUNT,
+    "max_body": COUNT,
+    "timeout": SECONDS,
+    "retry_deadline": SECONDS,
+    "max_rate": RATE,
+    "temperature": Number(whole=False, least=0),
+}
 
 
 _ENV_VAR = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -228,20 +263,8 @@ class JudgeConfig:
             raise _judge_fail(
                 src, "api_key_env", "must be the name of an environment variable (the key itself goes there)"
             )
-        for key in ("max_concurrency", "max_tokens", "max_attempts", "max_body"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise _judge_fail(src, key, f"must be a whole number >= 1, got {value!r}")
-        for key in ("timeout", "retry_deadline", "max_rate"):
-            value = getattr(self, key)
-            if key == "max_rate" and value is None:
-                continue
-            if not _is_number(value) or value <= 0:
-                raise _judge_fail(src, key, f"must be a number > 0, got {value!r}")
-            object.__setattr__(self, key, float(value))
-        if not _is_number(self.temperature) or self.temperature < 0:
-            raise _judge_fail(src, "temperature", f"must be a number >= 0, got {self.temperature!r}")
-        object.__setattr__(self, "temperature", float(self.temperature))
+        for key, rule in _JUDGE.items():
+            object.__setattr__(self, key, rule.check(getattr(self, key), key, "judge", src))
         if not isinstance(self.response_format, bool):
             raise _judge_fail(src, "response_format", f"must be true or false, got {self.response_format!r}")
         headers = check_headers(self.headers, lambda subkey, message: _judge_fail(src, f"headers{subkey}", message))
@@ -258,8 +281,7 @@ class JudgeConfig:
     def from_table(cls, table: Mapping[str, Any], source: Path | None = None) -> JudgeConfig:
         """A config from the parsed ``[judge]`` TOML table; ``ConfigError`` names the bad key."""
         if not isinstance(table, Mapping):
-            where = f"{source}: " if source is not None else ""
-            raise ConfigError(f"{where}judge: must be a table")
+            raise _fail(source, "judge", "must be a table")
         known = [f.name for f in fields(cls) if f.name != "source"]
         for key in table:
             if key == "api_key":
@@ -328,8 +350,8 @@ class EngineConfig:
                             "a rubric's calls are the judge's: set timeout, max_attempts, retry_deadline and "
                             "max_body under [judge]; a rubric's refs table takes max_concurrency and max_rate",
                         )
-        _positive_int(self.max_in_flight, "max_in_flight", src)
-        _positive_int(self.threads, "threads", src)
+        COUNT.check(self.max_in_flight, "max_in_flight", source=src)
+        COUNT.check(self.threads, "threads", source=src)
         object.__setattr__(self, "pins", MappingProxyType(dict(self.pins)))
         object.__setattr__(self, "refs", MappingProxyType(dict(self.refs)))
 

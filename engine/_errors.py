@@ -1,34 +1,33 @@
-"""The engine's exceptions: every error it raises on purpose, public or internal, in one tree.
+"""The engine's exceptions, public and internal, in one tree (docs/design.md, "Errors and failures").
 
-Tree::
-
-    EngineError
-    ├── ConfigError            (also a ValueError) a bad config file, key or value
-    │   └── ManifestError      an environment's manifest.json is unreadable or invalid
-    ├── DigestError            an environment directory holds a file that cannot be hashed (a FIFO, a device)
-    ├── VerificationError      a verifier could not produce a reward for an item;
-    │   │                      the whole batch aborts with it, never a zero in its place
-    │   └── RubricError        a rubric is missing, malformed, or lacks the version asked for
-    ├── InputError             (also a ValueError) a backfill's input file is unreadable or holds a bad row
-    ├── OutputError            (also a ValueError) a backfill's output cannot go where or how it was asked
-    │   └── ResumeError        a backfill cannot start or resume: its state is missing or does not match
-    ├── WriteError             the system refused to write a backfill's output or state (disk full, ...)
-    └── ServiceError           a scoring service (``engine serve``) could not be reached or failed itself;
-                               never a verifier's failure, which crosses the wire as a VerificationError
-
-    Failure                    internal: a failure inside a verifier, with a ``reason`` in words; the
-                               engine turns it into the ``VerificationError`` naming the item
-
-Foreign exceptions (httpx, orjson, tenacity, OSError) become reasons in one place, ``engine._reasons``.
-
-Misuse of the Python API (an item that is not a mapping, an unknown environment name) raises
-plain ``TypeError``/``ValueError``: those are bugs in the caller, not verifier failures.
+Every class raised on purpose is here or in the table below it, with what it carries. Misuse of the
+Python API is a plain ``TypeError``/``ValueError``; a foreign exception becomes a reason in ``engine._reasons``.
 """
+
+# The other modules' exceptions, each kept for what it carries (each is raised and caught beside its use):
+#   engine._core.contract.BadItem        a Failure at a chunk's ``position``; pickles by its arguments
+#   engine._core.contract.MalformedItem  a chunk's item with no task or trajectory: the scheduler's TypeError/ValueError
+#   engine._http.retry.TransientStatus   a status that asks to try again, with its ``retry_after``
+#   engine._http.post.CallTimeout        an httpx timeout for a call's whole deadline, with its ``reason``
+#   engine._http.transport.ResponseTooLarge  an httpx transport error for a body past ``max_body``
+#   engine._http.transport._Unsolicited  the transport's signal: bytes no request asked for, the connection closes
+#   engine._verifiers.plugin.executor.CallFailed  an executor's Failure (position, timed_out, of_environment)
+#   engine._verifiers.plugin.worker_client.PluginError  a plugin's exception in a worker, as its type's name and text
+#   engine._verifiers.plugin.worker_client._Overran  the worker client's signal: a deadline passed waiting for it
+#   engine._verifiers.plugin.importer.PluginLoadError  a Failure importing a plugin (where the import is retried)
+#   engine._verifiers.plugin.thread_calls.Interrupted  a plugin's KeyboardInterrupt in a thread, as its failure
+#   engine._serve.body.TooMany           a body's array past the limit, refused before the rest is built (413)
+#   engine._serve.app._Refused           a request the service will not score, with its status and kind
+#   engine._serve.gather.Gone            a client that hung up: nothing is sent
+#   engine._remote.wire._Malformed       what is wrong with a service's answer, in words (a ServiceError next)
+#   engine._ray.actor.Carried            an EngineError on its way from a Ray actor, which Ray then does not retry
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Literal
+
+from engine._numpy import python_scalar
 
 __all__ = [
     "ConfigError",
@@ -46,12 +45,51 @@ __all__ = [
 ]
 
 
+def _rebuilt(cls: type[BaseException], args: tuple[Any, ...], fields: dict[str, Any]) -> BaseException:
+    """An error as it was pickled: its class, its ``args`` and every field (notes too), not its constructor."""
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(fields)
+    return error
+
+
 class EngineError(Exception):
-    """Base class of every error the engine raises on purpose."""
+    """Base class of every error the engine raises on purpose.
+
+    Each pickles whole (a Ray actor's, a worker's, crossing a process): its class, ``args`` and fields,
+    without calling a constructor whose arguments are not its ``args``.
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuilt, (type(self), self.args, dict(self.__dict__))
 
 
 class ConfigError(EngineError, ValueError):
-    """The engine's configuration is unusable; the message names the file and the key."""
+    """The engine's configuration is unusable; the message names the file and the key.
+
+    Attributes:
+        problem: What is wrong, in words (the message without the file and the key).
+        key: The key it is wrong in, dotted (``defaults.timeout``, ``refs.'x/y'.max_rate``, ``judge.model``;
+            ``Limits.timeout`` for an object built in code), or None.
+        field: That key inside its ``table`` (``timeout`` in ``defaults``).
+        table: The table the key is in, or None.
+        source: The config file, or None.
+    """
+
+    def __init__(
+        self, problem: str, *, key: str | None = None, table: str | None = None, source: Path | None = None
+    ) -> None:
+        self.problem = problem
+        self.field = key
+        self.table = table
+        self.key = table if key is None else key if table is None else f"{table}.{key}"
+        self.source = source
+        where = "".join(f"{part}: " for part in (source, self.key) if part is not None)
+        super().__init__(f"{where}{problem}")
+
+    def within(self, table: str, source: Path | None) -> ConfigError:
+        """This error, its key inside ``table`` of file ``source`` (a table's values checked as an object's)."""
+        return type(self)(self.problem, key=self.field, table=table, source=source)
 
 
 class ManifestError(ConfigError):
@@ -70,22 +108,21 @@ class DigestError(EngineError):
         super().__init__(reason)
 
 
-def _python(value: Any) -> Any:
-    """A numpy scalar as the Python value it holds (exactly), anything else as it is."""
-    if type(value).__module__ == "numpy" and hasattr(value, "item"):
-        try:
-            return value.item()
-        except ValueError:  # an array of more than one value: not a scalar, kept as it is
-            return value
-    return value
-
-
 class VerificationError(EngineError):
-    """A verifier failed to produce a reward.
+    """A verifier failed to produce a reward; the original exception, if any, is chained as ``__cause__``.
 
-    ``kind`` and ``ref`` name the verifier, ``environment`` the environment the item came from,
-    ``index`` the item's position in the batch and ``item_id`` its ``id`` (when the item had one).
-    ``reason`` says what went wrong; the original exception, if any, is chained as ``__cause__``.
+    Attributes:
+        kind: The verifier's kind (``plugin``, ``endpoint``, ``rubric``).
+        ref: The verifier's ref, as its manifest names it.
+        key: The name its limits and figures go by (``Engine.stats``' keys): a plugin's
+            ``environment/module:callable``, a rubric's ``owner/name``, an endpoint's URL; ``ref`` if not given.
+        reason: What went wrong, in words.
+        environment: The environment of the item it failed on, or None.
+        index: That item's position in the batch, or None.
+        item_id: That item's ``id``, or None.
+        timed_out: The verifier ran out of its time (the engine's finding, never a plugin's words).
+        cannot_load: The environment cannot load its verifier (a pin that does not match, a module that
+            does not import, a rubric that cannot be resolved): none of its items can be scored.
     """
 
     def __init__(
@@ -94,18 +131,24 @@ class VerificationError(EngineError):
         ref: str,
         reason: str,
         *,
+        key: str | None = None,
         environment: str | None = None,
         index: int | None = None,
         item_id: Any = None,
+        timed_out: bool = False,
+        cannot_load: bool = False,
     ) -> None:
         self.kind = kind
         self.ref = ref
+        self.key = ref if key is None else key
         self.reason = reason
         # a trainer's numpy values named as Python's (verl's np.str_ data sources, its np.int64 ids): equal,
         # and a message reads 'probe', not np.str_('probe')
         self.environment = None if environment is None else str(environment)
         self.index = index
-        self.item_id = _python(item_id)
+        self.item_id = python_scalar(item_id)
+        self.timed_out = timed_out
+        self.cannot_load = cannot_load
         super().__init__(kind, ref, reason)
 
     def at_item(self, environment: str, index: int, item_id: Any) -> VerificationError:
@@ -114,9 +157,11 @@ class VerificationError(EngineError):
         Only an error raised before any item was read needs this (a rubric that cannot be resolved):
         a verifier's own failures are :class:`Failure`, which the scheduler names the item of.
         """
-        return VerificationError(
-            self.kind, self.ref, self.reason, environment=environment, index=index, item_id=item_id
-        )
+        fields = {name: value for name, value in self.__dict__.items() if name != "__notes__"}  # notes: this one's
+        error = _rebuilt(type(self), self.args, fields)
+        assert isinstance(error, VerificationError)  # of this one's class
+        error.environment, error.index, error.item_id = str(environment), index, python_scalar(item_id)
+        return error
 
     def __str__(self) -> str:
         where = ""
@@ -129,15 +174,14 @@ class VerificationError(EngineError):
 
 
 class RubricError(VerificationError):
-    """A rubric cannot be used: missing, missing the version asked for, malformed, or a bad scale."""
+    """A rubric cannot be used: missing, missing the version asked for, malformed, or a bad scale.
 
-    def __init__(
-        self, ref: str, reason: str, *, environment: str | None = None, index: int | None = None, item_id: Any = None
-    ) -> None:
-        super().__init__("rubric", ref, reason, environment=environment, index=index, item_id=item_id)
+    Its fields are a :class:`VerificationError`'s (``kind`` is ``rubric``); every item of its environments fails
+    alike, so ``cannot_load`` is true unless told otherwise.
+    """
 
-    def at_item(self, environment: str, index: int, item_id: Any) -> RubricError:
-        return RubricError(self.ref, self.reason, environment=environment, index=index, item_id=item_id)
+    def __init__(self, ref: str, reason: str, **fields: Any) -> None:
+        super().__init__("rubric", ref, reason, **{"cannot_load": True, **fields})
 
 
 class InputError(EngineError, ValueError):
@@ -198,15 +242,18 @@ class Failure(Exception):
 
     What a verifier raises (the contract, ``engine._core.contract``): it knows why, not which item of
     the batch it was. ``position``, if known, is the item's place in the chunk the verifier was
-    handed. Never seen by users: the scheduler, which knows the item, turns it into the one
-    ``VerificationError`` naming the verifier and the item, chaining this failure's cause.
+    handed; ``timed_out``, that the call ran out of its time; ``of_environment``, that the environment
+    cannot load its verifier (a pin that does not match, a module that does not import): every item
+    of it fails alike, and the scheduler names its first in the batch. Never seen by users: the
+    scheduler, which knows the item, turns it into the one ``VerificationError`` naming the verifier
+    and the item, these fields with it, chaining this failure's cause.
     """
 
-    # the environment cannot load its verifier (a pin that does not match, a module that does not
-    # import): every item of it fails alike, and the scheduler names its first in the batch
-    of_environment = False
-
-    def __init__(self, reason: str, *, position: int | None = None) -> None:
+    def __init__(
+        self, reason: str, *, position: int | None = None, timed_out: bool = False, of_environment: bool = False
+    ) -> None:
         self.reason = reason
         self.position = position
+        self.timed_out = timed_out
+        self.of_environment = of_environment
         super().__init__(reason)

@@ -11,6 +11,8 @@ from typing import Any
 
 import orjson
 
+from engine._numpy import is_plain_numpy
+
 __all__ = ["EXACT", "JSONDecodeError", "dumps", "loads", "plain"]
 
 JSONDecodeError = orjson.JSONDecodeError  # what loads raises, whichever parser found the fault
@@ -62,20 +64,6 @@ def loads(data: bytes | str) -> Any:
         raise JSONDecodeError(f"cannot be read with its integers exact: {exc}", str(data[:100]), 0) from None
 
 
-# numpy's kinds of values whose tolist() is the value itself: booleans, integers, floats (complex numbers and
-# strings too, which orjson then refuses or writes as they are); never dates, durations or records, whose
-# tolist() would be another value (an integer for a datetime64 in ns, a string for one in s, fields unnamed)
-_PLAIN_KINDS = frozenset("biufcUO")
-
-
-def _numpy(value: Any) -> bool:
-    """Whether ``value`` is numpy's (a scalar or an array) of a plain kind, told without importing numpy."""
-    if type(value).__module__ != "numpy" or not hasattr(value, "tolist"):
-        return False
-    dtype = getattr(value, "dtype", None)
-    return getattr(dtype, "kind", None) in _PLAIN_KINDS
-
-
 def plain(value: Any) -> Any:
     """A ``default`` for :func:`dumps`: what orjson cannot write itself but an in-process engine takes.
 
@@ -89,7 +77,7 @@ def plain(value: Any) -> Any:
     """
     if isinstance(value, Mapping):
         return dict(value)
-    if _numpy(value):
+    if is_plain_numpy(value):
         return value.tolist()
     raise TypeError(f"{type(value).__name__} is not JSON")
 
@@ -122,7 +110,7 @@ def _holds_non_finite(value: Any) -> bool:
         return not math.isfinite(value)
     if isinstance(value, list | tuple):
         return any([_holds_non_finite(part) for part in value])
-    if _numpy(value):  # a float32 or an array, which ``plain`` writes as Python's values
+    if is_plain_numpy(value):  # a float32 or an array, which ``plain`` writes as Python's values
         return _holds_non_finite(value.tolist())
     if isinstance(value, Mapping):
         return any([_holds_non_finite(part) for part in value.values()])

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 if TYPE_CHECKING:
     import ssl
 
-__all__ = ["REDACTED", "Scrubber", "a_or_an", "describe", "excerpt", "tls_verification_failure"]
+__all__ = ["REDACTED", "Scrubber", "a_or_an", "describe", "excerpt", "is_timeout", "tls_verification_failure"]
 
 EXCERPT_CHARS = 200
 _CHAIN_DEPTH = 8  # causes followed to find why a connection failed
@@ -83,6 +83,20 @@ def describe(exc: BaseException) -> str:
         return "timed out"
     message = str(exc)
     return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
+def is_timeout(exc: BaseException) -> bool:
+    """Whether ``exc`` is a call running out of time, told by its type: ours saying so (``timed_out``), one of
+    httpx's timeouts, a ``TimeoutError``, or retries whose last try was one of those."""
+    tenacity: Any = sys.modules.get("tenacity")
+    if tenacity is not None and isinstance(exc, tenacity.RetryError):
+        last = exc.last_attempt.exception()
+        return last is not None and is_timeout(last)
+    timed_out = getattr(exc, "timed_out", None)
+    if isinstance(timed_out, bool):
+        return timed_out
+    httpx: Any = sys.modules.get("httpx")
+    return isinstance(exc, TimeoutError) or (httpx is not None and isinstance(exc, httpx.TimeoutException))
 
 
 def _http_reason(exc: BaseException, httpx: Any) -> str:

@@ -142,7 +142,8 @@ class Registry:
             verifier = rubrics.get(spec.ref)
             if verifier is None:
                 if shared.judge is None:
-                    raise VerificationError("rubric", spec.ref, "no [judge] is configured to grade rubrics")
+                    raise VerificationError("rubric", spec.ref, "no [judge] is configured to grade rubrics",
+                                            key=env.verifier_key, cannot_load=True)
                 verifier = rubrics[spec.ref] = RubricVerifier(self.rubrics.resolve(spec.ref), shared.judge)
             return verifier
         key = env.verifier_key

@@ -139,6 +139,8 @@ def test_bad_key_or_value_names_the_key_and_the_file(tmp_path: Path, text: str, 
     message = str(info.value)
     assert message.startswith(f"{path}: {key}"), message
     assert isinstance(info.value, ValueError)
+    assert (info.value.key, info.value.source) == (key, path)  # fields, for a reader that must not parse the message
+    assert message == f"{path}: {key}: {info.value.problem}"
 
 
 def test_invalid_toml_is_a_config_error(tmp_path: Path) -> None:
@@ -155,8 +157,9 @@ def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
 
 
 def test_direct_construction_is_validated_too() -> None:
-    with pytest.raises(ConfigError, match=r"Limits\.max_concurrency: must be a whole number >= 1, got 0"):
+    with pytest.raises(ConfigError, match=r"Limits\.max_concurrency: must be a whole number >= 1, got 0") as info:
         Limits(max_concurrency=0)
+    assert (info.value.key, info.value.field, info.value.source) == ("Limits.max_concurrency", "max_concurrency", None)
     with pytest.raises(ConfigError, match=r"Limits\.max_rate"):
         Limits(max_rate=math.nan)
     with pytest.raises(ConfigError, match=r"refs\.'x/y': must be a Limits"):
@@ -192,3 +195,53 @@ def test_config_is_frozen_and_its_tables_read_only() -> None:
         config.refs["a/b"] = Limits()  # type: ignore[index]
     with pytest.raises(AttributeError):
         config.max_in_flight = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("table", "key", "said"),
+    [
+        ("[defaults]\nmax_abandoned = -1", "defaults.max_abandoned", "must be a whole number >= 0, got -1"),
+        ('[refs."http://127.0.0.1:8080/score"]\nheaders = { "Bad Name" = "${X}" }',
+         "refs.'http://127.0.0.1:8080/score'.headers.Bad Name", "is not a valid HTTP header name"),
+        ('[judge]\nbase_url = "http://127.0.0.1:1/v1"\nmodel = "m"\ntemperature = -1', "judge.temperature",
+         "must be a number >= 0, got -1"),
+        ('[judge]\nbase_url = "http://127.0.0.1:1/v1"\nmodel = "m"\nmax_rate = inf', "judge.max_rate",
+         "must be a number > 0, got inf"),
+        ('[judge]\nbase_url = "http://127.0.0.1:1/v1"\nmodel = "m"\nmax_tokens = 2.0', "judge.max_tokens",
+         "must be a whole number >= 1, got 2.0"),
+    ],
+)
+def test_a_tables_bad_value_is_re_raised_with_its_key_as_a_field(
+    tmp_path: Path, table: str, key: str, said: str
+) -> None:
+    """A table's values are checked as the object's (``Limits``, ``JudgeConfig``): the error is raised again with
+    the key it has in the file as a field, its message built from the fields, never edited."""
+    path = write(tmp_path, table)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert (info.value.key, info.value.source, info.value.problem) == (key, path, said)
+    assert str(info.value) == f"{path}: {key}: {said}"
+
+
+@pytest.mark.parametrize(
+    ("settings", "key", "said"),
+    [
+        ({"port": 70000}, "port", "must be a whole number from 0 to 65535, got 70000"),
+        ({"max_items": 0}, "max_items", "must be a whole number >= 1, got 0"),
+        ({"max_items": 10, "max_queued": 5}, "max_items", "must not exceed max_queued (5), got 10"),
+        ({"graceful_timeout": -1.0}, "graceful_timeout", "must be a number >= 0, got -1.0"),
+        ({"head_timeout": float("nan")}, "head_timeout", "must be a number > 0, got nan"),
+        ({"keep_alive": True}, "keep_alive", "must be a whole number >= 1, got True"),
+        ({"max_connections": 0}, "max_connections", "must be a whole number >= 1, got 0"),
+        ({"host": "0.0.0.0"}, "host", "refusing to serve on 0.0.0.0, which is not a loopback address"),
+        ({"token": "two words"}, "token", "the token holds"),
+    ],
+)
+def test_the_services_settings_are_config_errors_naming_their_key(settings: dict[str, object], key: str,
+                                                                   said: str) -> None:
+    from engine._serve.limits import ServeConfig
+
+    with pytest.raises(ConfigError) as info:
+        ServeConfig(**settings)  # type: ignore[arg-type]
+    assert info.value.key == key and info.value.problem.startswith(said), info.value
+    assert isinstance(info.value, ValueError)  # what the CLI reports as bad input

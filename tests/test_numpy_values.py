@@ -117,3 +117,19 @@ async def test_an_unknown_numpy_environment_is_named_as_a_python_string(config: 
     async with engine.Engine(config) as eng:
         with pytest.raises(ValueError, match="unknown environment 'probe'"):
             await eng.score([{"environment": np.str_("probe"), "task": {}, "trajectory": "t"}])
+
+
+def test_an_error_takes_numpy_scalars_as_python_values_by_the_json_writers_rule() -> None:
+    """One rule tells numpy's values apart (``engine._numpy``): what JSON writes as Python's value, an error names
+    as it; a date, whose ``tolist()`` would be another value (nanoseconds as an int), and an array stay as given."""
+    from engine import _json
+
+    named = engine.VerificationError("plugin", "verify:score", "boom", environment=np.str_("env"),
+                                     item_id=np.uint64(2**64 - 1))
+    assert (type(named.environment), named.environment) == (str, "env")
+    assert (type(named.item_id), named.item_id) == (int, 2**64 - 1)
+    assert _json.loads(_json.dumps(np.uint64(2**64 - 1), default=_json.plain)) == named.item_id
+    when = np.datetime64("2024-01-02T03:04:05.000000006")
+    assert engine.VerificationError("plugin", "r", "boom", item_id=when).item_id is when
+    ids = np.array([1, 2])
+    assert engine.VerificationError("plugin", "r", "boom", item_id=ids).item_id is ids

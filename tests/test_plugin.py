@@ -26,7 +26,7 @@ from special_files import SPECIAL_KINDS, make_special
 import engine
 import engine._verifiers.plugin.importer
 from engine import EngineConfig, Limits, VerificationError, digest_directory
-from engine._core.contract import BadItem, BadReward
+from engine._core.contract import BadItem
 from engine._errors import Failure
 from engine._reasons import describe
 from engine._verifiers.plugin.executor import CallFailed
@@ -805,7 +805,7 @@ async def test_a_manifest_swapped_back_to_the_pinned_one_does_not_pick_the_verif
     "failure",
     [
         BadItem(3, "cannot copy the item for the plugin: TypeError: cannot pickle '_thread.lock' object"),
-        BadReward(2, "returned '42' (str), which is not a real number"),
+        BadItem(2, "returned '42' (str), which is not a real number"),
         PluginLoadError("cannot import module 'verify': ModuleNotFoundError: No module named 'nowhere'"),
         CallFailed("timed out after 0.5 s", 4, timed_out=True),
     ],

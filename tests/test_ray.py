@@ -283,6 +283,8 @@ def test_score_dataset_adds_reward_and_verifier_and_a_failure_fails_the_dataset(
         score_dataset(ray.data.from_items(as_text), config, actors=2, actor_cpus=0.5, batch_size=250).take_all()
     error = engine_error(raised.value)
     assert isinstance(error, VerificationError) and error.item_id == "row-00321", raised.value
+    # its typed fields crossed from the actor's process whole (a timeout or a load failure would say so)
+    assert (error.key, error.timed_out, error.cannot_load) == (f"{ENV}/verify:score", False, False), raised.value
     dropping = ray.data.from_items(bad)
     dropping.context.max_errored_blocks = 1  # would drop the block of a failing row: refused
     with pytest.raises(ValueError, match="max_errored_blocks"):

@@ -66,3 +66,60 @@ def test_totals_merge_adds_another_runs_figures_and_buckets() -> None:
     assert (one.items, one.reward_sum, one.retries, one.peak_in_flight) == (4, 3.0, 2, 5)
     assert sum(one.latency.counts.values()) == 4
     assert one.latency.percentile(100) == pytest.approx(0.002, rel=0.03)
+
+
+# --- the one accumulator of figures (docs/design.md, "Figures") ---------------------------------------------
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["one-item-calls", "chunks"])
+def test_a_thinned_sample_stands_for_every_item_exactly(weighted: bool) -> None:
+    """Each kept latency stands for the items of the stride it was picked from: a histogram's counts add up to
+    the batch's items, which ``engine bench`` shows bucket by bucket."""
+    calls = 3 * LATENCY_SAMPLE + 5
+    latencies = [0.001 * (1 + i % 10) for i in range(calls)]
+    items = [1 + i % 4 for i in range(calls)] if weighted else []
+    report = VerifierReport(kind="plugin", ref="r", key="k", provenance={}, items=sum(items) or calls,
+                            latencies=latencies, latency_items=items)
+    sample, weights = report.latency_sample()
+    assert len(sample) == len(weights) <= LATENCY_SAMPLE
+    assert sum(weights) == report.items
+
+
+def test_totals_count_a_failed_batch_by_its_error_type_and_a_timeout_by_its_field() -> None:
+    from engine._core.report import VerifierTotals
+    from engine._errors import RubricError, VerificationError
+
+    totals = VerifierTotals("rubric", "a/b@1")
+    # the judge's words start otherwise: only the field says it timed out
+    totals.failed(VerificationError("rubric", "a/b@1", "judge request failed: timed out", timed_out=True))
+    totals.failed(VerificationError("rubric", "a/b@1", "timed out, said the judge's reply"))
+    totals.failed(RubricError("a/b@1", "no version 1"))
+    assert (dict(totals.errors), totals.timeouts) == ({"VerificationError": 2, "RubricError": 1}, 1)
+    assert totals.items == 0 and math.isnan(totals.mean_reward)
+
+
+def test_totals_add_every_figure_of_a_report_and_merge_them_all() -> None:
+    from engine._core.report import VerifierTotals
+
+    def report(peak: int) -> VerifierReport:
+        return VerifierReport(kind="rubric", ref="a/b@1", key="a/b", provenance={}, items=2, reward_sum=1.0,
+                              latencies=[0.01, 0.03], latency_items=[1, 1], waited=0.5, busy=0.04, retries=1,
+                              peak_in_flight=peak, active=0.05, startup=[0.2], spent={"total_tokens": 10})
+
+    one, two = VerifierTotals("rubric", "a/b@1"), VerifierTotals("rubric", "a/b@1")
+    one.add(report(4))
+    two.add(report(2))
+    one.merge(two)
+    assert (one.items, one.reward_sum, one.retries, one.waited, one.busy, one.active) == (4, 2.0, 2, 1.0, 0.08, 0.1)
+    assert (one.peak_in_flight, one.latest_peak_in_flight) == (4, 2)  # the most of any; the latest one's
+    assert (one.startup_calls, one.startup_seconds, one.startup_longest) == (2, 0.4, 0.2)
+    assert one.spent == {"total_tokens": 20}
+    assert sum(one.latency.counts.values()) == 4 and one.latency.seconds == pytest.approx(0.08)
+
+
+def test_a_histogram_read_at_prometheus_bounds_counts_each_item_once_and_cumulatively() -> None:
+    histogram = LatencyHistogram()
+    histogram.extend([0.0002, 0.003, 0.003, 0.04, 7.0, 500.0], [1, 2, 3, 4, 5, 6])
+    bounds = (0.001, 0.01, 0.1, 1.0, 10.0)
+    assert histogram.at_most(bounds) == [1, 6, 10, 10, 15, 21]  # the last: every item, past the last bound too
+    assert histogram.seconds == pytest.approx(0.0002 + 0.015 + 0.16 + 35 + 3000)

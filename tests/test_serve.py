@@ -338,13 +338,15 @@ def test_errors_on_the_wire_have_every_field(service: Service) -> None:
     response = service.post("/v1/score", {"items": [it("faulty", mode="raise", item_id="z")], "first_index": 5})
     assert response.status_code == 422
     assert response.json() == {"error": {
-        "type": "VerificationError", "kind": "plugin", "ref": "faults:by_task", "environment": "faulty",
-        "index": 5, "item_id": "z", "message": "raised Boom: the plugin blew up",
+        "type": "VerificationError", "kind": "plugin", "ref": "faults:by_task", "key": "faulty/faults:by_task",
+        "environment": "faulty", "index": 5, "item_id": "z", "timed_out": False, "cannot_load": False,
+        "message": "raised Boom: the plugin blew up",
     }}
     response = service.post("/v1/score", {"items": [[1]]})
     assert response.status_code == 400
-    assert response.json()["error"] == {"type": "TypeError", "kind": None, "ref": None, "environment": None,
-                                        "index": None, "item_id": None, "message": "item 0 is a list, not a mapping"}
+    assert response.json()["error"] == {"type": "TypeError", "kind": None, "ref": None, "key": None,
+                                        "environment": None, "index": None, "item_id": None, "timed_out": False,
+                                        "cannot_load": False, "message": "item 0 is a list, not a mapping"}
     response = service.post("/v1/score", b"{not json")
     assert (response.status_code, response.json()["error"]["type"]) == (400, "ValueError")
 

@@ -374,7 +374,8 @@ def test_a_failing_item_is_its_own_requests_error_and_the_others_get_their_rewar
     assert status == 422
     assert body["error"] == {
         "type": "VerificationError", "kind": "plugin", "ref": "verify:score",
-        "environment": failing[position]["environment"], "index": 40 + position, "item_id": {"row": 3},
+        "key": f"{failing[position]['environment']}/verify:score", "environment": failing[position]["environment"],
+        "index": 40 + position, "item_id": {"row": 3}, "timed_out": False, "cannot_load": False,
         "message": "raised RuntimeError: boom on 5",
     }
     for answer, items in zip(answers, good, strict=True):
@@ -529,8 +530,9 @@ def test_a_service_told_to_gather_nothing_gathers_nothing(tmp_path: Path, endpoi
 
 @pytest.mark.parametrize("value", [-1, 4097, 1.5])
 def test_gather_items_is_validated(value: Any) -> None:
-    with pytest.raises(ValueError, match="gather_items must be a whole number from 0 to 4096"):
+    with pytest.raises(ValueError, match="gather_items: must be a whole number from 0 to 4096") as info:
         ServeConfig(gather_items=value)
+    assert isinstance(info.value, engine.ConfigError) and info.value.key == "gather_items"
 
 
 # --- endpoint items are not gathered, and answer beside gathered ones ----------------------------------------

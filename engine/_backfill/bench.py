@@ -21,53 +21,38 @@ from engine._backfill.run import score_chunks
 from engine._check import process_hint
 from engine._config import EngineConfig
 from engine._core.contract import ProcessHint
-from engine._core.report import BatchResult, LatencyHistogram, VerifierTotals
+from engine._core.report import BatchResult, VerifierTotals
 from engine._engine import Engine
 
-__all__ = ["DEFAULT_BATCH_SIZE", "BenchRun", "Measured", "bench_file", "summarise"]
+__all__ = ["DEFAULT_BATCH_SIZE", "BenchRun", "bench_file", "summarise"]
 
 DEFAULT_BATCH_SIZE = 8192  # rows per batch: a large training step's worth
 HISTOGRAM_PER_DOUBLING = 2  # buckets of the latency histogram shown per doubling of latency (x1.41 each)
 
 
 @dataclass
-class Measured:
-    """One verifier's figures over a run that only a benchmark keeps (its run's ``VerifierTotals`` has the rest).
-
-    ``active``: its active spans added up (its latencies, less their start-up, are in the run's
-    ``VerifierTotals``); ``startup``: the seconds each call that started it up spent so (``meters.starting``);
-    ``spent``: what its calls cost (a judge's requests and tokens); ``plugin_environment``: a plugin's environment (None
-    for other kinds); ``hint``: worker processes would gain it cores (a CPU-bound thread plugin), as of the run's end.
-    """
-
-    active: float = 0.0
-    startup: list[float] = field(default_factory=list)
-    spent: Counter[str] = field(default_factory=Counter)
-    plugin_environment: str | None = None
-    hint: ProcessHint | None = None
-
-
-@dataclass
 class BenchRun:
-    """One pass over the file: its wall time, the time spent scoring, and per-verifier figures."""
+    """One pass over the file: its wall time, the time spent scoring, and per-verifier figures.
+
+    ``plugin_environments``: a plugin's environment, per verifier key; ``hints``: worker processes would gain
+    it cores (a CPU-bound thread plugin), as of the run's end.
+    """
 
     items: int
     seconds: float  # wall time, reading the file included
     scoring: float  # time inside Engine.run, summed over the batches
     verifiers: dict[str, VerifierTotals]
-    measured: dict[str, Measured] = field(default_factory=dict)
+    plugin_environments: dict[str, str] = field(default_factory=dict)
+    hints: dict[str, ProcessHint | None] = field(default_factory=dict)
 
     def add(self, chunk: list[Row], result: BatchResult) -> None:
         """Count a scored chunk (:func:`score_chunks` has added its figures to ``verifiers``)."""
         self.items += len(chunk)
         self.scoring += result.elapsed
         for report in result.verifiers:
-            measured = self.measured.setdefault(report.key, Measured())
-            measured.active += report.active
-            measured.startup += report.startup
-            measured.spent.update(report.spent)
-            if report.kind == "plugin":
-                measured.plugin_environment = report.provenance.get("environment")
+            environment = report.provenance.get("environment") if report.kind == "plugin" else None
+            if environment is not None:
+                self.plugin_environments[report.key] = environment
 
 
 async def bench_file(
@@ -90,9 +75,8 @@ async def bench_file(
             with open_rows(input_path, json_columns=json_columns) as rows:
                 await score_chunks(engine, rows, batch_size, run.verifiers, run.add)
             run.seconds = perf_counter() - started
-            for measured in run.measured.values():
-                if measured.plugin_environment is not None:
-                    measured.hint = process_hint(engine, measured.plugin_environment)
+            for key, environment in run.plugin_environments.items():
+                run.hints[key] = process_hint(engine, environment)
             runs.append(run)
     return runs
 
@@ -109,39 +93,34 @@ def _ms(seconds: float) -> float | None:
 def _verifier(key: str, runs: list[BenchRun]) -> dict[str, Any]:
     """One verifier's figures: per run (items, rate, active span) and pooled over the runs (the rest)."""
     totals = [run.verifiers[key] for run in runs if key in run.verifiers]
-    measured = [run.measured[key] for run in runs if key in run.measured]
     first = totals[0]
-    counts: Counter[int] = Counter()
+    pooled = VerifierTotals(first.kind, first.ref)
     for t in totals:
-        counts.update(t.latency.counts)
-    steady = LatencyHistogram(counts)
-    startup = [seconds for m in measured for seconds in m.startup]
-    waited, busy = sum(t.waited for t in totals), sum(t.busy for t in totals)
-    spent: Counter[str] = Counter()
-    for m in measured:
-        spent.update(m.spent)
-    items = sum(t.items for t in totals)
-    rates = [t.items / m.active if m.active else 0.0 for t, m in zip(totals, measured, strict=True)]
+        pooled.merge(t)
+    steady, waited, busy = pooled.latency, pooled.waited, pooled.busy
+    rates = [t.items / t.active if t.active else 0.0 for t in totals]
+    hint = [run.hints.get(key) for run in runs if key in run.verifiers][-1]  # as of its last run's end
     return {
         "kind": first.kind,
         "verifier": key if first.kind == "plugin" else first.ref,
         "items": first.items,
         "items_per_s": _spread(rates),
-        "active_s": _spread([m.active for m in measured]),
+        "active_s": _spread([t.active for t in totals]),
         "latency_ms": {f"p{q}": _ms(steady.percentile(q)) for q in (50, 95, 99)},
-        "startup": {"calls": len(startup), "seconds": sum(startup), "max_ms": max(startup) * 1e3 if startup else None},
+        "startup": {"calls": pooled.startup_calls, "seconds": pooled.startup_seconds,
+                    "max_ms": pooled.startup_longest * 1e3 if pooled.startup_calls else None},
         "histogram": [
             {"low_ms": low * 1e3, "high_ms": high * 1e3, "items": count}
             for low, high, count in steady.coarse(HISTOGRAM_PER_DOUBLING)
         ],
-        "peak_in_flight": max(t.peak_in_flight for t in totals),
-        "retries": sum(t.retries for t in totals),
+        "peak_in_flight": pooled.peak_in_flight,
+        "retries": pooled.retries,
         "waiting_s": waited,
         "in_verifier_s": busy,
         "waiting_share": waited / (waited + busy) if waited + busy else 0.0,
-        "mean_reward": sum(t.reward_sum for t in totals) / items if items else math.nan,
-        "judge_usage": dict(spent),
-        "process_hint": measured[-1].hint.as_dict() if measured and measured[-1].hint is not None else None,
+        "mean_reward": pooled.mean_reward,
+        "judge_usage": dict(pooled.spent),
+        "process_hint": hint.as_dict() if hint is not None else None,
     }
 
 
@@ -155,8 +134,8 @@ def summarise(runs: list[BenchRun]) -> dict[str, Any]:
     rates = [run.items / run.seconds for run in runs]
     usage: Counter[str] = Counter()
     for run in runs:
-        for measured in run.measured.values():
-            usage.update(measured.spent)
+        for totals in run.verifiers.values():
+            usage.update(totals.spent)
     return {
         "runs": len(runs),
         "items": runs[0].items,

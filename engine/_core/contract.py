@@ -25,7 +25,6 @@ __all__ = [
     "MAX_INDEX",
     "AsyncVerifyFn",
     "BadItem",
-    "BadReward",
     "ChunkedVerifier",
     "HintingVerifier",
     "Items",
@@ -281,16 +280,12 @@ def task_of(index: int, item: Mapping[str, Any]) -> tuple[Mapping[str, Any], Any
 
 
 class BadItem(Failure):
-    """The item at ``position`` of a chunk cannot be scored: ``reason`` says why (the verifier's failure)."""
+    """The item at ``position`` of a chunk cannot be scored, or its value is not a reward: ``reason`` says why."""
 
     def __init__(self, position: int, reason: str) -> None:
         super().__init__(reason)
         self.position = position
         self.args = (position, reason)  # what unpickling calls the class with
-
-
-class BadReward(BadItem):
-    """The value at ``position`` of a chunk's results is not a reward; ``reason`` says why."""
 
 
 # Values of these types cannot change: a call is handed them as they are.
@@ -342,7 +337,7 @@ _PLAIN = frozenset({float, int, bool})  # what C converts exactly, running none 
 
 
 def as_rewards(values: Sequence[Any], before: Callable[[int], None] | None = None) -> list[float]:
-    """``values`` as rewards (:func:`check_reward` on each); :class:`BadReward` at the first that is not one.
+    """``values`` as rewards (:func:`check_reward` on each); :class:`BadItem` at the first that is not one.
 
     Fast when every value is a plain float, int or bool, which is what a chunk of calls returns:
     two passes in C (their types, then a sum that is finite only if every value is), and a third
@@ -369,12 +364,12 @@ def as_rewards(values: Sequence[Any], before: Callable[[int], None] | None = Non
         try:
             rewards.append(check_reward(value))
         except (TypeError, ValueError) as exc:
-            raise BadReward(position, str(exc)) from None
+            raise BadItem(position, str(exc)) from None
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # the value's own code raised while it was checked
             shown = a_or_an(_type_name(value))
-            raise BadReward(position, f"returned {shown}, whose checking raised {_shown(exc)}") from exc
+            raise BadItem(position, f"returned {shown}, whose checking raised {_shown(exc)}") from exc
     return rewards
 
 

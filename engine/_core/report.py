@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
+import operator
 import re
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine._errors import VerificationError
 
 __all__ = [
     "LATENCY_SAMPLE",
@@ -18,7 +25,7 @@ __all__ = [
     "percentile",
 ]
 
-LATENCY_SAMPLE = 4096  # latencies a running histogram takes from one report (VerifierReport.latency_sample)
+LATENCY_SAMPLE = 4096  # latencies the figures take from one report (VerifierReport.latency_sample)
 
 
 def percentile(values: Sequence[float], q: float, weights: Sequence[int] | None = None) -> float:
@@ -81,18 +88,19 @@ class VerifierReport:
         return percentile(self.latencies, q, self.latency_items or None)
 
     def latency_sample(self) -> tuple[Sequence[float], Sequence[int]]:
-        """The latencies thinned to at most ``LATENCY_SAMPLE`` evenly spread entries, each with the items it
-        stands for: what a running histogram adds per batch (``Engine.stats``, ``engine serve``'s metrics).
-
-        Adding every latency of a 200,000-call batch held the event loop ~100 ms at the batch's end;
-        a stride sample of 4,096 puts a percentile within a few tenths of a percent of its rank. The
-        weights add up to about the items, not exactly: read counts from ``items``, not from them.
+        """The latencies thinned to at most ``LATENCY_SAMPLE`` evenly spread entries, each with the items of the
+        stride of calls it was picked from: what :class:`VerifierTotals` adds per report (docs/design.md, "Figures").
         """
-        latencies, weights = self.latencies, self.latency_items or [1] * len(self.latencies)
+        latencies, weights = self.latencies, self.latency_items
         stride = -(-len(latencies) // LATENCY_SAMPLE)
         if stride <= 1:
-            return latencies, weights
-        return latencies[::stride], [weight * stride for weight in weights[::stride]]
+            return latencies, weights or [1] * len(latencies)
+        if not weights:  # one item each: a stride's count, the last one's what is left
+            counts = [stride] * -(-len(latencies) // stride)
+            counts[-1] = len(latencies) - stride * (len(counts) - 1)
+        else:
+            counts = [sum(weights[start : start + stride]) for start in range(0, len(weights), stride)]
+        return latencies[::stride], counts
 
 
 @dataclass
@@ -113,25 +121,46 @@ class BatchResult:
 class LatencyHistogram:
     """Latencies in log-spaced buckets: constant memory however many calls, percentiles within ~2%.
 
-    A backfill over millions of rows cannot keep every latency (its memory must stay flat), so the
-    run's summary percentiles come from here. Bucket ``k`` holds latencies in
+    The one histogram of the engine's figures (docs/design.md, "Figures"). Bucket ``k`` holds latencies in
     ``[2**(k/16), 2**((k+1)/16))`` microseconds; a percentile is reported as its bucket's midpoint.
+    ``seconds`` is the latencies' sum, each times the items it stands for.
     """
 
     STEPS = 16  # buckets per doubling: each spans 4.4%, so the midpoint is within 2.2%
 
-    def __init__(self, counts: Mapping[int, int] | None = None) -> None:
+    def __init__(self, counts: Mapping[int, int] | None = None, seconds: float = 0.0) -> None:
         self.counts: dict[int, int] = dict(counts or {})
+        self.seconds = seconds
 
     def add(self, seconds: float, items: int = 1) -> None:
-        micros = max(seconds * 1e6, 1.0)
-        bucket = int(math.log2(micros) * self.STEPS)
-        self.counts[bucket] = self.counts.get(bucket, 0) + items
+        self.extend((seconds,), (items,))
 
     def extend(self, latencies: Sequence[float], items: Sequence[int] | None = None) -> None:
         """Add each latency, standing for ``items[i]`` items (one each when omitted)."""
-        for seconds, count in zip(latencies, items or [1] * len(latencies), strict=True):
-            self.add(seconds, count)
+        weights = items or [1] * len(latencies)
+        counts, steps, log2 = self.counts, self.STEPS, math.log2  # a report's sample is 4,096 of them: no calls
+        for seconds, count in zip(latencies, weights, strict=True):
+            bucket = int(log2(max(seconds * 1e6, 1.0)) * steps)
+            counts[bucket] = counts.get(bucket, 0) + count
+        self.seconds += math.fsum(map(operator.mul, latencies, weights))
+
+    def merge(self, other: LatencyHistogram) -> None:
+        """Add another histogram's latencies."""
+        counts = self.counts
+        for bucket, count in other.counts.items():
+            counts[bucket] = counts.get(bucket, 0) + count
+        self.seconds += other.seconds
+
+    def _midpoint(self, bucket: int) -> float:
+        return float(2 ** ((bucket + 0.5) / self.STEPS) / 1e6)
+
+    def at_most(self, bounds: Sequence[float]) -> list[int]:
+        """For each of the ascending ``bounds`` (seconds), the items at or under it, then all of them: a
+        Prometheus histogram's cumulative buckets (each bucket of this one goes by its midpoint)."""
+        under = [0] * (len(bounds) + 1)
+        for bucket, count in self.counts.items():
+            under[bisect.bisect_left(bounds, self._midpoint(bucket))] += count
+        return list(itertools.accumulate(under))
 
     def coarse(self, per_doubling: int = 1) -> list[tuple[float, float, int]]:
         """The histogram in ``per_doubling`` buckets per doubling (a divisor of ``STEPS``), to be shown:
@@ -160,13 +189,20 @@ class LatencyHistogram:
         for bucket in sorted(self.counts):
             seen += self.counts[bucket]
             if seen >= rank:
-                return float(2 ** ((bucket + 0.5) / self.STEPS) / 1e6)
+                return self._midpoint(bucket)
         raise AssertionError("unreachable: the ranks add up to the total")
 
 
 @dataclass
 class VerifierTotals:
-    """One verifier's figures added up over many batches (a backfill, a benchmark), in constant memory."""
+    """One verifier's figures added up over its reports and the errors of the batches it failed, in constant
+    memory: the one accumulator of figures (docs/design.md, "Figures"), which a backfill's summary, ``engine
+    bench``, ``Engine.stats`` and ``engine serve``'s ``/metrics`` each read.
+
+    ``peak_in_flight`` is the most of any report, ``latest_peak_in_flight`` its latest report's; the start-up
+    figures are over the calls that started the verifier up; ``errors`` counts failed batches by error type,
+    ``timeouts`` those that ran out of time.
+    """
 
     kind: str
     ref: str
@@ -177,33 +213,62 @@ class VerifierTotals:
     busy: float = 0.0
     peak_in_flight: int = 0
     latency: LatencyHistogram = field(default_factory=LatencyHistogram)
+    active: float = 0.0
+    latest_peak_in_flight: int = 0
+    startup_calls: int = 0
+    startup_seconds: float = 0.0
+    startup_longest: float = 0.0
+    spent: Counter[str] = field(default_factory=Counter)
+    errors: Counter[str] = field(default_factory=Counter)
+    timeouts: int = 0
 
     @property
     def mean_reward(self) -> float:
         return self.reward_sum / self.items if self.items else math.nan
 
     def add(self, report: VerifierReport) -> None:
+        """Add a batch's report (its latencies thinned: :meth:`VerifierReport.latency_sample`)."""
         self.items += report.items
         self.reward_sum += report.reward_sum
         self.retries += report.retries
         self.waited += report.waited
         self.busy += report.busy
+        self.active += report.active
         self.peak_in_flight = max(self.peak_in_flight, report.peak_in_flight)
-        self.latency.extend(report.latencies, report.latency_items or None)
+        self.latest_peak_in_flight = report.peak_in_flight
+        if report.startup:
+            self.startup_calls += len(report.startup)
+            self.startup_seconds += sum(report.startup)
+            self.startup_longest = max(self.startup_longest, *report.startup)
+        self.spent.update(report.spent)
+        self.latency.extend(*report.latency_sample())
+
+    def failed(self, error: VerificationError) -> None:
+        """Count a batch that ``error``, naming this verifier, aborted (its items gave no rewards: none counted)."""
+        self.errors[type(error).__name__] += 1
+        if error.timed_out:
+            self.timeouts += 1
 
     def merge(self, other: VerifierTotals) -> None:
-        """Add another run's totals of the same verifier (a Ray actor's, a block's)."""
+        """Add another run's totals of the same verifier (a Ray actor's, a block's, a benchmark's run)."""
         self.items += other.items
         self.reward_sum += other.reward_sum
         self.retries += other.retries
         self.waited += other.waited
         self.busy += other.busy
+        self.active += other.active
         self.peak_in_flight = max(self.peak_in_flight, other.peak_in_flight)
-        counts = self.latency.counts
-        for bucket, count in other.latency.counts.items():
-            counts[bucket] = counts.get(bucket, 0) + count
+        self.latest_peak_in_flight = other.latest_peak_in_flight
+        self.startup_calls += other.startup_calls
+        self.startup_seconds += other.startup_seconds
+        self.startup_longest = max(self.startup_longest, other.startup_longest)
+        self.spent.update(other.spent)
+        self.errors.update(other.errors)
+        self.timeouts += other.timeouts
+        self.latency.merge(other.latency)
 
     def to_json(self) -> dict[str, Any]:
+        """The figures a backfill's state keeps (and a Ray actor sends): what its summary shows."""
         return {
             "kind": self.kind,
             "ref": self.ref,
@@ -251,7 +316,7 @@ _BUCKET = re.compile(r"-?[0-9]{1,6}")
 
 
 def add_reports(totals: dict[str, VerifierTotals], result: BatchResult) -> None:
-    """Add a batch's verifier reports into ``totals``, keyed by verifier key."""
+    """Add a batch's verifier reports into ``totals``, keyed by verifier key (``VerifierReport.key``)."""
     for report in result.verifiers:
         total = totals.get(report.key)
         if total is None:

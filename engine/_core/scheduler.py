@@ -44,7 +44,7 @@ from engine._core.contract import Items, MalformedItem, Verifier, check_item, is
 from engine._core.meters import Meter, ledger, loop_calls
 from engine._core.report import BatchResult, VerifierReport
 from engine._errors import ConfigError, Failure, VerificationError
-from engine._reasons import describe
+from engine._reasons import describe, is_timeout
 
 __all__ = ["Resolve", "score_batch", "total"]
 
@@ -136,11 +136,18 @@ def _failed(verifier: Verifier, exc: Exception, index: int, item: Mapping[str, A
     A verifier raises :class:`Failure` (its reason in words) or anything else (described by
     ``engine._reasons``); it never knows where its item sits in the batch, and the scheduler does.
     """
-    reason = exc.reason if isinstance(exc, Failure) else describe(exc)
     error = VerificationError(
-        verifier.kind, verifier.ref, reason, environment=item["environment"], index=index, item_id=item.get("id")
+        verifier.kind,
+        verifier.ref,
+        describe(exc),  # a Failure's own reason
+        key=verifier.key,
+        environment=item["environment"],
+        index=index,
+        item_id=item.get("id"),
+        timed_out=is_timeout(exc),
+        cannot_load=isinstance(exc, Failure) and exc.of_environment,
     )
-    if isinstance(exc, Failure) and exc.of_environment:
+    if error.cannot_load:
         error.add_note(
             f"environment {item['environment']!r} cannot load its verifier, so none of its items can be scored; "
             "the error names the first of them in the batch"

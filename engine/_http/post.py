@@ -17,9 +17,9 @@ import tenacity
 from engine._errors import Failure
 from engine._http.retry import RETRY_STATUSES, Scrub, Sleep, TransientStatus, is_transient, last_failure, make_retrying
 from engine._http.transport import MAX_BODY, TOTAL_TIMEOUT, PoolTransport, ResponseTooLarge
-from engine._reasons import describe
+from engine._reasons import describe, is_timeout
 
-__all__ = ["BACKSTOP", "Bounds", "CallTimeout", "Post", "PostFailed", "check_size", "read_capped"]
+__all__ = ["BACKSTOP", "Bounds", "CallTimeout", "Post", "check_size", "read_capped"]
 
 # seconds after a call's deadline when this module's own timer cuts it, for a transport that may not
 # keep deadlines itself (one that does fails the phase that overran first, a moment earlier)
@@ -54,12 +54,11 @@ class CallTimeout(httpx.TimeoutException):
         super().__init__(self.reason, request=request)
 
 
-class PostFailed(Failure):
-    """A POST that failed for good: its retries spent, or a failure no retry would mend.
-
-    ``reason`` says why in words (``engine._reasons.describe``); ``__cause__`` is the last try's own
-    error (a ``ConnectError``, a ``TransientStatus``), never tenacity's wrapper of it.
-    """
+def _failed(exc: BaseException) -> Failure:
+    """A POST that failed for good (its retries spent, or a failure no retry would mend), in words, and whether it
+    ran out of time; raised ``from`` the last try's own error (a ``ConnectError``, a ``TransientStatus``), never
+    tenacity's wrapper of it."""
+    return Failure(describe(exc), timed_out=is_timeout(exc))
 
 
 def check_size(response: httpx.Response, limit: int) -> None:
@@ -153,7 +152,7 @@ class Post:
     async def __call__(
         self, body: bytes, headers: Mapping[str, str], scrub: Scrub | None = None, before: Before | None = None
     ) -> httpx.Response:
-        """The response to ``body``, with any status but a transient one; raises ``PostFailed``.
+        """The response to ``body``, with any status but a transient one; raises ``Failure`` (see :func:`_failed`).
 
         ``scrub`` cleans the excerpt of a transient answer's body that a reason quotes; ``before``,
         if given, is awaited before each try (to count it, or wait for a rate limit).
@@ -166,7 +165,7 @@ class Post:
         except Exception as exc:
             if not is_transient(exc):
                 if isinstance(exc, httpx.HTTPError):
-                    raise PostFailed(describe(exc)) from exc
+                    raise _failed(exc) from exc
                 raise
             first = exc
         return await self._retry(body, headers, scrub, before, first, started)
@@ -197,9 +196,9 @@ class Post:
                         await before(number)
                     response = await self._try(body, headers, scrub)
         except tenacity.RetryError as exc:
-            raise PostFailed(describe(exc)) from last_failure(exc)
+            raise _failed(exc) from last_failure(exc)
         except httpx.HTTPError as exc:  # a failure no retry mends, on a later try
-            raise PostFailed(describe(exc)) from exc
+            raise _failed(exc) from exc
         return response
 
     async def _try(self, body: bytes, headers: Mapping[str, str], scrub: Scrub | None) -> httpx.Response:

@@ -60,27 +60,16 @@ def absolute(config: EngineConfig) -> EngineConfig:
                    ca_bundle=bundle)
 
 
-def _rebuild(cls: type[EngineError], args: tuple[Any, ...], state: dict[str, Any]) -> Carried:
-    error = cls.__new__(cls)
-    error.args = args
-    error.__dict__.update(state)
-    return Carried(error)
-
-
 class Carried(Exception):
-    """One of the engine's errors on its way from an actor to the driver, whole (attributes, notes).
-
-    Ray pickles an actor's exception; an ``InputError`` cannot be rebuilt from its ``args`` alone,
-    so this carries any :class:`EngineError` by its class, args and attributes.
-    """
+    """One of the engine's errors on its way from an actor to the driver, whole (an ``EngineError`` pickles
+    with its fields and notes), as a type Ray does not retry."""
 
     def __init__(self, error: EngineError) -> None:
         super().__init__(str(error))
         self.error = error
 
     def __reduce__(self) -> tuple[Any, ...]:
-        error = self.error
-        return _rebuild, (type(error), error.args, dict(error.__dict__))
+        return Carried, (self.error,)
 
 
 def _rows_of(path: Path, block: Block, json_columns: Collection[str]) -> tuple[RowDecoder, list[Row]]:

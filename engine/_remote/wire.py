@@ -197,11 +197,13 @@ def encode_error(exc: BaseException, *, kind: str | None = None, message: str | 
 
     ``kind`` overrides the type (a service's own refusals: ``Unauthorized``, ``TooLarge``, ...).
     """
-    fields: dict[str, Any] = {"type": kind or _type_of(exc), "kind": None, "ref": None, "environment": None,
-                              "index": None, "item_id": None, "message": message or str(exc)}
+    fields: dict[str, Any] = {"type": kind or _type_of(exc), "kind": None, "ref": None, "key": None,
+                              "environment": None, "index": None, "item_id": None, "timed_out": False,
+                              "cannot_load": False, "message": message or str(exc)}
     if isinstance(exc, VerificationError):
-        fields.update(kind=exc.kind, ref=exc.ref, environment=exc.environment, index=exc.index,
-                      item_id=exc.item_id, message=exc.reason)
+        fields.update(kind=exc.kind, ref=exc.ref, key=exc.key, environment=exc.environment, index=exc.index,
+                      item_id=exc.item_id, timed_out=exc.timed_out, cannot_load=exc.cannot_load,
+                      message=exc.reason)
     return {"error": fields}
 
 
@@ -219,19 +221,48 @@ def decode_error(status: int, body: bytes, url: str) -> Exception:
         kind, message = error["type"], error["message"]
         if not isinstance(kind, str) or not isinstance(message, str):
             raise TypeError("not an error")
-        where = {name: error.get(name) for name in ("environment", "index", "item_id")}
-        if kind == "VerificationError":
-            return VerificationError(_text(error, "kind"), _text(error, "ref"), message, **where)
-        if kind == "RubricError":
-            return RubricError(_text(error, "ref"), message, **where)
+        if kind in ("VerificationError", "RubricError"):
+            ref = _text(error, "ref")
+            fields = _verification_fields(error)
+            if kind == "RubricError":
+                return RubricError(ref, message, **fields)
+            return VerificationError(_text(error, "kind"), ref, message, **fields)
     except (json.JSONDecodeError, KeyError, TypeError):
         shown = excerpt(body) or "(empty body)"
         return ServiceError(f"the scoring service at {url} answered HTTP {status}: {shown!r}", status=status)
+    except _Malformed as exc:
+        return ServiceError(f"the scoring service at {url} answered HTTP {status} with a {kind} whose {exc}",
+                            status=status)
     if kind == "ValueError":
         return ValueError(message)
     if kind == "TypeError":
         return TypeError(message)
     return ServiceError(f"the scoring service at {url} answered HTTP {status}: {kind}: {message}", status=status)
+
+
+# a verification error's fields an answer may leave out (an older service's), each with the types it must be of if
+# given (bool is not int: an index of true is refused)
+_ERROR_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "key": ((str,), "a string"),
+    "environment": ((str, type(None)), "a string or null"),
+    "index": ((int, type(None)), "a whole number >= 0 or null"),
+    "timed_out": ((bool,), "true or false"),
+    "cannot_load": ((bool,), "true or false"),
+}
+
+
+def _verification_fields(error: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a verification error an answer gives besides its kind, ref and message, each checked
+    (``_Malformed`` naming one of the wrong type: a peer's word is not taken for a field it cannot be)."""
+    fields: dict[str, Any] = {"item_id": error.get("item_id")}  # any JSON value: the item's own id
+    for name, (types, what) in _ERROR_FIELDS.items():
+        if name not in error:
+            continue
+        value = error[name]
+        if type(value) not in types or (name == "index" and value is not None and value < 0):
+            raise _Malformed(f"{name} is {_shown(value)}, not {what}")
+        fields[name] = value
+    return fields
 
 
 def _text(error: dict[str, Any], name: str) -> str:

@@ -12,7 +12,6 @@ from typing import Any, Protocol
 from engine._core.batcher import Batcher
 from engine._core.report import BatchResult, VerifierReport
 from engine._core.scheduler import total
-from engine._core.stats import error_key, timed_out
 from engine._errors import VerificationError
 from engine._serve.limits import GATHER_CALL, GATHER_ITEMS, MAX_GATHERED
 
@@ -142,8 +141,8 @@ class Gatherer:
         self._slow_if_timed_out(exc)
 
     def _slow_if_timed_out(self, exc: VerificationError) -> None:
-        if exc.kind == "plugin" and timed_out(exc):
-            self._costs[error_key(exc)] = SLOW
+        if exc.kind == "plugin" and exc.timed_out:
+            self._costs[exc.key] = SLOW
 
     async def run(self, items: list[Any], first_index: int, receive: Receive) -> BatchResult:
         """``items``' result, scored in a gathered batch; ``Gone`` if the client hung up meanwhile."""
@@ -245,7 +244,7 @@ class Gatherer:
         if place is None or exc.environment is None or not 0 <= place < starts[-1] + len(requests[-1].items):
             await self._alone(requests)  # the error names no item of the batch: each request learns its own
             return
-        if timed_out(exc):  # its time was not its item's alone: a chunk of cheap calls holds others' items too
+        if exc.timed_out:  # its time was not its item's alone: a chunk of cheap calls holds others' items too
             self._slow_if_timed_out(exc)  # uncounted (no request fails), but its plugin is gathered no more
             await self._alone(requests)
             return

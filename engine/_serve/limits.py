@@ -6,10 +6,11 @@ Refused for good (413) or for now (503 and ``Retry-After``): docs/design.md, The
 from __future__ import annotations
 
 import ipaddress
-import math
 import resource
 from dataclasses import dataclass
 
+from engine._config import COUNT, SECONDS, Number
+from engine._errors import ConfigError
 from engine._http.headers import token_problem
 
 __all__ = [
@@ -58,9 +59,25 @@ def is_loopback(host: str) -> bool:
         return False  # a host name: it may resolve anywhere
 
 
+# each number of a ServeConfig, and what it must be
+_NUMBERS = {
+    "port": Number(whole=True, least=0, most=65535),
+    "max_items": COUNT,
+    "max_bytes": COUNT,
+    "max_queued": COUNT,
+    "retry_after": COUNT,
+    "gather_items": Number(whole=True, least=0, most=MAX_GATHERED),
+    "graceful_timeout": Number(whole=False, least=0),
+    "head_timeout": SECONDS,
+    "body_timeout": SECONDS,
+    "keep_alive": COUNT,
+    "max_connections": Number(whole=True, least=1, optional=True),
+}
+
+
 @dataclass(frozen=True)
 class ServeConfig:
-    """The service's settings: validated on construction (``ValueError`` saying which and why)."""
+    """The service's settings: validated on construction (``ConfigError`` naming the setting and saying why)."""
 
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
@@ -79,33 +96,18 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         if not is_loopback(self.host) and not self.token:
-            raise ValueError(
+            raise ConfigError(
                 f"refusing to serve on {self.host}, which is not a loopback address, without a token: "
-                "pass --token-env NAME (the token is read from that variable) or bind 127.0.0.1"
+                "pass --token-env NAME (the token is read from that variable) or bind 127.0.0.1",
+                key="host",
             )
         if self.token is not None and (problem := token_problem(self.token)):
-            raise ValueError(f"the token {problem}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be 0..65535, got {self.port}")
-        for name in ("max_items", "max_bytes", "max_queued", "retry_after"):
-            value = getattr(self, name)
-            if type(value) is not int or value < 1:
-                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+            raise ConfigError(f"the token {problem}", key="token")
+        for name, rule in _NUMBERS.items():
+            object.__setattr__(self, name, rule.check(getattr(self, name), name))
         if self.max_items > self.max_queued:
-            raise ValueError(f"max_items ({self.max_items}) must not exceed max_queued ({self.max_queued}): "
-                             "a batch that large could never be admitted")
-        if type(self.gather_items) is not int or not 0 <= self.gather_items <= MAX_GATHERED:
-            raise ValueError(f"gather_items must be a whole number from 0 to {MAX_GATHERED}, got {self.gather_items!r}")
-        if not self.graceful_timeout >= 0:
-            raise ValueError(f"graceful_timeout must be >= 0 seconds, got {self.graceful_timeout!r}")
-        for name in ("head_timeout", "body_timeout"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
-        if type(self.keep_alive) is not int or self.keep_alive < 1:
-            raise ValueError(f"keep_alive must be a whole number of seconds >= 1, got {self.keep_alive!r}")
-        if self.max_connections is not None and (type(self.max_connections) is not int or self.max_connections < 1):
-            raise ValueError(f"max_connections must be a whole number >= 1, got {self.max_connections!r}")
+            raise ConfigError(f"must not exceed max_queued ({self.max_queued}), got {self.max_items}: a batch that "
+                              "large could never be admitted", key="max_items")
 
     def connections(self) -> int:
         """The connections the service keeps open at most: ``max_connections``, within the open-file limit."""

@@ -20,7 +20,7 @@ from engine._http.headers import fill_headers
 from engine._http.network import credentials_refusal, shown_url, url_problem, without_credentials
 from engine._http.post import Post
 from engine._http.retry import Scrub, Sleep
-from engine._reasons import Scrubber, describe, excerpt
+from engine._reasons import Scrubber, describe, excerpt, is_timeout
 from engine._verifiers._json import Words, number_field
 
 __all__ = ["EndpointVerifier", "encode_item", "parse_reward"]
@@ -131,7 +131,7 @@ class EndpointVerifier:
         return {**HEADERS, **extra}, Scrubber(secrets)
 
     async def _call(self, body: bytes, headers: Mapping[str, str], scrub: Scrub | None) -> float:
-        response = await self._post(body, headers, scrub)  # a PostFailed is this call's Failure, its cause chained
+        response = await self._post(body, headers, scrub)  # its Failure is this call's, its cause chained
         try:
             return parse_reward(response, scrub)
         except (TypeError, ValueError) as exc:
@@ -150,4 +150,4 @@ class EndpointVerifier:
         except Exception as exc:
             # Keep no cause: its chain holds the request, with the headers, and unscrubbed bodies.
             reason = exc.reason if isinstance(exc, Failure) else describe(exc)
-            raise Failure(scrub(reason)) from None
+            raise Failure(scrub(reason), timed_out=is_timeout(exc)) from None

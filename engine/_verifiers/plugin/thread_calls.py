@@ -28,7 +28,7 @@ def timed(fn: Callable[..., Any], task: Mapping[str, Any], trajectory: Any) -> t
 
     The value becomes a reward here, in the call's thread and within its timeout, as a chunk's do:
     its ``__float__`` is the plugin's code, which must not run on the event loop. A value that is
-    not a reward raises :class:`BadReward`.
+    not a reward raises :class:`BadItem`.
     """
     started, cpu = perf_counter(), thread_time()
     reward = as_rewards([fn(task, trajectory)])[0]

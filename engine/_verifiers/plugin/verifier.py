@@ -80,9 +80,9 @@ class PluginVerifier:
     @staticmethod
     def _failure(fault: CallFailed) -> Failure:
         """The ``Failure`` the scheduler sees for ``fault``: every failure of a plugin is made here."""
-        failure = Failure(fault.reason, position=fault.position)
-        failure.of_environment = fault.of_environment
-        return failure
+        return Failure(
+            fault.reason, position=fault.position, timed_out=fault.timed_out, of_environment=fault.of_environment
+        )
 
     def _check_digest(self) -> Snapshot:
         """The environment's snapshot, once its digest matches the pin: what is imported, and only that.

@@ -19,7 +19,7 @@ from engine._config import JudgeConfig
 from engine._core.meters import Meter, held, waiting
 from engine._errors import Failure
 from engine._http.headers import fill_headers
-from engine._http.post import Post, PostFailed
+from engine._http.post import Post
 from engine._http.retry import RETRY_STATUSES, Sleep
 from engine._reasons import Scrubber, excerpt
 from engine._verifiers.rubric.prompt import build_messages, parse_score, reply_content
@@ -135,10 +135,10 @@ class Judge:
         try:
             async with held(self._meter.slots):  # queued behind the judge's max_concurrency: waiting
                 response = await self._post(body, headers, scrub, functools.partial(self._count, account))
-        except PostFailed as exc:
+        except Failure as exc:  # the POST's
             reason = f"judge request failed: {exc.reason}"
             # the cause is what really failed (the last try's error), not tenacity's wrapper of it
-            raise Failure(reason if scrub is None else scrub(reason)) from exc.__cause__
+            raise Failure(reason if scrub is None else scrub(reason), timed_out=exc.timed_out) from exc.__cause__
         # every message below quotes the reply: without the key in it, if it echoed the key
         content = response.content if scrub is None else scrub.body(response.content)
         if not response.is_success:

@@ -110,26 +110,29 @@ class RubricRegistry:
         if match is None:
             raise ValueError(f"rubric ref {ref!r} must be 'owner/name' or 'owner/name@N'")
         owner, name = match["owner"], match["name"]
+        key = f"{owner}/{name}"  # its limits' and reports' name: every version's
         directory = self.root / owner / name
         versions = self._versions(directory)
         if not versions:
-            raise RubricError(ref, f"no rubric {owner}/{name}: no version files (1.md, 2.md, ...) in {directory}")
+            raise RubricError(
+                ref, f"no rubric {owner}/{name}: no version files (1.md, 2.md, ...) in {directory}", key=key
+            )
         if match["version"] is None:
             version = versions[-1]
         else:
             version = int(match["version"])
             if version not in versions:
                 shown = ", ".join(map(str, versions))
-                raise RubricError(ref, f"rubric {owner}/{name} has no version {version} (it has {shown})")
+                raise RubricError(ref, f"rubric {owner}/{name} has no version {version} (it has {shown})", key=key)
         path = directory / f"{version}.md"
         try:
             data = path.read_bytes()
         except OSError as exc:
-            raise RubricError(ref, f"cannot read {path}: {exc}") from exc
+            raise RubricError(ref, f"cannot read {path}: {exc}", key=key) from exc
         try:
             text, scale = parse_rubric(data)
         except ValueError as exc:
-            raise RubricError(ref, f"{path}: {exc}") from None
+            raise RubricError(ref, f"{path}: {exc}", key=key) from None
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
         return Rubric(owner=owner, name=name, version=version, text=text, digest=digest, path=path, scale=scale)
 
