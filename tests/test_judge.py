@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -446,10 +447,11 @@ async def test_the_rate_limit_holds_on_the_server_side(
     server = serve()
     judge = make_judge(server, client, max_rate=rate, max_concurrency=count)
     rubric = registry.resolve(f"{ARITH}@1")
+    since = time.monotonic()
     async with anyio.create_task_group() as tg:
         for _ in range(count):
             tg.start_soon(judge.grade, rubric, TASK, "42")
-    assert_rate_held(server, count, rate)
+    assert_rate_held(server, count, rate, since)
 
 
 # --- configuration -------------------------------------------------------------------------------
