@@ -327,7 +327,11 @@ async def test_many_one_item_requests_get_their_own_rewards_and_were_gathered(se
         assert result.verifier_of == [0]
         assert [(report.items, report.reward_sum) for report in result.verifiers] == [(1, expected(items[n]))]
     after = gathered(service)
-    assert after[0] - before[0] == count  # every request could be gathered
+    # Requests are gathered while their plugin is measured cheap, which a stall of a loaded machine may undo for
+    # a few (scored alone, they measure it again): so, shared batches, and no more gathered than sent. That
+    # every one of them could be, the gatherer's rule says (test_one_item_requests_measured_cheap_are_all_taken).
+    assert shared(before, after), (before, after)
+    assert after[0] - before[0] <= count
     assert shared(before, after), (before, after)  # and some were
 
 
@@ -729,6 +733,15 @@ async def measured_gatherer(tmp_path: Path, item: dict[str, Any]) -> AsyncIterat
             gatherer.scored(await eng.run([item]))
         assert gatherer.takes([item], 0), gatherer.costs
         yield gatherer
+
+
+async def test_one_item_requests_measured_cheap_are_all_taken(tmp_path: Path) -> None:
+    """One-item requests each with its own ``first_index`` and item id may all be gathered, once their plugin is
+    measured cheap; an item of a plugin not measured yet, or a ``first_index`` the engine would refuse, may not."""
+    async with measured_gatherer(tmp_path, echo(1)) as gatherer:
+        assert all(gatherer.takes([echo(n, item_id=f"i{n}")], n) for n in range(200))
+        assert not gatherer.takes([echo(1, "echo2")], 0)
+        assert not gatherer.takes([echo(1)], -1)
 
 
 async def never_hangs_up() -> dict[str, Any]:
