@@ -23,7 +23,8 @@ from polling import eventually
 
 import engine
 from engine import EngineConfig, Limits, VerificationError
-from engine._verifiers.plugin.pool import PIECE
+from engine._core.contract import BadItem, MalformedItem
+from engine._verifiers.plugin.pool import PIECE, WorkerFailure, encode
 from engine._verifiers.plugin.verifier import PluginVerifier
 
 SIZE = 20_000
@@ -282,18 +283,42 @@ async def test_a_process_plugins_items_are_read_off_the_event_loop(envs: Path) -
     assert threading.get_ident() not in readers  # and never on the loop's thread (this test's)
 
 
+def test_a_chunks_bad_items_are_named_by_their_place_in_the_chunk_not_in_its_piece() -> None:
+    """What a process chunk sends is built and pickled :data:`PIECE` items at a time: a failure in a later piece
+    names the item's place in the chunk (the chunk's size given here, so the places are exact)."""
+    items = [item("cheap", n=n) for n in range(3 * PIECE)]
+    count, pieces = encode(items, "cheap")
+    assert (count, len(pieces)) == (3 * PIECE, 3)
+    broken = [*items]
+    broken[PIECE + 1] = {**items[PIECE + 1], "task": Watched({"n": 0}, set(), broken=True)}
+    with pytest.raises(BadItem) as bad:
+        encode(broken, "cheap")
+    assert bad.value.position == PIECE + 1 and "cannot read the item's task" in bad.value.reason
+    broken = [*items]
+    broken[2 * PIECE + 2] = {key: value for key, value in items[2 * PIECE + 2].items() if key != "trajectory"}
+    with pytest.raises(MalformedItem) as malformed:
+        encode(broken, "cheap")
+    assert malformed.value.position == 2 * PIECE + 2
+    broken = [*items]
+    broken[2 * PIECE + 5] = item("cheap", n=0, lock=threading.Lock())
+    with pytest.raises(WorkerFailure) as unpicklable:
+        encode(broken, "cheap")
+    assert unpicklable.value.position == 2 * PIECE + 5 and "cannot pass the item" in unpicklable.value.reason
+
+
 async def test_a_process_chunks_bad_items_are_named_past_its_first_piece(envs: Path) -> None:
     """A chunk's pairs are built and pickled a piece at a time: a failure names the item, not its place in a piece.
 
-    The bad items stand past the first piece of the first chunk, as far as the chunk measured just before
-    reaches (its size is the machine's: a loaded one measures calls slower, and makes chunks smaller)."""
+    The bad items stand past the first piece, in the first chunk wherever the chunk measured just before
+    reaches that far (its size is the machine's: a loaded one measures calls slower, and makes chunks smaller;
+    the test above fixes the chunk, and the places in it)."""
     name = process_twin(envs, "cheap", workers=1)
     items = [item(name, f"answer {n}", item_id=f"row-{n}", n=n) for n in range(SIZE)]
     async with engine.Engine(EngineConfig(environments=envs, allow_unpinned=True)) as eng:
         await eng.score(items[:2_000])
         chunk = eng._verifier(name).chunk_size(SIZE)
         assert chunk > 1
-        task_at, trajectory_at, lock_at = (min(chunk - 1 - k, PIECE + 1 + k * 900) for k in range(3))
+        task_at, trajectory_at, lock_at = (PIECE + 1 + k * 900 for k in range(3))
         broken = [*items]
         broken[task_at] = {**items[task_at], "task": Watched({"n": task_at}, set(), broken=True)}
         with pytest.raises(VerificationError) as info:
