@@ -205,7 +205,8 @@ async def test_read_timeout_fails_and_is_not_retried(serve: Any, envs: Path, sle
 
     server = serve(hold)
     url = server.url + "/score"
-    config = EngineConfig(environments=envs, refs={url: Limits(timeout=0.2)})
+    # a second: the call connects and sends within it on a loaded machine, and so times out waiting for the response
+    config = EngineConfig(environments=envs, refs={url: Limits(timeout=1.0)})
     err = await fails(config, [item("remote", item_id="t")], sleeps)
     check(err, url, index=0, item_id="t", reason="timed out waiting for the response")
     assert len(server.requests) == 1

@@ -30,7 +30,7 @@ from typing import Any
 import anyio
 import orjson
 import pytest
-from polling import wait_until
+from polling import each_pass_until, started, wait_until
 from servers import Request, Response, Server
 from test_serve import Service, it, start_service, stop
 
@@ -755,9 +755,8 @@ async def test_requests_still_in_the_window_when_the_gatherer_closes_are_gone_an
     """``aclose`` (the service stopping) ends the window too: a request read but not yet in a batch is answered
     ``Gone``, and no batch starts after it (one would run on the engine being closed: "the engine is not open")."""
     async with measured_gatherer(tmp_path, echo(5)) as gatherer:
-        request = asyncio.ensure_future(gatherer.run([echo(5)], 0, never_hangs_up))
-        await asyncio.sleep(0)  # read: it waits in the window for more
-        assert not request.done()
+        (request,) = await started(gatherer.run([echo(5)], 0, never_hangs_up))  # read: in the window for more
+        assert not request.done() and gatherer.batches == 0
         await gatherer.aclose()
         with pytest.raises(Gone):
             await request
@@ -769,10 +768,10 @@ async def test_a_request_whose_batch_is_cancelled_before_it_begins_is_gone(tmp_p
     """A batch's task cancelled before its first step never runs its own ``finally``: its requests must still be
     answered (``Gone``), not left waiting forever."""
     async with measured_gatherer(tmp_path, echo(5)) as gatherer:
-        request = asyncio.ensure_future(gatherer.run([echo(5)], 0, never_hangs_up))
-        await asyncio.sleep(0)  # read: it waits in the window for more
-        await asyncio.sleep(0)  # the window's next pass brought none: its batch is made, and has not begun
-        assert gatherer.batches == 1 and not request.done()
+        (request,) = await started(gatherer.run([echo(5)], 0, never_hangs_up))  # read: in the window for more
+        # the window's next pass brought none: its batch is made, and has not begun (it begins a pass later)
+        await each_pass_until(lambda: gatherer.batches == 1, message="no batch was made")
+        assert not request.done()
         await gatherer.aclose()
         with pytest.raises(Gone):
             await asyncio.wait_for(request, 30)  # generous: it is answered at once, or never
