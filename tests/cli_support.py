@@ -44,7 +44,7 @@ ENVS = Path(__file__).resolve().parent / "envs"
 RUBRICS = Path(__file__).resolve().parent / "rubrics"
 PLUGIN_ENV = "backfill"  # tests/envs/backfill: the deterministic plugin these tests score with
 RUN_TIMEOUT = 30.0  # seconds for one engine command
-KNOBS = ("ENGINE_TEST_CALL_LOG", "ENGINE_TEST_SLEEP", "ENGINE_TEST_FIXED", "FINISH_STOP")
+KNOBS = ("ENGINE_TEST_CALL_LOG", "ENGINE_TEST_SLEEP", "ENGINE_TEST_FIXED", "ENGINE_TEST_HOLD", "FINISH_STOP")
 
 _packages = itertools.count()
 
