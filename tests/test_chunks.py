@@ -142,7 +142,7 @@ async def test_a_hanging_call_inside_a_chunk_times_out_naming_its_item(envs: Pat
     async with engine.Engine(config) as eng:
         await warm(eng)
         with pytest.raises(VerificationError) as info:
-            await eng.score(batch(at15000={"mode": "hang", "seconds": 3}))
+            await eng.score(batch(at15000={"mode": "hang", "seconds": 10}))  # far past the timeout, even stalled
     assert (info.value.index, info.value.reason) == (15000, f"timed out after {timeout:g} s")
 
 
@@ -473,7 +473,7 @@ async def test_a_chunk_hanging_on_the_kept_thread_holds_up_no_later_batch(envs: 
 async def test_a_chunk_in_line_behind_one_that_hangs_is_refused_once_that_one_is_abandoned(envs: Path) -> None:
     shutil.copytree(envs / "cheap", envs / "hanging")
     # a timeout of a second: its warm-up's first calls, one at a time in threads, overran half a second on a loaded
-    # machine (two suites at once); the hanging call outlasts it threefold
+    # machine (two suites at once); the hanging call outlasts it tenfold
     timeout = 1.0
     config = EngineConfig(
         environments=envs, allow_unpinned=True, refs={"hanging/verify:score": Limits(timeout=timeout, max_abandoned=0)}
@@ -491,7 +491,7 @@ async def test_a_chunk_in_line_behind_one_that_hangs_is_refused_once_that_one_is
                 outcomes[name] = exc
 
         async with anyio.create_task_group() as tg:
-            tg.start_soon(score, "hangs", [item("hanging", "x", n=0, mode="hang", seconds=3.0)])
+            tg.start_soon(score, "hangs", [item("hanging", "x", n=0, mode="hang", seconds=10.0)])
             await eventually(lambda: verifier._chunk_lock.value == 0, message="the hanging chunk never started")
             tg.start_soon(score, "in line", [item("hanging", n=n) for n in range(1, 50)])
     hangs, in_line = outcomes["hangs"], outcomes["in line"]
