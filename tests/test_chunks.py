@@ -434,20 +434,21 @@ async def test_a_chunk_that_waited_while_the_engine_closed_leaves_no_thread(envs
     await eventually(lambda: not chunk_threads(), message=f"threads left: {chunk_threads()}")
 
 
-async def test_a_chunk_hanging_on_the_kept_thread_holds_up_no_later_batch(envs: Path) -> None:
+async def test_a_chunk_hanging_on_the_kept_thread_holds_up_no_later_batch(envs: Path, tmp_path: Path) -> None:
     shutil.copytree(envs / "cheap", envs / "hanging")  # its threads' name is this test's alone
     key = "hanging/verify:score"
     # a timeout of a second (the warm-up's first calls, one at a time in threads, may overrun less under load); the
-    # hanging calls sleep until both have timed out and a third batch has been refused, and then some
+    # hanging calls hang until both have timed out and a third batch has been refused: then the test releases them
     timeout = 1.0
     config = EngineConfig(environments=envs, allow_unpinned=True, refs={key: Limits(timeout=timeout, max_abandoned=1)})
-    release = 5.0  # seconds the hanging calls sleep: well past two timeouts
+    release = tmp_path / "release"
 
     def chunk_threads() -> int:
         return sum(t.name == "engine-chunk-hanging" for t in threading.enumerate())
 
     def hanging() -> list[dict[str, Any]]:
-        return [item("hanging", "x", n=0, mode="hang", seconds=release), *[item("hanging", n=n) for n in range(1, 50)]]
+        hangs = item("hanging", "x", n=0, mode="hang", release=str(release), seconds=60)
+        return [hangs, *[item("hanging", n=n) for n in range(1, 50)]]
 
     expected = [(n % 7) / 7 for n in range(100)]
     async with engine.Engine(config) as eng:
@@ -464,8 +465,8 @@ async def test_a_chunk_hanging_on_the_kept_thread_holds_up_no_later_batch(envs: 
                 assert chunk_threads() == 2
         with pytest.raises(VerificationError, match=r"2 of its calls .* \(max_abandoned=1\)"):
             await eng.score([item("hanging", n=n) for n in range(100)])
-        await eventually(lambda: verifier._abandoned.count == 0, 2 * release,
-                         message="the hung calls never counted as ended")
+        release.touch()
+        await eventually(lambda: verifier._abandoned.count == 0, message="the hung calls never counted as ended")
         assert await eng.score([item("hanging", n=n) for n in range(100)]) == expected
         await eventually(lambda: chunk_threads() == 1, message="the hung chunks' threads did not end")
 
