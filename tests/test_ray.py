@@ -277,12 +277,12 @@ def test_score_dataset_adds_reward_and_verifier_and_a_failure_fails_the_dataset(
     bad = rows(1_000)
     bad[321]["task"]["fail_unless"] = str(space.root / "never")
     with pytest.raises(Exception) as raised:  # Ray makes one struct of every row's task keys: never given as None
-        score_dataset(ray.data.from_items(bad), config, actors=2, actor_cpus=0.5, batch_size=250).take_all()
+        score_dataset(ray.data.from_items(bad), config, actors=1, actor_cpus=0.5, batch_size=250).take_all()
     error = engine_error(raised.value)
     assert isinstance(error, InputError) and "task.fail_unless is null in a struct column" in error.reason, raised.value
     as_text = [{**item, "task": orjson.dumps(item["task"]).decode()} for item in bad]  # each row's own keys
     with pytest.raises(Exception) as raised:
-        score_dataset(ray.data.from_items(as_text), config, actors=2, actor_cpus=0.5, batch_size=250).take_all()
+        score_dataset(ray.data.from_items(as_text), config, actors=1, actor_cpus=0.5, batch_size=250).take_all()
     error = engine_error(raised.value)
     assert isinstance(error, VerificationError) and error.item_id == "row-00321", raised.value
     dropping = ray.data.from_items(bad)
