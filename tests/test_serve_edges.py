@@ -82,9 +82,10 @@ def make_envs(root: Path) -> None:
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     root = tmp_path_factory.mktemp("edges")
     make_envs(root)
-    # the default body timeout: a large body's upload takes seconds on a loaded machine
+    # the default body timeout: a large body's upload takes seconds on a loaded machine; idle connections are
+    # kept a second (uvicorn's 5 s was most of the keep-alive test's time)
     running = start_service(root, "", "--head-timeout", str(HEAD_TIMEOUT), "--max-connections", str(MOST),
-                            "--max-items", "1000", token=TOKEN)
+                            "--max-items", "1000", "--keep-alive", "1", token=TOKEN)
     yield running
     code, err = stop(running)
     assert code == 0, err
