@@ -7,8 +7,10 @@ thin layer over keyword-only functions, and a test whose subject is not the proc
 from paying for a new interpreter. Where the process is the point (kill -9, signals, a file size
 limit, the exit status of the ``engine`` command itself, a tracer that kills at a step), it runs
 as a user runs it, ``python -m engine ...`` in a subprocess (:meth:`Workspace.start`,
-:func:`engine_command`). The ``backfill`` environment's plugin is also loaded here, directly from
-its file, so a test can compare the rewards the CLI wrote with what the plugin computes.
+:func:`engine_command`); a traced run killed at each of many steps runs in a process forked from
+this one (:func:`fork_under_trace`), which has imported the engine already. The ``backfill``
+environment's plugin is also loaded here, directly from its file, so a test can compare the
+rewards the CLI wrote with what the plugin computes.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
+import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -33,6 +37,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 from click.testing import CliRunner
+from polling import wait_until
 
 from engine import RewardRecord, read_rewards
 from engine._backfill.checkpoint import state_path
@@ -44,7 +49,7 @@ ENVS = Path(__file__).resolve().parent / "envs"
 RUBRICS = Path(__file__).resolve().parent / "rubrics"
 PLUGIN_ENV = "backfill"  # tests/envs/backfill: the deterministic plugin these tests score with
 RUN_TIMEOUT = 30.0  # seconds for one engine command
-KNOBS = ("ENGINE_TEST_CALL_LOG", "ENGINE_TEST_SLEEP", "ENGINE_TEST_FIXED", "FINISH_STOP")
+KNOBS = ("ENGINE_TEST_CALL_LOG", "ENGINE_TEST_SLEEP", "ENGINE_TEST_FIXED", "ENGINE_TEST_HOLD", "FINISH_STOP")
 
 _packages = itertools.count()
 
@@ -262,7 +267,13 @@ def _finish_traced(self):
 
 
 engine._backfill.writer.RewardWriter.finish = _finish_traced
-atexit.register(lambda: print("steps: " + " | ".join(_steps), file=sys.stderr, flush=True))
+
+
+def _report_steps():
+    print("steps: " + " | ".join(_steps), file=sys.stderr, flush=True)
+
+
+atexit.register(_report_steps)
 """
 
 ENGINE_UNDER_TRACE = """
@@ -302,11 +313,105 @@ def start_under_trace(
     )
 
 
+@dataclass
+class ForkedRun:
+    """A traced run in a process forked from this one (:func:`fork_under_trace`): what a ``Popen`` gives, in files."""
+
+    pid: int
+    stdout_path: Path
+    stderr_path: Path
+    returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float = RUN_TIMEOUT) -> int:
+        deadline = time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if time.monotonic() > deadline:
+                self.kill()
+                raise AssertionError(f"the forked run {self.pid} did not end within {timeout:g} s")
+            time.sleep(0.005)
+        return code
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+            self.returncode = -signal.SIGKILL
+
+    def communicate(self, timeout: float = RUN_TIMEOUT) -> tuple[str, str]:
+        self.wait(timeout)
+        return self.stdout_path.read_text(), self.stderr_path.read_text()
+
+
+def fork_under_trace(folder: Path, program: str, args: list[str], stop: int) -> ForkedRun:
+    """Run ``program`` as :func:`start_under_trace` does, in a child forked from this process: no interpreter to start
+    and no engine to import (seconds each on a loaded machine, for a test that kills a run at each of many steps).
+
+    The child writes its output to files in ``folder`` (which must exist), runs nothing of this process's own
+    (its exit hooks, its test framework's) and leaves by ``os._exit``.
+    """
+    stdout_path, stderr_path = folder / "stdout", folder / "stderr"
+    script = str(folder / "traced.py")
+    code = compile(FINISH_TRACE + program, script, "exec")
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    pid = os.fork()
+    if pid:
+        return ForkedRun(pid, stdout_path, stderr_path)
+    status = 1
+    try:  # the child: only this, and then os._exit whatever happens
+        for fd, path in ((1, stdout_path), (2, stderr_path)):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)  # noqa: SIM115
+        for key in KNOBS:
+            os.environ.pop(key, None)
+        os.environ["FINISH_STOP"] = str(stop)
+        sys.argv = [script, *args]
+        namespace: dict[str, Any] = {"__name__": "__main__", "__file__": script}
+        try:
+            exec(code, namespace)
+            status = 0
+        except SystemExit as exc:
+            status = exc.code if isinstance(exc.code, int) else 1
+        namespace["_report_steps"]()  # what the traced script's exit hook says
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+
+
 def finish_steps(stderr: str) -> list[str]:
     """The steps of finishing a traced run took, from its stderr."""
     lines = [line for line in stderr.splitlines() if line.startswith("steps: ")]
     assert lines, stderr
     return lines[-1].removeprefix("steps: ").split(" | ")
+
+
+def kill_forked_at_step(run: ForkedRun, step: int) -> str:
+    """:func:`kill_at_step` for a run of :func:`fork_under_trace`."""
+
+    def paused() -> str | None:
+        lines = run.stderr_path.read_text().splitlines() if run.stderr_path.exists() else []
+        line = next((line for line in lines if line.startswith("paused before ")), None)
+        if line is None and run.poll() is not None:
+            raise AssertionError(f"the run did not pause at step {step}: {lines[-20:]}")
+        return line
+
+    try:
+        line = wait_until(paused, RUN_TIMEOUT, f"the run did not pause at step {step} within {RUN_TIMEOUT:g} s")
+    finally:
+        run.kill()
+    assert run.returncode == -signal.SIGKILL
+    return line.removeprefix("paused before ").strip()
 
 
 def kill_at_step(process: subprocess.Popen[str], step: int) -> str:

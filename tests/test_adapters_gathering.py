@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from conftest import add_endpoint_env
+from polling import started
 from servers import Request, Response, Server
 
 import engine
@@ -85,8 +86,7 @@ def test_a_callers_list_changed_while_it_waits_changes_nothing(engine_toml: Path
     async def main() -> tuple[list[float], list[float]]:
         gather = coalescer(source_of(str(engine_toml), None, None))
         mine = group("arith", ["1", "0"])
-        first = asyncio.ensure_future(gather.score_many(mine))
-        await asyncio.sleep(0)
+        (first,) = await started(gather.score_many(mine))
         mine.append(group("arith", ["1"])[0])  # after submitting: its call is the two items it gave
         return await first, await gather.score_many(group("arith", ["0"]))
 

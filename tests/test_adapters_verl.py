@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from conftest import add_endpoint_env
-from polling import wait_until
+from polling import started, wait_until
 from servers import Request, Server
 
 import engine
@@ -123,11 +123,8 @@ def test_past_the_largest_batch_the_calls_are_split_and_a_cancelled_caller_leave
     count = DEFAULT_MAX_BATCH + 100
 
     async def step() -> tuple[list[Any], int]:
-        tasks = [
-            asyncio.ensure_future(compute_score("arith", str(n % 4), "1", config=str(engine_toml)))
-            for n in range(count)
-        ]
-        await asyncio.sleep(0)  # every call has submitted its sample
+        # every call has submitted its sample
+        tasks = await started(*(compute_score("arith", str(n % 4), "1", config=str(engine_toml)) for n in range(count)))
         tasks[7].cancel()
         outcomes = await asyncio.gather(*tasks, return_exceptions=True)
         return outcomes, await batches_of(engine_toml)

@@ -641,33 +641,49 @@ SIGNALLED = {  # how a run is stopped: the signal, how many times at once, wheth
     "SIGTERM twice, SIGINT ignored": (signal.SIGTERM, 2, True, EXIT_TERMINATED),
     "Ctrl-C twice": (signal.SIGINT, 2, False, EXIT_INTERRUPTED),
 }
-BUSY_ROWS = 40_000  # tens of thousands of rows a second on a free machine: still going when stopped
+# Rows scored at thousands a second: the main thread busy in the engine's task groups, not waiting, when a signal
+# lands just after a checkpoint. The last one's call holds until the run is stopped (it cannot end first; a signal
+# the test sends late then lands while the run waits for that call, another place to land).
+BUSY_ROWS = 4_000
 BUSY_CHUNK = 100
 GAPS = (0.0, 0.005, 0.01, 0.02, 0.04)  # seconds between a second signal and the first: not a bound, a spread
-ATTEMPTS = len(GAPS)  # the signal lands wherever the run is: in a task group, a worker thread's hand-over, the loop
+CHECKPOINTS = 3  # the first signal is sent after 1, 2 or 3 chunks' checkpoints
+# The signal lands wherever the run is: in a task group, a worker thread's hand-over, the loop. A run per gap for
+# two signals, per checkpoint for one (a run costs an interpreter's start, seconds on a loaded machine).
+ATTEMPTS = {1: CHECKPOINTS, 2: len(GAPS)}
+
+
+@pytest.fixture(scope="module")
+def busy_rows(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, bytes]:
+    """The signal tests' input (:data:`BUSY_ROWS` rows, the last held), and its rewards scored without a stop."""
+    space = make_workspace(tmp_path_factory.mktemp("busy"), PLUGIN_ENV)
+    inp = write_rows(space.root / "in.jsonl", [*rows(BUSY_ROWS - 1), row(BUSY_ROWS - 1, hold=True)])
+    reference = space.root / "reference.jsonl"
+    ok(space.score(inp, reference, *chunk_args(BUSY_CHUNK)))  # no ENGINE_TEST_HOLD: the held row returns at once
+    return inp, reference.read_bytes()
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("how", SIGNALLED)
-def test_a_signal_stops_a_run_with_one_line_however_it_lands(space: Workspace, how: str) -> None:
+def test_a_signal_stops_a_run_with_one_line_however_it_lands(
+    space: Workspace, busy_rows: tuple[Path, bytes], how: str
+) -> None:
     signum, times, sigint_ignored, status = SIGNALLED[how]
-    # Many fast rows: the main thread is busy in the engine's task groups, not waiting, when a signal lands.
-    inp = write_rows(space.root / "in.jsonl", rows(BUSY_ROWS))
-    reference = space.root / "reference.jsonl"
-    ok(space.score(inp, reference, *chunk_args(BUSY_CHUNK)))
+    inp, reference = busy_rows
+    held = {"ENGINE_TEST_HOLD": str(2 * RUN_TIMEOUT)}  # longer than the test waits for the run to end
 
-    for attempt in range(ATTEMPTS):
+    for attempt in range(ATTEMPTS[times]):
         out = space.root / str(attempt) / "rewards.jsonl"
         command = engine_command("score", inp, "-o", out, "--config", space.config, *chunk_args(BUSY_CHUNK))
         if sigint_ignored:  # as a shell starts a background job: SIGINT ignored, inherited through exec
             command = ["sh", "-c", 'trap "" INT; exec "$0" "$@"', *command]
         process = subprocess.Popen(
-            command, cwd=space.root, env=child_env(None),
+            command, cwd=space.root, env=child_env(held),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         with reaped(process):
-            wait_for_rows_done(out, BUSY_CHUNK * (1 + attempt % 3), process)
+            wait_for_rows_done(out, BUSY_CHUNK * (1 + attempt % CHECKPOINTS), process)
             process.send_signal(signum)
             if times == 2:  # the second while the run unwinds from the first: at once, or a little later
                 time.sleep(GAPS[attempt])
@@ -680,7 +696,7 @@ def test_a_signal_stops_a_run_with_one_line_however_it_lands(space: Workspace, h
         assert not lock_path(out).exists()
         again = ["--resume"] if "--resume" in line else []
         ok(space.score(inp, out, *chunk_args(BUSY_CHUNK), *again))
-        assert out.read_bytes() == reference.read_bytes(), (attempt, line)
+        assert out.read_bytes() == reference, (attempt, line)
 
 
 def signal_handlers(pid: int) -> int:

@@ -23,9 +23,11 @@ from polling import eventually
 
 import engine
 from engine import EngineConfig, Limits, VerificationError
+from engine._core.contract import BadItem, MalformedItem
+from engine._verifiers.plugin.executor import CallFailed
 from engine._verifiers.plugin.in_threads import ThreadExecutor
 from engine._verifiers.plugin.verifier import PluginVerifier
-from engine._verifiers.plugin.wire import PIECE
+from engine._verifiers.plugin.wire import PIECE, encode
 
 SIZE = 20_000
 KEY = "cheap/verify:score"
@@ -151,7 +153,7 @@ async def test_a_hanging_call_inside_a_chunk_times_out_naming_its_item(envs: Pat
     async with engine.Engine(config) as eng:
         await warm(eng)
         with pytest.raises(VerificationError) as info:
-            await eng.score(batch(at15000={"mode": "hang", "seconds": 3}))
+            await eng.score(batch(at15000={"mode": "hang", "seconds": 10}))  # far past the timeout, even stalled
     assert (info.value.index, info.value.reason) == (15000, f"timed out after {timeout:g} s")
 
 
@@ -291,18 +293,42 @@ async def test_a_process_plugins_items_are_read_off_the_event_loop(envs: Path) -
     assert threading.get_ident() not in readers  # and never on the loop's thread (this test's)
 
 
+def test_a_chunks_bad_items_are_named_by_their_place_in_the_chunk_not_in_its_piece() -> None:
+    """What a process chunk sends is built and pickled :data:`PIECE` items at a time: a failure in a later piece
+    names the item's place in the chunk (the chunk's size given here, so the places are exact)."""
+    items = [item("cheap", n=n) for n in range(3 * PIECE)]
+    count, pieces = encode(items, "cheap")
+    assert (count, len(pieces)) == (3 * PIECE, 3)
+    broken = [*items]
+    broken[PIECE + 1] = {**items[PIECE + 1], "task": Watched({"n": 0}, set(), broken=True)}
+    with pytest.raises(BadItem) as bad:
+        encode(broken, "cheap")
+    assert bad.value.position == PIECE + 1 and "cannot read the item's task" in bad.value.reason
+    broken = [*items]
+    broken[2 * PIECE + 2] = {key: value for key, value in items[2 * PIECE + 2].items() if key != "trajectory"}
+    with pytest.raises(MalformedItem) as malformed:
+        encode(broken, "cheap")
+    assert malformed.value.position == 2 * PIECE + 2
+    broken = [*items]
+    broken[2 * PIECE + 5] = item("cheap", n=0, lock=threading.Lock())
+    with pytest.raises(CallFailed) as unpicklable:
+        encode(broken, "cheap")
+    assert unpicklable.value.position == 2 * PIECE + 5 and "cannot pass the item" in unpicklable.value.reason
+
+
 async def test_a_process_chunks_bad_items_are_named_past_its_first_piece(envs: Path) -> None:
     """A chunk's pairs are built and pickled a piece at a time: a failure names the item, not its place in a piece.
 
-    The bad items stand past the first piece of the first chunk, as far as the chunk measured just before
-    reaches (its size is the machine's: a loaded one measures calls slower, and makes chunks smaller)."""
+    The bad items stand past the first piece, in the first chunk wherever the chunk measured just before
+    reaches that far (its size is the machine's: a loaded one measures calls slower, and makes chunks smaller;
+    the test above fixes the chunk, and the places in it)."""
     name = process_twin(envs, "cheap", workers=1)
     items = [item(name, f"answer {n}", item_id=f"row-{n}", n=n) for n in range(SIZE)]
     async with engine.Engine(EngineConfig(environments=envs, allow_unpinned=True)) as eng:
         await eng.score(items[:2_000])
         chunk = eng._verifier(name).chunk_size(SIZE)
         assert chunk > 1
-        task_at, trajectory_at, lock_at = (min(chunk - 1 - k, PIECE + 1 + k * 900) for k in range(3))
+        task_at, trajectory_at, lock_at = (PIECE + 1 + k * 900 for k in range(3))
         broken = [*items]
         broken[task_at] = {**items[task_at], "task": Watched({"n": task_at}, set(), broken=True)}
         with pytest.raises(VerificationError) as info:
@@ -415,20 +441,21 @@ async def test_a_chunk_that_waited_while_the_engine_closed_leaves_no_thread(envs
     await eventually(lambda: not chunk_threads(), message=f"threads left: {chunk_threads()}")
 
 
-async def test_a_chunk_hanging_on_the_kept_thread_holds_up_no_later_batch(envs: Path) -> None:
+async def test_a_chunk_hanging_on_the_kept_thread_holds_up_no_later_batch(envs: Path, tmp_path: Path) -> None:
     shutil.copytree(envs / "cheap", envs / "hanging")  # its threads' name is this test's alone
     key = "hanging/verify:score"
     # a timeout of a second (the warm-up's first calls, one at a time in threads, may overrun less under load); the
-    # hanging calls sleep until both have timed out and a third batch has been refused, and then some
+    # hanging calls hang until both have timed out and a third batch has been refused: then the test releases them
     timeout = 1.0
     config = EngineConfig(environments=envs, allow_unpinned=True, refs={key: Limits(timeout=timeout, max_abandoned=1)})
-    release = 5.0  # seconds the hanging calls sleep: well past two timeouts
+    release = tmp_path / "release"
 
     def chunk_threads() -> int:
         return sum(t.name == "engine-chunk-hanging" for t in threading.enumerate())
 
     def hanging() -> list[dict[str, Any]]:
-        return [item("hanging", "x", n=0, mode="hang", seconds=release), *[item("hanging", n=n) for n in range(1, 50)]]
+        hangs = item("hanging", "x", n=0, mode="hang", release=str(release), seconds=60)
+        return [hangs, *[item("hanging", n=n) for n in range(1, 50)]]
 
     expected = [(n % 7) / 7 for n in range(100)]
     async with engine.Engine(config) as eng:
@@ -444,8 +471,8 @@ async def test_a_chunk_hanging_on_the_kept_thread_holds_up_no_later_batch(envs: 
                 assert chunk_threads() == 2
         with pytest.raises(VerificationError, match=r"2 of its calls .* \(max_abandoned=1\)"):
             await eng.score([item("hanging", n=n) for n in range(100)])
-        await eventually(lambda: executor._abandoned.count == 0, 2 * release,
-                         message="the hung calls never counted as ended")
+        release.touch()
+        await eventually(lambda: executor._abandoned.count == 0, message="the hung calls never counted as ended")
         assert await eng.score([item("hanging", n=n) for n in range(100)]) == expected
         await eventually(lambda: chunk_threads() == 1, message="the hung chunks' threads did not end")
 
@@ -453,7 +480,7 @@ async def test_a_chunk_hanging_on_the_kept_thread_holds_up_no_later_batch(envs: 
 async def test_a_chunk_in_line_behind_one_that_hangs_is_refused_once_that_one_is_abandoned(envs: Path) -> None:
     shutil.copytree(envs / "cheap", envs / "hanging")
     # a timeout of a second: its warm-up's first calls, one at a time in threads, overran half a second on a loaded
-    # machine (two suites at once); the hanging call outlasts it threefold
+    # machine (two suites at once); the hanging call outlasts it tenfold
     timeout = 1.0
     config = EngineConfig(
         environments=envs, allow_unpinned=True, refs={"hanging/verify:score": Limits(timeout=timeout, max_abandoned=0)}
@@ -470,7 +497,7 @@ async def test_a_chunk_in_line_behind_one_that_hangs_is_refused_once_that_one_is
                 outcomes[name] = exc
 
         async with anyio.create_task_group() as tg:
-            tg.start_soon(score, "hangs", [item("hanging", "x", n=0, mode="hang", seconds=3.0)])
+            tg.start_soon(score, "hangs", [item("hanging", "x", n=0, mode="hang", seconds=10.0)])
             await eventually(lambda: executor._chunk_lock.value == 0, message="the hanging chunk never started")
             tg.start_soon(score, "in line", [item("hanging", n=n) for n in range(1, 50)])
     hangs, in_line = outcomes["hangs"], outcomes["in line"]

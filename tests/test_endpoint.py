@@ -205,7 +205,8 @@ async def test_read_timeout_fails_and_is_not_retried(serve: Any, envs: Path, sle
 
     server = serve(hold)
     url = server.url + "/score"
-    config = EngineConfig(environments=envs, refs={url: Limits(timeout=0.2)})
+    # a second: the call connects and sends within it on a loaded machine, and so times out waiting for the response
+    config = EngineConfig(environments=envs, refs={url: Limits(timeout=1.0)})
     err = await fails(config, [item("remote", item_id="t")], sleeps)
     check(err, url, index=0, item_id="t", reason="timed out waiting for the response")
     assert len(server.requests) == 1
@@ -220,8 +221,8 @@ async def test_item_json_cannot_carry_is_named(serve: Any, config: EngineConfig,
 
 
 async def drip(request: Request) -> Response:
-    """A 200 whose 30 bytes of body trickle in a byte every 40 ms (1.2 s in all)."""
-    return Response(200, b'{"reward": 1.0}' + b" " * 15, {"content-type": "application/json"}, piece=1, trickle=0.04)
+    """A 200 whose 30 bytes of body trickle in a byte every 100 ms (3 s in all: ten times the call's timeout)."""
+    return Response(200, b'{"reward": 1.0}' + b" " * 15, {"content-type": "application/json"}, piece=1, trickle=0.1)
 
 
 async def test_timeout_bounds_the_whole_call(envs: Path, sleeps: SleepRecorder) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -535,9 +536,10 @@ async def test_the_judge_rate_limit_holds_across_a_batch(serve: Any, envs: Path,
     batch = [judged("latest", str(i % 11)) if i % 2 else judged("helpful", str(1 + i % 5)) for i in range(count)]
     config = engine_config(envs, rubrics, judge_config(server.base_url, max_rate=rate, max_concurrency=count))
     async with Engine(config) as eng:
+        since = time.monotonic()
         result: BatchResult = await eng.run(batch)
     assert result.rewards == [(i % 11) / 10 if i % 2 else (i % 5) / 4 for i in range(count)]
-    assert_rate_held(server, count, rate)
+    assert_rate_held(server, count, rate, since)
 
 
 async def test_one_engine_scores_concurrent_batches_each_with_its_own_usage(

@@ -56,11 +56,12 @@ async def test_a_failed_batch_is_an_error_of_its_verifier_and_a_timeout_when_it_
     key = "faulty/faults:by_task"
     config = EngineConfig(environments=envs, allow_unpinned=True, refs={key: Limits(timeout=0.2)})
     async with Engine(config) as eng:
+        await eng.load("faulty")  # its import is not within a call's 0.2 s: the calls below return at once
         assert await eng.score([item("faulty", mode="ok")] * 2) == [0.5, 0.5]
         with pytest.raises(VerificationError):
             await eng.score([item("faulty", mode="ok"), item("faulty", mode="raise")])
         with pytest.raises(VerificationError) as info:
-            await eng.score([item("faulty", mode="hang", seconds=1.0)])
+            await eng.score([item("faulty", mode="hang", seconds=5.0)])
         assert info.value.reason.startswith("timed out")
         stats = figures(eng.stats(), key)
     # the failed batches' items are not counted (they gave no rewards); each failure is one error
@@ -80,7 +81,8 @@ async def test_an_endpoint_is_keyed_by_its_url_and_counts_its_retries_and_timeou
     with Server(handle) as server:
         url = server.url + "/score"
         add_endpoint_env(envs, "remote", url)
-        config = EngineConfig(environments=envs, refs={url: Limits(timeout=0.3, max_attempts=2)})
+        # a second: the first call connects (the slow one then hangs five times as long)
+        config = EngineConfig(environments=envs, refs={url: Limits(timeout=1.0, max_attempts=2)})
         async with Engine(config, sleep=sleeps) as eng:
             assert await eng.score([item("remote")]) == [0.75]
             with pytest.raises(VerificationError) as info:

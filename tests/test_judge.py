@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -405,7 +406,8 @@ async def test_a_slow_judge_times_out_without_a_retry(
     serve: Serve, client: httpx.AsyncClient, registry: RubricRegistry, sleeps: SleepRecorder
 ) -> None:
     server = serve(default=held(lambda: False, score(1)))
-    err = await failure(make_judge(server, client, sleeps, timeout=0.2), registry.resolve(ARITH))
+    # a second: the request is connected and sent within it on a loaded machine, and so waits for the response
+    err = await failure(make_judge(server, client, sleeps, timeout=1.0), registry.resolve(ARITH))
     assert "timed out waiting for the response" in err.reason, err.reason
     assert len(server.requests) == 1 and sleeps.calls == []
     await eventually(lambda: server.open_connections == 0)  # the request was abandoned
@@ -441,10 +443,11 @@ async def test_the_rate_limit_holds_on_the_server_side(
     server = serve()
     judge = make_judge(server, client, max_rate=rate, max_concurrency=count)
     rubric = registry.resolve(f"{ARITH}@1")
+    since = time.monotonic()
     async with anyio.create_task_group() as tg:
         for _ in range(count):
             tg.start_soon(judge.grade, rubric, TASK, "42")
-    assert_rate_held(server, count, rate)
+    assert_rate_held(server, count, rate, since)
 
 
 # --- configuration -------------------------------------------------------------------------------

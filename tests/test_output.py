@@ -19,7 +19,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
-from cli_support import child_env, finish_steps, kill_at_step, start_under_trace
+from cli_support import (
+    ForkedRun,
+    child_env,
+    finish_steps,
+    fork_under_trace,
+    kill_forked_at_step,
+    start_under_trace,
+)
 
 from engine import InputError, OutputError, ResumeError, RewardRecord, VerificationError, read_rewards
 from engine._backfill.checkpoint import STATE_FORMAT, Checkpoint, lock_path, state_path
@@ -737,10 +744,18 @@ def start_finishing(tmp_path: Path, inp: Path, out: Path, stop: int) -> subproce
     return start_under_trace(tmp_path / "finish.py", FINISH_SCRIPT, [str(inp), str(out)], stop)
 
 
+def fork_finishing(folder: Path, inp: Path, out: Path, stop: int) -> ForkedRun:
+    folder.mkdir()
+    return fork_under_trace(folder, FINISH_SCRIPT, [str(inp), str(out)], stop)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_kill_9_at_every_step_of_finishing_resumes_to_the_same_output(tmp_path: Path, fmt: str) -> None:
-    """A run killed before any one step of finish() (fsyncs, renames, removals, the lock) is never stuck."""
+    """A run killed before any one step of finish() (fsyncs, renames, removals, the lock) is never stuck.
+
+    The runs killed are forked from the test's process (an interpreter's start for each of ~16 steps, twice,
+    took most of the test's 40-90 s); the steps are the same as in a process of its own, which one run checks."""
     inp = write_input(tmp_path / "in.jsonl", 45)
     (tmp_path / "ref").mkdir()
     reference = tmp_path / "ref" / f"rewards.{fmt}"
@@ -748,6 +763,10 @@ def test_kill_9_at_every_step_of_finishing_resumes_to_the_same_output(tmp_path: 
     _, stderr = uninterrupted.communicate(timeout=60)
     assert uninterrupted.returncode == 0, stderr
     steps = finish_steps(stderr)
+    forked = fork_finishing(tmp_path / "forked", inp, tmp_path / "forked" / f"rewards.{fmt}", 0)
+    _, forked_stderr = forked.communicate()
+    assert forked.returncode == 0, forked_stderr
+    assert finish_steps(forked_stderr) == steps
     built = f"rewards.{fmt}.partial" if fmt == "jsonl" else "rewards.parquet.tmp"
     assert f"replace {built} -> rewards.{fmt}" in steps
     assert steps[-1] == f"unlink rewards.{fmt}.lock"
@@ -757,7 +776,7 @@ def test_kill_9_at_every_step_of_finishing_resumes_to_the_same_output(tmp_path: 
         work = tmp_path / f"step-{step}"
         work.mkdir()
         out = work / f"rewards.{fmt}"
-        assert kill_at_step(start_finishing(tmp_path, inp, out, step), step) == name
+        assert kill_forked_at_step(fork_finishing(tmp_path / f"run-{step}", inp, out, step), step) == name
         tmp = out.with_name(out.name + ".tmp")  # Parquet's output while it is built
         if tmp.exists():  # a crash while writing it, or before its fsync, may leave any prefix
             with tmp.open("r+b") as f:
@@ -778,8 +797,8 @@ def test_kill_9_at_every_step_of_finishing_resumes_to_the_same_output(tmp_path: 
             completed += renamed
         assert out.read_bytes() == reference.read_bytes(), name
         assert sorted(p.name for p in work.iterdir()) == [out.name], name
-        again = start_finishing(tmp_path, inp, out, 0)  # and a fresh run starts over as usual
-        assert again.communicate(timeout=60)[0] == "" and again.returncode == 0, name
+        again = fork_finishing(tmp_path / f"again-{step}", inp, out, 0)  # and a fresh run starts over as usual
+        assert again.communicate()[0] == "" and again.returncode == 0, name
         assert out.read_bytes() == reference.read_bytes(), name
     assert completed >= 2  # killed after the rename, before the state's removal, at least twice
 

@@ -34,9 +34,12 @@ from engine._verifiers.plugin.importer import PluginLoadError
 from engine._verifiers.plugin.verifier import PluginVerifier
 
 
-async def fails(config: EngineConfig, items: list[dict[str, Any]]) -> VerificationError:
-    """The ``VerificationError`` scoring ``items`` raises (there must be one, and no result list)."""
+async def fails(config: EngineConfig, items: list[dict[str, Any]], *, load: tuple[str, ...] = ()) -> VerificationError:
+    """The ``VerificationError`` scoring ``items`` raises (there must be one, and no result list); the
+    environments in ``load`` are loaded first (an import is not bounded by a call's timeout, then)."""
     async with engine.Engine(config) as eng:
+        for name in load:
+            await eng.load(name)
         with pytest.raises(VerificationError) as info:
             await eng.score(items)
     assert type(info.value) is VerificationError  # raised alone, not in an ExceptionGroup
@@ -291,8 +294,9 @@ async def test_numpy_scalars_are_rewards(envs: Path, executor: str) -> None:
 async def test_sync_plugin_timeout(envs: Path) -> None:
     config = EngineConfig(environments=envs, allow_unpinned=True, refs={"faulty/faults:by_task": Limits(timeout=0.2)})
     # the abandoned thread sleeps on for 10 s; Python cannot stop it, the engine does not wait for it (if it
-    # did, the test's own timeout would fail it)
-    err = await fails(config, [item("faulty", mode="ok"), item("faulty", item_id="h", mode="hang", seconds=10)])
+    # did, the test's own timeout would fail it). Loaded first: under load its import alone may take 0.2 s.
+    items = [item("faulty", mode="ok"), item("faulty", item_id="h", mode="hang", seconds=10)]
+    err = await fails(config, items, load=("faulty",))
     check(err, environment="faulty", ref="faults:by_task", index=1, item_id="h", reason="timed out after 0.2 s")
 
 
@@ -300,7 +304,7 @@ async def test_async_plugin_hang_times_out(envs: Path) -> None:
     config = EngineConfig(
         environments=envs, allow_unpinned=True, refs={"faulty_async/faults:by_task": Limits(timeout=0.2)}
     )
-    err = await fails(config, [item("faulty_async", item_id="h", mode="hang", seconds=30)])
+    err = await fails(config, [item("faulty_async", item_id="h", mode="hang", seconds=30)], load=("faulty_async",))
     check(err, environment="faulty_async", ref="faults:by_task", index=0, item_id="h", reason="timed out after 0.2 s")
 
 
@@ -308,7 +312,9 @@ async def test_timeout_is_per_ref(envs: Path) -> None:
     """A short timeout under one plugin's key does not apply to another plugin with the same ref."""
     config = EngineConfig(environments=envs, allow_unpinned=True, refs={"twin_a/verify:score": Limits(timeout=0.2)})
     async with engine.Engine(config) as eng:
+        await eng.load("twin_a")  # its import is not the call: the call then returns at once, within 0.2 s
         assert await eng.score([item("twin_a"), item("twin_b")]) == [0.25, 0.75]
+        assert (eng._verifier("twin_a").limits.timeout, eng._verifier("twin_b").limits.timeout) == (0.2, 60.0)
 
 
 # --- importing: once, and only what was pinned ---
@@ -682,7 +688,8 @@ async def test_a_rewards_slow_float_times_out_and_leaves_the_event_loop_free(
 
     wait = path == "single"
     async with engine.Engine(config) as eng:
-        assert await eng.score([item(name, wait=wait)]) == [0.25]  # imported: the timeout below is the call's
+        await eng.load(name)  # imported (not within a call's 0.5 s: a loaded machine's import may take longer)
+        assert await eng.score([item(name, wait=wait)]) == [0.25]  # measured: the timeout below is the call's
         assert (eng._verifier(name).chunk_size(1) > 1) == (path == "chunk")
         async with anyio.create_task_group() as tg:
             tg.start_soon(ping)

@@ -148,22 +148,24 @@ def logged(log: Path) -> Counter[int]:
 def test_a_directory_scored_on_ray_equals_the_single_machine_output_row_for_row(space: Workspace, cluster: str) -> None:
     indir = space.root / "in"
     indir.mkdir()
-    jsonl = write_rows(indir / "a.jsonl", rows(12_000))
+    jsonl = write_rows(indir / "a.jsonl", rows(2_400))
     parquet = indir / "b.parquet"
-    table = pa.table({key: [r[key] if key != "task" else orjson.dumps(r["task"]).decode() for r in rows(8_000, 12_000)]
+    table = pa.table({key: [r[key] if key != "task" else orjson.dumps(r["task"]).decode() for r in rows(1_600, 2_400)]
                       for key in ("id", "environment", "task", "trajectory")})
-    pq.write_table(table, parquet, row_group_size=1_000)
+    pq.write_table(table, parquet, row_group_size=200)
     outdir = space.root / "out"
 
-    ran = space.score(indir, outdir, "--ray", "--actors", "2")
+    # blocks of 1,000 rows: the JSON Lines file in three (the last short), the Parquet one in two of 5 row groups
+    ran = space.score(indir, outdir, "--ray", "--actors", "2", "--chunk-size", "1000")
 
     assert ran.returncode == 0, ran.stderr
     got = by_id(outdir)
-    assert len(got) == 20_000
+    assert len(got) == 4_000
     assert got == single(space, jsonl, parquet)
     assert (outdir / "_SUCCESS").is_file()
+    assert len(committed(outdir)) == 5
     assert pq.read_schema(next(outdir.glob("part-*.parquet"))).names == ["id", "reward", "verifier"]
-    assert pq.read_table(outdir).num_rows == 20_000  # the directory reads as one table: no stray file in it
+    assert pq.read_table(outdir).num_rows == 4_000  # the directory reads as one table: no stray file in it
 
 
 def test_a_second_run_after_success_changes_nothing(space: Workspace, cluster: str) -> None:
@@ -211,9 +213,9 @@ def test_a_failing_row_aborts_with_exit_1_naming_its_id_and_resume_finishes(spac
 
 def test_the_driver_killed_mid_run_then_resume_gives_every_row_exactly_once(space: Workspace, cluster: str) -> None:
     log = space.root / "calls.log"
-    source = write_rows(space.root / "in.jsonl", rows(4_000, log=str(log), sleep=0.002))
+    source = write_rows(space.root / "in.jsonl", rows(2_000, log=str(log), sleep=0.002))
     outdir = space.root / "out"
-    command = engine_command("score", source, "-o", outdir, "--config", space.config, "--ray", "--chunk-size", "200",
+    command = engine_command("score", source, "-o", outdir, "--config", space.config, "--ray", "--chunk-size", "100",
                              "--address", cluster)
     driver = subprocess.Popen(command, cwd=space.root, env=child_env(None), stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)
@@ -229,7 +231,7 @@ def test_the_driver_killed_mid_run_then_resume_gives_every_row_exactly_once(spac
     before = committed(outdir)
     assert 2 <= len(before) < 20
 
-    resumed = space.score(source, outdir, "--ray", "--chunk-size", "200", "--resume")
+    resumed = space.score(source, outdir, "--ray", "--chunk-size", "100", "--resume")
 
     assert resumed.returncode == 0, resumed.stderr
     assert by_id(outdir) == single(space, source)  # every row exactly once, as one machine scores it
@@ -275,12 +277,12 @@ def test_score_dataset_adds_reward_and_verifier_and_a_failure_fails_the_dataset(
     bad = rows(1_000)
     bad[321]["task"]["fail_unless"] = str(space.root / "never")
     with pytest.raises(Exception) as raised:  # Ray makes one struct of every row's task keys: never given as None
-        score_dataset(ray.data.from_items(bad), config, actors=2, actor_cpus=0.5, batch_size=250).take_all()
+        score_dataset(ray.data.from_items(bad), config, actors=1, actor_cpus=0.5, batch_size=250).take_all()
     error = engine_error(raised.value)
     assert isinstance(error, InputError) and "task.fail_unless is null in a struct column" in error.reason, raised.value
     as_text = [{**item, "task": orjson.dumps(item["task"]).decode()} for item in bad]  # each row's own keys
     with pytest.raises(Exception) as raised:
-        score_dataset(ray.data.from_items(as_text), config, actors=2, actor_cpus=0.5, batch_size=250).take_all()
+        score_dataset(ray.data.from_items(as_text), config, actors=1, actor_cpus=0.5, batch_size=250).take_all()
     error = engine_error(raised.value)
     assert isinstance(error, VerificationError) and error.item_id == "row-00321", raised.value
     # its typed fields crossed from the actor's process whole (a timeout or a load failure would say so)

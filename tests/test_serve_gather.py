@@ -30,7 +30,7 @@ from typing import Any
 import anyio
 import orjson
 import pytest
-from polling import wait_until
+from polling import each_pass_until, started, wait_until
 from servers import Request, Response, Server
 from test_serve import Service, it, start_service, stop
 
@@ -327,7 +327,11 @@ async def test_many_one_item_requests_get_their_own_rewards_and_were_gathered(se
         assert result.verifier_of == [0]
         assert [(report.items, report.reward_sum) for report in result.verifiers] == [(1, expected(items[n]))]
     after = gathered(service)
-    assert after[0] - before[0] == count  # every request could be gathered
+    # Requests are gathered while their plugin is measured cheap, which a stall of a loaded machine may undo for
+    # a few (scored alone, they measure it again): so, shared batches, and no more gathered than sent. That
+    # every one of them could be, the gatherer's rule says (test_one_item_requests_measured_cheap_are_all_taken).
+    assert shared(before, after), (before, after)
+    assert after[0] - before[0] <= count
     assert shared(before, after), (before, after)  # and some were
 
 
@@ -733,6 +737,15 @@ async def measured_gatherer(tmp_path: Path, item: dict[str, Any]) -> AsyncIterat
         yield gatherer
 
 
+async def test_one_item_requests_measured_cheap_are_all_taken(tmp_path: Path) -> None:
+    """One-item requests each with its own ``first_index`` and item id may all be gathered, once their plugin is
+    measured cheap; an item of a plugin not measured yet, or a ``first_index`` the engine would refuse, may not."""
+    async with measured_gatherer(tmp_path, echo(1)) as gatherer:
+        assert all(gatherer.takes([echo(n, item_id=f"i{n}")], n) for n in range(200))
+        assert not gatherer.takes([echo(1, "echo2")], 0)
+        assert not gatherer.takes([echo(1)], -1)
+
+
 async def never_hangs_up() -> dict[str, Any]:
     await anyio.sleep_forever()
     raise AssertionError("unreachable")
@@ -744,9 +757,8 @@ async def test_requests_still_in_the_window_when_the_gatherer_closes_are_gone_an
     """``aclose`` (the service stopping) ends the window too: a request read but not yet in a batch is answered
     ``Gone``, and no batch starts after it (one would run on the engine being closed: "the engine is not open")."""
     async with measured_gatherer(tmp_path, echo(5)) as gatherer:
-        request = asyncio.ensure_future(gatherer.run([echo(5)], 0, never_hangs_up))
-        await asyncio.sleep(0)  # read: it waits in the window for more
-        assert not request.done()
+        (request,) = await started(gatherer.run([echo(5)], 0, never_hangs_up))  # read: in the window for more
+        assert not request.done() and gatherer.batches == 0
         await gatherer.aclose()
         with pytest.raises(Gone):
             await request
@@ -758,10 +770,10 @@ async def test_a_request_whose_batch_is_cancelled_before_it_begins_is_gone(tmp_p
     """A batch's task cancelled before its first step never runs its own ``finally``: its requests must still be
     answered (``Gone``), not left waiting forever."""
     async with measured_gatherer(tmp_path, echo(5)) as gatherer:
-        request = asyncio.ensure_future(gatherer.run([echo(5)], 0, never_hangs_up))
-        await asyncio.sleep(0)  # read: it waits in the window for more
-        await asyncio.sleep(0)  # the window's next pass brought none: its batch is made, and has not begun
-        assert gatherer.batches == 1 and not request.done()
+        (request,) = await started(gatherer.run([echo(5)], 0, never_hangs_up))  # read: in the window for more
+        # the window's next pass brought none: its batch is made, and has not begun (it begins a pass later)
+        await each_pass_until(lambda: gatherer.batches == 1, message="no batch was made")
+        assert not request.done()
         await gatherer.aclose()
         with pytest.raises(Gone):
             await asyncio.wait_for(request, 30)  # generous: it is answered at once, or never

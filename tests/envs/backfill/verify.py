@@ -2,7 +2,8 @@
 
 * ``ENGINE_TEST_CALL_LOG``: a file each call appends its task's ``n`` to (which rows were scored);
 * ``ENGINE_TEST_SLEEP``: seconds each call sleeps (a run slow enough to kill part-way through);
-* ``ENGINE_TEST_FIXED``: a file; a task with ``"poison": true`` raises until that file exists.
+* ``ENGINE_TEST_FIXED``: a file; a task with ``"poison": true`` raises until that file exists;
+* ``ENGINE_TEST_HOLD``: seconds a task with ``"hold": true`` sleeps (a run that cannot end before it is stopped).
 """
 
 import os
@@ -29,6 +30,8 @@ def score(task, trajectory):
     delay = float(os.environ.get("ENGINE_TEST_SLEEP", "0"))
     if delay:
         time.sleep(delay)
+    if task.get("hold"):
+        time.sleep(float(os.environ.get("ENGINE_TEST_HOLD", "0")))
     if task.get("poison") and not os.path.exists(os.environ.get("ENGINE_TEST_FIXED", "")):
         raise Poisoned(f"task {n} is poisoned until the verifier is fixed")
     return (n * 37 % 101) / 100 + len(str(trajectory)) / 1000

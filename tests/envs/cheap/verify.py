@@ -1,6 +1,7 @@
 """Cheap enough to be called in chunks; a task's "mode" makes one call misbehave."""
 
 import math
+import os
 import threading
 import time
 
@@ -37,7 +38,11 @@ def _score(task):
         return 1.0
     if mode == "raise":
         raise ArithmeticError(f"cannot score item {task['n']}")
-    if mode == "hang":
-        time.sleep(task.get("seconds", 30))
+    if mode == "hang":  # for task["seconds"], or until the file task["release"] names exists, if sooner
+        until, release = time.monotonic() + task.get("seconds", 30), task.get("release")
+        if release is None:
+            time.sleep(until - time.monotonic())
+        while release is not None and not os.path.exists(release) and time.monotonic() < until:
+            time.sleep(0.005)
     junk = {"nan": math.nan, "none": None, "text": "high", "numeric_text": "0.5", "int": 1, "huge": 1e308}
     return 1.0 if mode == "hang" else junk[mode]
