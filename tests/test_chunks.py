@@ -24,7 +24,6 @@ from polling import eventually
 import engine
 from engine import EngineConfig, Limits, VerificationError
 from engine._core.contract import BadItem, MalformedItem
-from engine._verifiers.plugin.executor import CallFailed
 from engine._verifiers.plugin.in_threads import ThreadExecutor
 from engine._verifiers.plugin.verifier import PluginVerifier
 from engine._verifiers.plugin.wire import PIECE, encode
@@ -311,7 +310,7 @@ def test_a_chunks_bad_items_are_named_by_their_place_in_the_chunk_not_in_its_pie
     assert malformed.value.position == 2 * PIECE + 2
     broken = [*items]
     broken[2 * PIECE + 5] = item("cheap", n=0, lock=threading.Lock())
-    with pytest.raises(CallFailed) as unpicklable:
+    with pytest.raises(BadItem) as unpicklable:
         encode(broken, "cheap")
     assert unpicklable.value.position == 2 * PIECE + 5 and "cannot pass the item" in unpicklable.value.reason
 
