@@ -12,6 +12,11 @@
 3. **Abort.** A batch of cheap plugin items led by one ``async def`` plugin item (another
    environment) that sleeps 20 ms, while the cheap chunks run, takes ``perf_counter()`` and
    raises: the time from its failure to ``score`` raising. Target: <= 50 ms.
+4. **The users' mix** (issue 24). ``--users`` exact-match items followed by ``--users-calls`` endpoint
+   calls, in that order (two environments' rollouts one after the other, as a trainer joins them), in
+   one batch with the heartbeat beside it, against its two parts run apart (each with the heartbeat
+   too): the batch's time, the endpoint calls' p99 and the heartbeat's worst and p99 gap. Target 2's
+   targets, and target 1's 25 ms. Each round is timed and the rounds stop after ``--users-seconds``.
 
 The heap holds a batch's items before each run and the garbage collector is run once then, as a
 trainer's heap would have settled: a full collection of freshly built items (~100 ms for 200k) is
@@ -35,7 +40,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from _common import machine, reward_server, table, write_env
@@ -55,6 +60,12 @@ async def score(task, trajectory):
     raise RuntimeError("this item fails on purpose")
 """
 TICK = 0.01
+T = TypeVar("T")
+
+
+def users_items(plugin: int, calls: int) -> list[dict[str, Any]]:
+    """``plugin`` exact-match items then ``calls`` endpoint items, each environment's built together."""
+    return [*items_for("exact", plugin), *items_for("endpoint", calls, start=plugin)]
 
 
 def mixed_items(plugin: int, calls: int) -> list[dict[str, Any]]:
@@ -88,16 +99,22 @@ class Heartbeat:
 
 async def with_heartbeat(work: Callable[[], Awaitable[Any]]) -> tuple[float, float, float, float]:
     """``work()`` on this loop with a heartbeat beside it: (seconds, p99 gap ms, worst gap ms, worst loop CPU ms)."""
+    return (await beside_heartbeat(work))[0]
+
+
+async def beside_heartbeat(work: Callable[[], Awaitable[T]]) -> tuple[tuple[float, float, float, float], T]:
+    """:func:`with_heartbeat`'s figures, and what ``work()`` returned."""
     heart = Heartbeat()
     beating = asyncio.ensure_future(heart.beat())
     await asyncio.sleep(3 * TICK)  # the heartbeat is going
     heart.gaps.clear()
+    heart.cpu.clear()
     started = time.perf_counter()
-    await work()
+    result = await work()
     elapsed = time.perf_counter() - started
     heart.stop = True
     await beating
-    return (elapsed, *heart.figures())
+    return (elapsed, *heart.figures()), result
 
 
 def settle() -> None:
@@ -217,6 +234,52 @@ async def mixed(config: engine.EngineConfig, args: argparse.Namespace) -> list[l
     ]
 
 
+def endpoint_p99(result: engine.BatchResult) -> float:
+    """The endpoint calls' p99 latency in ``result``, in ms."""
+    return next(r for r in result.verifiers if r.kind == "endpoint").latency(99) * 1e3
+
+
+async def users_mix(config: engine.EngineConfig, args: argparse.Namespace) -> tuple[int, list[list[str]]]:
+    """Target 4: the users' mix beside the heartbeat, against its parts apart; (rounds run, table rows)."""
+    mix = users_items(args.users, args.users_calls)
+    plugin, calls = mix[: args.users], mix[args.users :]
+    rounds: list[dict[str, float]] = []
+    async with engine.Engine(config) as eng:
+        await eng.score(plugin[:2000])
+        await eng.score(calls[:256])
+        deadline = time.monotonic() + args.users_seconds
+        while len(rounds) < args.repeat and (not rounds or time.monotonic() < deadline):
+            settle()
+            (plugin_s, _, _, _), _ = await beside_heartbeat(functools.partial(eng.run, plugin))
+            settle()
+            (calls_s, calls_p99, calls_worst, _), alone = await beside_heartbeat(functools.partial(eng.run, calls))
+            settle()
+            (mix_s, mix_p99, mix_worst, _), together = await beside_heartbeat(functools.partial(eng.run, mix))
+            rounds.append({
+                "mix": mix_s, "apart": plugin_s + calls_s, "p99 mix": endpoint_p99(together),
+                "p99 alone": endpoint_p99(alone), "gap worst": mix_worst, "gap p99": mix_p99,
+                "alone worst": calls_worst, "alone gap p99": calls_p99, "plugin rate": args.users / plugin_s,
+            })
+    m = statistics.median
+
+    def med(key: str) -> float:
+        return m(r[key] for r in rounds)
+
+    worst_max = max(r["gap worst"] for r in rounds)
+    rows = [
+        [f"{args.users:,} exact-match then {args.users_calls:,} endpoint, one batch", f"{med('mix'):.2f} s",
+         "one after the other", f"{med('apart'):.2f} s", f"{m(r['mix'] / r['apart'] for r in rounds):.2f}x", "<= 1.0x"],
+        ["endpoint p99 in the mix", f"{med('p99 mix'):.1f} ms", "endpoint alone", f"{med('p99 alone'):.1f} ms",
+         f"{m(r['p99 mix'] / r['p99 alone'] for r in rounds):.2f}x", "<= 1.5x"],
+        ["heartbeat worst gap in the mix (max of rounds)", f"{med('gap worst'):.1f} ({worst_max:.1f}) ms",
+         "endpoint alone", f"{med('alone worst'):.1f} ms", "ok" if worst_max <= 25 else "over", "<= 25 ms"],
+        ["heartbeat p99 gap in the mix", f"{med('gap p99'):.1f} ms", "endpoint alone", f"{med('alone gap p99'):.1f} ms",
+         "", ""],
+        ["exact-match alone (for the record)", f"{med('plugin rate'):,.0f} items/s", "", "", "", ""],
+    ]
+    return len(rounds), rows
+
+
 async def aborts(config: engine.EngineConfig, envs: Path, args: argparse.Namespace) -> list[str]:
     cheap = items_for("exact", args.items)
     stamp = envs.parent / "failed-at"
@@ -260,6 +323,7 @@ def main(args: argparse.Namespace) -> None:
             loop_rows.append(blocking_heartbeat(config, args))
         mix_rows = anyio.run(mixed, config, args) if "mix" in args.only else []
         abort_row = anyio.run(aborts, config, envs, args) if "abort" in args.only else None
+        users = anyio.run(users_mix, config, args) if "users" in args.only else None
     print(f"{machine()}; median of {args.repeat}; endpoint server: {server}\n")
     if loop_rows:
         print(
@@ -281,6 +345,16 @@ def main(args: argparse.Namespace) -> None:
         print()
     if abort_row:
         print(table("Target 3: failure to score raising", ["case", "median", "max", "target"], [abort_row]))
+        print()
+    if users:
+        rounds, users_rows = users
+        print(
+            table(
+                f"Target 4: the users' mix, beside the heartbeat (median of {rounds} rounds)",
+                ["workload", "engine", "baseline", "baseline figure", "ratio", "target"],
+                users_rows,
+            )
+        )
 
 
 if __name__ == "__main__":
@@ -290,5 +364,8 @@ if __name__ == "__main__":
     parser.add_argument("--mix", type=int, default=300_000)
     parser.add_argument("--mix-calls", type=int, default=4_000)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--only", default="heartbeat,mix,abort")
+    parser.add_argument("--users", type=int, default=300_000)
+    parser.add_argument("--users-calls", type=int, default=4_000)
+    parser.add_argument("--users-seconds", type=float, default=300.0, help="no round of target 4 starts after this")
+    parser.add_argument("--only", default="heartbeat,mix,abort,users")
     main(parser.parse_args())
