@@ -1,5 +1,5 @@
 """A lane's book: each call's account, kept as it runs, and the sums a ``VerifierReport`` is made of
-(``docs/design.md``, "The scheduler")."""
+(docs/design.md, The scheduler)."""
 
 from __future__ import annotations
 

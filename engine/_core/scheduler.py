@@ -1,7 +1,7 @@
 """The scheduler: plan a batch's lanes, fan them out under their meters, stop at the first error, report.
 
 A lane is one verifier's share of a batch, run by as many workers as it may have calls in flight,
-each taking a chunk of items at a time (``docs/design.md``, "The scheduler").
+each taking a chunk of items at a time: docs/design.md, The scheduler.
 """
 
 from __future__ import annotations
