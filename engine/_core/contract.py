@@ -94,8 +94,8 @@ class Verifier(Protocol):
 
     @property
     def chunker(self) -> Chunker | None:
-        """What scores its items several to a call, if anything does (a sync plugin's: itself); None for a
-        verifier called one item at a time, whose batches are grouped before any call."""
+        """What scores its items several to a call, if anything does (a plugin's verifier: itself); None for a
+        verifier called one item at a time (endpoint, rubric), whose batches are grouped before any call."""
         ...
 
     async def verify(self, task: Mapping[str, Any], trajectory: Any) -> float:
@@ -109,7 +109,7 @@ class Verifier(Protocol):
 
 
 class Chunker(Protocol):
-    """What scores a verifier's items several to a call (a sync plugin: one thread hop a chunk)."""
+    """What scores a verifier's items several to a call (a sync plugin's: one thread hop, or round trip, a chunk)."""
 
     def chunk_size(self, share: int) -> int:
         """How many items its next call takes: more than 1 for a :meth:`verify_chunk` of up to that many (fewer
