@@ -46,16 +46,12 @@ class Lane:
 
     verifier: Verifier
     meter: Meter
+    width: int  # workers: as many as its verifier may have calls in flight
     chunker: Chunker | None  # what takes its items several to a call; None: one item a call
     indices: Sequence[int]  # a range when the lane is the whole batch
     environment: str | None = None  # set when the lane is a guess: items not of it are given back
     given_back: list[int] = field(default_factory=list)  # its indices it left to other lanes
     book: Book = field(default_factory=Book)
-
-    @property
-    def width(self) -> int:
-        """Its workers: as many as its verifier may have calls in flight."""
-        return self.meter.width
 
     def chunk_size(self, share: int) -> int:
         """Items its next call takes (``share``: its items left per worker); more than one go to its chunker."""
@@ -195,7 +191,7 @@ class _Batch:
             if lane is None:
                 # a rate spaces its calls one item each: then even a verifier that takes chunks is given none
                 chunker = verifier.chunker if meter.rate is None else None
-                lanes[verifier] = Lane(verifier, meter, chunker, indices, name if guess else None)
+                lanes[verifier] = Lane(verifier, meter, meter.width, chunker, indices, name if guess else None)
                 self.retries_before.setdefault(verifier, verifier.retries)
             else:  # two environments with one verifier (the same endpoint URL): one lane, one limit
                 lane.indices = sorted([*lane.indices, *indices])
