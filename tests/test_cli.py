@@ -653,7 +653,8 @@ def exited(process: subprocess.Popen[str]) -> tuple[int, str, str]:
 
 @pytest.mark.timeout(150)  # a new interpreter: its exit is the point
 def test_check_exits_when_a_plugin_call_hangs_in_a_thread(tmp_path: Path) -> None:
-    """anyio's worker threads are not daemons: the abandoned call kept the interpreter from exiting, for ever."""
+    """The abandoned call's thread is one of the engine's daemons: the interpreter exits without waiting for it
+    (anyio's worker threads, which are not, kept it from exiting for ever)."""
     space = hanging_workspace(tmp_path)
     code, out, err = exited(space.start("check", "--config", space.config))
     assert code == EXIT_VERIFICATION, out + err

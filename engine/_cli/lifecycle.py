@@ -6,14 +6,11 @@ The library itself installs no signal handler: only :func:`main`, the CLI's own 
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
 import logging
 import os
 import signal
 import sys
-import threading
-import time
 import traceback
 from collections.abc import Awaitable, Callable
 from types import FrameType
@@ -54,9 +51,6 @@ EXIT_IO = 3  # the output or its state could not be written (disk full, I/O erro
 EXIT_INTERNAL = 70
 EXIT_INTERRUPTED = 130  # interrupted (Ctrl-C)
 EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports a process the signal ended
-# seconds the threads still running when a command is done get to end by themselves (anyio's idle
-# workers end as soon as its loop does); a plugin call abandoned at its timeout never will
-THREADS_GRACE = 1.0
 
 T = TypeVar("T")
 
@@ -230,7 +224,8 @@ def main(group: click.Group) -> None:
         group: the ``engine`` command group.
 
     Raises:
-        SystemExit: always, with the command's exit code (or the process ends at once, with it).
+        SystemExit: always, with the command's exit code (or the process ends at once, with it, once a signal
+            stopped it).
     """
     try:
         _main(group)
@@ -243,36 +238,7 @@ def main(group: click.Group) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(exc.code if isinstance(exc.code, int) else EXIT_INTERRUPTED)
-        if not _threads_left_running():
-            raise
-        # Done, and said so, but a plugin call abandoned at its timeout still runs in one of anyio's
-        # worker threads, which are not daemons: the interpreter would wait for it at exit, for ever.
-        # The exit handlers run (worker processes are killed), then the process ends with its code.
-        code = _exit_status(exc.code)
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
-def _threads_left_running() -> bool:
-    """Whether a thread the interpreter would wait for at exit is still running, after a short grace."""
-    deadline = time.monotonic() + THREADS_GRACE
-    try:
-        for thread in threading.enumerate():
-            if thread is not threading.current_thread() and not thread.daemon:
-                thread.join(max(0.0, deadline - time.monotonic()))
-    except KeyboardInterrupt:  # Ctrl-C while waiting for them: they are not worth waiting for
-        return True
-    return any(t is not threading.current_thread() and not t.daemon and t.is_alive() for t in threading.enumerate())
-
-
-def _exit_status(code: object) -> int:
-    """The status ``sys.exit(code)`` would end the process with: None is 0, anything but an int is printed and 1."""
-    if code is None or isinstance(code, int):
-        return code or EXIT_OK
-    sys.stderr.write(f"{code}\n")
-    return 1
+        raise
 
 
 def _main(group: click.Group) -> None:
