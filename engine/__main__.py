@@ -24,13 +24,14 @@ def main() -> None:
     signal.signal(signal.SIGTERM, on_sigterm)
     try:
         from engine import cli
+        from engine._cli.lifecycle import on_signal
 
-        signal.signal(signal.SIGTERM, cli._on_signal)  # the CLI's own from here on (its main installs it too)
+        signal.signal(signal.SIGTERM, on_signal)  # the CLI's own from here on (its main installs it too)
     except KeyboardInterrupt:
         stopped = "terminated (SIGTERM)" if terminated else "interrupted (Ctrl-C)"
         sys.stderr.write(f"error: {stopped} while starting; nothing was written\n")
         sys.stderr.flush()
-        os._exit(143 if terminated else 130)  # not sys.exit: see engine.cli.main
+        os._exit(143 if terminated else 130)  # not sys.exit: see engine._cli.lifecycle.main
     cli.main()
 
 

@@ -67,6 +67,20 @@ async def test_chunks_form_and_rewards_stay_in_order(config: EngineConfig, envs:
     assert module.calls == 2_000 + SIZE  # every item called once
 
 
+async def test_a_rate_limited_plugin_is_called_one_item_at_a_time_once_measured(envs: Path) -> None:
+    # A rate spaces calls one item each, however cheap its verifier's calls measure: the rate is high
+    # enough (a bucket of a million tokens) that nothing here waits for it.
+    config = EngineConfig(environments=envs, allow_unpinned=True, refs={KEY: Limits(max_rate=1e6)})
+    async with engine.Engine(config) as eng:
+        await warm(eng)
+        assert eng._verifier("cheap").chunk_size(SIZE) > 1  # measured: unlimited, its calls would be chunks
+        result = await eng.run(batch())
+        module = plugin_module(envs, "cheap", "verify.py")  # while the engine is open: closing it forgets its modules
+    assert result.rewards == [(n % 7) / 7 for n in range(SIZE)]
+    assert result.verifiers[0].latency_items == [1] * SIZE  # one call an item
+    assert module.calls == 2_000 + SIZE
+
+
 async def test_latency_percentiles_are_per_item(config: EngineConfig, envs: Path) -> None:
     # A fresh engine: the first calls go one at a time and wait for the import (tens of ms); then
     # chunks form and the rest of the items take microseconds each. Percentiles count items, so

@@ -53,8 +53,9 @@ from engine import digest_directory
 from engine._backfill.checkpoint import state_path
 from engine._backfill.run import open_run
 from engine._backfill.writer import partial_path
+from engine._cli.lifecycle import Commands, outcome
 from engine._verifiers.plugin.launcher import default_workers
-from engine.cli import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_IO, EXIT_OK, EXIT_VERIFICATION, _Commands, _outcome, cli
+from engine.cli import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_IO, EXIT_OK, EXIT_VERIFICATION, cli
 
 JUDGE_SCORE = 4  # what the test judge answers for every item
 HELPFUL = "bob/helpfulness"  # the rubric of the rubric environment, from tests/rubrics
@@ -274,25 +275,26 @@ NOT_ENGINE_ERRORS = [ValueError("x"), TypeError("x"), KeyError("x"), OSError(5, 
 @pytest.mark.parametrize("case", ENGINE_ERRORS, ids=list(ENGINE_ERRORS))
 def test_each_of_the_engines_own_errors_has_its_exit_code(case: str) -> None:
     exc, code = ENGINE_ERRORS[case]
-    assert _outcome(exc, lambda: "; kept") == (code, f"{exc}; kept" if code == EXIT_IO else str(exc))
+    assert outcome(exc, lambda: "; kept") == (code, f"{exc}; kept" if code == EXIT_IO else str(exc))
 
 
 @pytest.mark.parametrize("exc", NOT_ENGINE_ERRORS, ids=lambda exc: type(exc).__name__)
 def test_any_other_exception_is_no_bad_input_but_a_bug(exc: Exception) -> None:
     """A ValueError or TypeError the engine did not mean (a bug) must not read as the user's mistake (exit 2):
-    :func:`_outcome` has no code for it, so the command group reports it as an internal error (exit 70).
+    :func:`~engine._cli.lifecycle.outcome` has no code for it, so the command group reports it as an internal
+    error (exit 70).
 
     No real input makes the engine raise one (that would be a bug to fix, and a row the engine
     refuses becomes an ``InputError`` naming its line): the mapping is tested as the function it is.
     """
-    assert _outcome(exc) is None
+    assert outcome(exc) is None
 
 
 @pytest.mark.parametrize("exc", [ValueError("a bug"), TypeError("a bug"), engine.InputError(Path("in.jsonl"), "bad")],
                          ids=["ValueError", "TypeError", "InputError"])
 def test_the_command_group_reports_a_bug_as_one_and_an_engine_error_as_its_code(exc: Exception) -> None:
     """The group's handler, with a command of this test's own that raises (the engine offers no real way to)."""
-    group = _Commands()
+    group = Commands()
 
     @group.command()
     def fail() -> None:
@@ -651,7 +653,8 @@ def exited(process: subprocess.Popen[str]) -> tuple[int, str, str]:
 
 @pytest.mark.timeout(150)  # a new interpreter: its exit is the point
 def test_check_exits_when_a_plugin_call_hangs_in_a_thread(tmp_path: Path) -> None:
-    """anyio's worker threads are not daemons: the abandoned call kept the interpreter from exiting, for ever."""
+    """The abandoned call's thread is one of the engine's daemons: the interpreter exits without waiting for it
+    (anyio's worker threads, which are not, kept it from exiting for ever)."""
     space = hanging_workspace(tmp_path)
     code, out, err = exited(space.start("check", "--config", space.config))
     assert code == EXIT_VERIFICATION, out + err

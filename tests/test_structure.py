@@ -1,6 +1,6 @@
 """The package's structure, read from its source: every limiter is a meter, the core never asks a
 verifier's or a transport's concrete class, and the scheduler depends only on the verifier contract,
-meters and report."""
+meters, its book and report."""
 
 from __future__ import annotations
 
@@ -75,8 +75,8 @@ def _imports(path: Path) -> set[str]:
     return found
 
 
-def test_the_scheduler_depends_only_on_the_contract_meters_and_report() -> None:
-    core = {"engine._core.contract", "engine._core.meters", "engine._core.report"}
+def test_the_scheduler_depends_only_on_the_contract_meters_book_and_report() -> None:
+    core = {"engine._core.book", "engine._core.contract", "engine._core.meters", "engine._core.report"}
     allowed = core | {"engine._errors", "engine._reasons"}  # the error tree and its words: below every layer
     assert _imports(PACKAGE / "_core" / "scheduler.py") <= allowed
 

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from gc import is_tracked
-from typing import Any, Protocol, TypeGuard, overload, runtime_checkable
+from typing import Any, Protocol, overload, runtime_checkable
 
 from engine._errors import Failure
 from engine._reasons import a_or_an
@@ -25,7 +25,7 @@ __all__ = [
     "MAX_INDEX",
     "AsyncVerifyFn",
     "BadItem",
-    "ChunkedVerifier",
+    "Chunker",
     "HintingVerifier",
     "Items",
     "MalformedItem",
@@ -37,7 +37,6 @@ __all__ = [
     "check_item",
     "check_reward",
     "is_async",
-    "is_chunked",
     "item_label",
     "private",
     "private_pair",
@@ -93,12 +92,10 @@ class Verifier(Protocol):
         """Release what it holds (a plugin's worker processes and imports); the engine calls it when it closes."""
         ...
 
-    def chunk_size(self, share: int) -> int:
-        """How many items it wants per call: more than 1 only for a :class:`ChunkedVerifier`.
-
-        ``share`` is the lane's items left per worker: a chunk larger than that leaves workers idle
-        while the last chunks run, so a verifier whose chunks run in parallel stays within it.
-        """
+    @property
+    def chunker(self) -> Chunker | None:
+        """What scores its items several to a call, if anything does (a plugin's verifier: itself); None for a
+        verifier called one item at a time (endpoint, rubric), whose batches are grouped before any call."""
         ...
 
     async def verify(self, task: Mapping[str, Any], trajectory: Any) -> float:
@@ -111,13 +108,17 @@ class Verifier(Protocol):
         ...
 
 
-@runtime_checkable
-class ChunkedVerifier(Verifier, Protocol):
-    """A verifier that can score several items in one call (a sync plugin: one thread hop a chunk).
+class Chunker(Protocol):
+    """What scores a verifier's items several to a call (a sync plugin's: one thread hop, or round trip, a chunk)."""
 
-    Whether a verifier is one is asked once per class (:func:`is_chunked`): ``verify_chunk`` is a
-    method of its class, never set on an instance.
-    """
+    def chunk_size(self, share: int) -> int:
+        """How many items its next call takes: more than 1 for a :meth:`verify_chunk` of up to that many (fewer
+        at a lane's end, even one), 1 for one item's ``Verifier.verify`` (its first calls, before any is measured).
+
+        ``share`` is the lane's items left per worker: a chunk larger than that leaves workers idle
+        while the last chunks run, so a verifier whose chunks run in parallel stays within it.
+        """
+        ...
 
     async def verify_chunk(self, items: Sequence[Mapping[str, Any]]) -> list[float]:
         """The rewards of whole items (mappings with ``environment``, ``task``, ``trajectory``), in order.
@@ -198,19 +199,6 @@ class Items(Sequence[Mapping[str, Any]]):
 
     def __iter__(self) -> Iterator[Mapping[str, Any]]:
         return iter(self[:])
-
-
-_CHUNKED: dict[type, bool] = {}  # verifier class -> whether it is a ChunkedVerifier
-
-
-def is_chunked(verifier: Verifier) -> TypeGuard[ChunkedVerifier]:
-    """Whether ``verifier`` is a :class:`ChunkedVerifier`, asked once per class: ``isinstance`` against a
-    runtime-checkable protocol costs ~15 us (Python 3.11), a tenth of a one-item batch, every batch."""
-    kind = type(verifier)
-    known = _CHUNKED.get(kind)
-    if known is None:
-        known = _CHUNKED[kind] = isinstance(verifier, ChunkedVerifier)
-    return known
 
 
 class MalformedItem(Exception):

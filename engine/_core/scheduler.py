@@ -1,27 +1,7 @@
 """The scheduler: plan a batch's lanes, fan them out under their meters, stop at the first error, report.
 
-Each verifier's share of a batch is a *lane*. A lane runs as many workers as its verifier may
-have calls in flight; the workers take item indices from one shared cursor, a chunk at a time
-(as many as the verifier asks for), so a batch of a million items is a few hundred tasks, not a
-million. Every call holds, in order, a slot of its
-verifier (engine-wide, so concurrent batches share it), a token of its verifier's rate limiter,
-and a slot of the engine-wide cap on items in flight. A verifier at its limit only makes its own
-workers wait: the other lanes keep going (no head-of-line blocking).
-
-Items are grouped into lanes by environment, each environment's name resolved to its verifier and
-meter by the caller's :data:`Resolve` (``engine._registry``). A batch that looks like one plugin
-environment's (its first and last items agree) is scored optimistically, as one lane, without a
-first pass over every item to group them (that pass cost a cheap plugin a tenth of its speed):
-its calls check each item's environment where they read it, and stop at the first of another.
-The lane then gives back the items from there on and those it has not taken, which are grouped
-into new lanes that start at once, in the same task group, while the lane's other calls finish.
-
-A failure of an environment rather than of an item (a pin that does not match, a module that does
-not import: ``Failure.of_environment``) names that environment's first item in input order, not
-whichever of its racing calls failed first.
-
-The first exception cancels the task group (HTTP requests are closed, queued items never start,
-threads are abandoned) and is raised alone, never wrapped in an ``ExceptionGroup``.
+A lane is one verifier's share of a batch, run by as many workers as it may have calls in flight,
+each taking a chunk of items at a time: docs/design.md, The scheduler.
 """
 
 from __future__ import annotations
@@ -40,7 +20,8 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from engine._core.contract import Items, MalformedItem, Verifier, check_item, is_chunked, item_label, task_of
+from engine._core.book import Book, Call, total
+from engine._core.contract import Chunker, Items, MalformedItem, Verifier, check_item, item_label, task_of
 from engine._core.meters import Meter, ledger, loop_calls
 from engine._core.report import BatchResult, VerifierReport
 from engine._errors import ConfigError, Failure, VerificationError
@@ -61,73 +42,20 @@ Resolve = Callable[[str], tuple[Verifier, Meter]]
 
 @dataclass(eq=False)
 class Lane:
-    """One verifier's share of a batch: the positions of its items, and what happened to them."""
+    """One verifier's share of a batch: the positions of its items, who takes them, and its book."""
 
     verifier: Verifier
     meter: Meter
-    width: int  # workers: the verifier's max concurrency
-    indices: Sequence[int] = field(default_factory=list)  # a range when the lane is the whole batch
+    width: int  # workers: as many as its verifier may have calls in flight
+    chunker: Chunker | None  # what takes its items several to a call; None: one item a call
+    indices: Sequence[int]  # a range when the lane is the whole batch
     environment: str | None = None  # set when the lane is a guess: items not of it are given back
     given_back: list[int] = field(default_factory=list)  # its indices it left to other lanes
-    latencies: list[float] = field(default_factory=list)  # seconds per item, one entry per call
-    latency_items: list[int] = field(default_factory=list)  # items each entry stands for (a chunk's)
-    waited: float = 0.0  # seconds calls waited to start (from the lane's start) and for a limit inside them
-    busy: float = 0.0  # seconds spent in calls, less their waits and start-up inside (meters.waiting, .starting)
-    reward_sum: float = 0.0
-    running: int = 0
-    peak: int = 0
-    ready: float = math.inf  # when its items could first have been called: its workers' start (perf_counter)
-    first_start: float = math.inf  # when its first call started (perf_counter), and its last ended
-    last_end: float = -math.inf
-    startup: list[float] = field(default_factory=list)  # seconds each call that started the verifier up spent so
+    book: Book = field(default_factory=Book)
 
-
-class _Call:
-    """One call's account (``meters.Account``): a wait for a limit inside it is waiting, and its verifier's
-    start-up is start-up; in neither is it in flight.
-
-    A call that waits as it begins (a judge's slot, before it has yielded) was never in flight: the
-    peak its start raised is taken back, unless another call has started since.
-    """
-
-    __slots__ = ("lane", "raised", "startup", "waited")
-
-    def __init__(self, lane: Lane) -> None:
-        self.lane = lane
-        self.waited = 0.0
-        self.startup = 0.0
-        self.raised: tuple[int, int] | None = None  # (the peak before its start, the peak its start set)
-
-    def started(self) -> None:
-        lane = self.lane
-        lane.running += 1
-        if lane.running > lane.peak:
-            self.raised, lane.peak = (lane.peak, lane.running), lane.running
-
-    def paused(self) -> None:
-        lane = self.lane
-        if self.raised is not None and lane.peak == lane.running == self.raised[1]:
-            lane.peak = self.raised[0]
-        self.raised = None
-        lane.running -= 1
-
-    def resumed(self, seconds: float) -> None:
-        lane = self.lane
-        lane.running += 1
-        lane.peak = max(lane.peak, lane.running)
-        self.waited += seconds
-
-    def started_up(self, seconds: float) -> None:
-        self.resumed(0.0)
-        self.startup += seconds
-
-
-def total(rewards: Sequence[float]) -> float:
-    """The sum of ``rewards``: exact (``math.fsum``), or as ``sum`` gives it where ``fsum`` raises (overflow)."""
-    try:
-        return math.fsum(rewards)
-    except (OverflowError, ValueError):
-        return sum(rewards)
+    def chunk_size(self, share: int) -> int:
+        """Items its next call takes (``share``: its items left per worker); more than one go to its chunker."""
+        return 1 if self.chunker is None else self.chunker.chunk_size(share)
 
 
 def _failed(verifier: Verifier, exc: Exception, index: int, item: Mapping[str, Any]) -> VerificationError:
@@ -159,10 +87,8 @@ async def _group(items: list[Any], positions: Sequence[int], first: int) -> dict
     """The items at ``positions`` by environment, in order of first appearance; ``TypeError``/``ValueError``
     naming a malformed one (by its position plus ``first``, the batch's first item's).
 
-    The pass yields to the event loop every ``GROUP_SLICE`` items: grouping a batch of 300,000
-    held the loop ~45 ms, which is the caller's loop (a trainer's work, other batches' calls).
-    A slice's few environments are picked out in C, one pass each (~2x faster than a Python loop
-    over the items); a slice of many is grouped item by item.
+    It yields to the event loop every ``GROUP_SLICE`` items. A slice's few environments are picked
+    out in C, one pass each; a slice of many is grouped item by item.
     """
     groups: defaultdict[str, list[int]] = defaultdict(list)
     batch = items.__getitem__
@@ -209,7 +135,7 @@ def _guess(items: list[Any], first: int) -> str | None:
     return name if isinstance(last, Mapping) and last.get("environment") == name else None
 
 
-class _Todo:
+class _Cursor:
     """A lane's indices not yet taken, shared by its workers; ``take`` slices, so a range stays a range."""
 
     def __init__(self, indices: Sequence[int]) -> None:
@@ -229,10 +155,6 @@ class _Todo:
         start = self._next
         self._next = min(start + count, len(self._indices))
         return self._indices[start : self._next]
-
-
-def _one(share: int) -> int:
-    return 1
 
 
 class _Batch:
@@ -267,22 +189,20 @@ class _Batch:
             verifier, meter = self._resolved(indices[0])
             lane = lanes.get(verifier)
             if lane is None:
-                lanes[verifier] = Lane(verifier, meter, meter.width, indices, name if guess else None)
+                # a rate spaces its calls one item each: then even a verifier that takes chunks is given none
+                chunker = verifier.chunker if meter.rate is None else None
+                lanes[verifier] = Lane(verifier, meter, meter.width, chunker, indices, name if guess else None)
                 self.retries_before.setdefault(verifier, verifier.retries)
             else:  # two environments with one verifier (the same endpoint URL): one lane, one limit
                 lane.indices = sorted([*lane.indices, *indices])
         return list(lanes.values())
 
     async def plan(self) -> None:
-        """The batch's first lanes: one guessed lane if it looks like one plugin environment's, else grouped.
-
-        A guess pays only for plugins, where a pass over the batch to group it costs a tenth of
-        the work; for the other kinds it costs nothing next to a call, and grouping first keeps
-        a malformed batch from sending any request (or spending any judge tokens).
-        """
+        """The batch's first lanes: one guessed lane if it looks like one environment's whose verifier takes
+        chunks (a plugin's: a pass to group it would cost a tenth of its work), else lanes grouped first."""
         items = self.items
         guess = _guess(items, self.first)
-        if guess is not None and is_chunked(self._resolved(0)[0]):
+        if guess is not None and self._resolved(0)[0].chunker is not None:
             self.lanes = self._lanes({guess: range(len(items))}, guess=True)
         else:
             self.lanes = self._lanes(await _group(items, range(len(items)), self.first))
@@ -292,13 +212,12 @@ class _Batch:
         return self._lanes(await _group(self.items, left, self.first))
 
     def _first_of(self, lane: Lane) -> int:
-        """The position of the batch's first item of ``lane``'s environment(s), in input order.
+        """The position of the batch's first item of ``lane``'s environment(s), in input order: what an
+        environment's failure (``Failure.of_environment``) names, whichever of its racing calls failed first.
 
-        What an environment's failure (``Failure.of_environment``) names: every item of it fails
-        alike, and its calls race, so naming the call that failed first would name a different
-        item each run. A lane may not hold its environment's first item (a guessed lane gives back
-        the items of another environment a chunk at a time, to as many new lanes): the batch is
-        searched, on this failure's path only.
+        A lane may not hold its environment's first item (a guessed lane gives back the items of
+        another environment a chunk at a time, to as many new lanes): the batch is searched, on
+        this failure's path only.
         """
         items = self.items
         names = {lane.environment} if lane.environment is not None else {items[i]["environment"] for i in lane.indices}
@@ -307,28 +226,30 @@ class _Batch:
                 return index
         raise AssertionError("unreachable: a lane's items are the batch's")
 
-    async def call(self, lane: Lane, chunk: Sequence[int]) -> list[float]:
-        """The rewards of ``chunk`` from its lane's verifier; fewer if an item of another environment ends it."""
-        v = lane.verifier
+    async def call_chunk(self, lane: Lane, chunk: Sequence[int]) -> list[float]:
+        """The rewards of ``chunk`` from its lane's chunker; fewer if an item of another environment ends it."""
+        chunker = lane.chunker
+        assert chunker is not None  # a chunk of more than one item is asked for by a chunker only
         items = self.items
-        if len(chunk) > 1 or v.chunk_size(1) > 1:  # serial chunk mode: even a lone item is a chunk
-            assert is_chunked(v)  # only they ask for chunks
-            try:
-                return await v.verify_chunk(Items(items, chunk))
-            except MalformedItem as exc:
-                index = chunk[exc.position]
-                check_item(self.first + index, items[index])  # raises, naming the item,
-                task_of(self.first + index, items[index])  # here or here
-                raise AssertionError("unreachable: the chunk runner and task_of disagree") from exc
-            except Failure as exc:
-                # a position the verifier could not know names the chunk's first item (its reason says so)
-                position = exc.position if exc.position is not None and 0 <= exc.position < len(chunk) else 0
-                index = self._first_of(lane) if exc.of_environment else chunk[position]
-                raise _failed(v, exc, self.first + index, items[index]) from exc.__cause__
-            except Exception as exc:  # as for one item: which item it was is unknown, so the first
-                raise _failed(v, exc, self.first + chunk[0], items[chunk[0]]) from exc
+        try:
+            return await chunker.verify_chunk(Items(items, chunk))
+        except MalformedItem as exc:
+            index = chunk[exc.position]
+            check_item(self.first + index, items[index])  # raises, naming the item,
+            task_of(self.first + index, items[index])  # here or here
+            raise AssertionError("unreachable: the chunk runner and task_of disagree") from exc
+        except Failure as exc:
+            # a position the verifier could not know names the chunk's first item (its reason says so)
+            position = exc.position if exc.position is not None and 0 <= exc.position < len(chunk) else 0
+            index = self._first_of(lane) if exc.of_environment else chunk[position]
+            raise _failed(lane.verifier, exc, self.first + index, items[index]) from exc.__cause__
+        except Exception as exc:  # as for one item: which item it was is unknown, so the first
+            raise _failed(lane.verifier, exc, self.first + chunk[0], items[chunk[0]]) from exc
+
+    async def call_one(self, lane: Lane, chunk: Sequence[int]) -> list[float]:
+        """The reward of ``chunk``'s one item from its lane's verifier; none if it is of another environment."""
         index = chunk[0]
-        item = items[index]
+        item = self.items[index]
         if lane.environment is not None and (
             not isinstance(item, Mapping) or item.get("environment") != lane.environment
         ):
@@ -337,86 +258,66 @@ class _Batch:
         calls = self.loop_calls
         calls.count += 1  # the loop has work of the engine's own: cheap chunks in threads give it turns
         try:
-            return [await v.verify(task, trajectory)]
+            return [await lane.verifier.verify(task, trajectory)]
         except Failure as exc:
             if exc.of_environment:  # whichever of its calls failed first, the environment's first item is named
                 index = self._first_of(lane)
-                item = items[index]
-            raise _failed(v, exc, self.first + index, item) from exc.__cause__
+                item = self.items[index]
+            raise _failed(lane.verifier, exc, self.first + index, item) from exc.__cause__
         except Exception as exc:
-            raise _failed(v, exc, self.first + index, item) from exc
+            raise _failed(lane.verifier, exc, self.first + index, item) from exc
         finally:
             calls.count -= 1
 
     async def run(self) -> None:
-        """``call(lane, chunk)`` over every index of every lane, each reward into ``rewards``; or the first error.
-
-        A worker takes as many indices at a time as its verifier asks for (``chunk_size``): cheap sync
-        plugins run a chunk per thread hop, everything else one item per call. A chunk holds one slot of
-        each limit, as one call in flight; a rate-limited verifier is called one item at a time.
+        """Every index of every lane called, a chunk at a time, each reward into ``rewards``; or the first error.
 
         A call that returns fewer rewards than its chunk has items met an item of another environment
         there: the rest of the chunk, and every index its lane has not taken, go to :meth:`regroup`,
         whose lanes start at once and are appended to ``lanes``.
         """
         failure: Exception | None = None
-        results, lanes, in_flight, call = self.rewards, self.lanes, self.in_flight, self.call
+        results, lanes, in_flight = self.rewards, self.lanes, self.in_flight
+        call_one, call_chunk = self.call_one, self.call_chunk
 
-        async def worker(lane: Lane, todo: _Todo) -> None:
-            meter, book = lane.meter, ledger()  # this task's calls charge their accounts through it
-            chunk_size = _one if meter.rate is not None else lane.verifier.chunk_size
-            while chunk := todo.take(chunk_size(todo.share(lane.width))):
-                # A call's items waited from the lane's start: behind its own limit (a lane has only
-                # as many workers as its max_concurrency, so they wait in the to-do list), the other
-                # limits, and earlier calls; one wait per call, as busy is one span per call.
+        async def worker(lane: Lane, cursor: _Cursor) -> None:
+            meter, book, width, charges = lane.meter, lane.book, lane.width, ledger()
+            while chunk := cursor.take(size := lane.chunk_size(cursor.share(width))):
                 async with meter.slots:
                     if meter.rate is not None:
                         await meter.rate.acquire()
                     async with in_flight:
-                        started = perf_counter()
-                        lane.first_start, inside = min(lane.first_start, started), _Call(lane)
-                        inside.started()
-                        book.account = inside  # the verifier's own limits (a judge's) are waiting too
+                        charges.account = call = Call(book)  # the verifier's own limits (a judge's) are its waiting too
                         try:
-                            rewards = await call(lane, chunk)
+                            rewards = await (call_chunk(lane, chunk) if size > 1 else call_one(lane, chunk))
                         finally:
-                            book.account = None
-                            lane.running -= 1
-                        lane.last_end = ended = perf_counter()
-                        seconds = ended - started - inside.waited - inside.startup
-                        lane.waited += started - lane.ready + inside.waited
-                        lane.busy += seconds
-                        if inside.startup:  # it started the verifier up (an import, a worker): not its latency
-                            lane.startup.append(inside.startup)
-                        if rewards:
-                            lane.latencies.append(seconds / len(rewards))
-                            lane.latency_items.append(len(rewards))
+                            charges.account = None
+                            call.end()
+                        book.add(call, rewards)
                 if len(rewards) < len(chunk):  # an item of another environment: give back the rest
-                    left = [*chunk[len(rewards) :], *todo.rest()]
+                    left = [*chunk[len(rewards) :], *cursor.rest()]
                     lane.given_back += left
                     chunk = chunk[: len(rewards)]
                     for more in await self.regroup(left):
                         lanes.append(more)
                         start(more)
                 _put(results, chunk, rewards)
-                lane.reward_sum += total(rewards)
 
-        async def guarded(lane: Lane, todo: _Todo) -> None:
+        async def guarded(lane: Lane, cursor: _Cursor) -> None:
             nonlocal failure
             try:
-                await worker(lane, todo)
+                await worker(lane, cursor)
             except Exception as exc:
                 if failure is None:
                     failure = exc
                 tg.cancel_scope.cancel()
 
         def start(lane: Lane) -> None:
-            todo = _Todo(lane.indices)
-            chunk = 1 if lane.meter.rate is not None else lane.verifier.chunk_size(todo.share(lane.width))
-            chunks = -(-len(lane.indices) // chunk)
-            lane.ready = perf_counter()
+            cursor = _Cursor(lane.indices)
+            chunks = -(-len(lane.indices) // lane.chunk_size(cursor.share(lane.width)))
+            lane.book.open()
             for _ in range(min(lane.width, chunks, in_flight.max_value or 1)):  # no more workers than work
-                tg.start_soon(guarded, lane, todo)
+                tg.start_soon(guarded, lane, cursor)
 
         async with anyio.create_task_group() as tg:
             for lane in list(lanes):
@@ -442,6 +343,7 @@ class _Batch:
             if position:
                 for lane in its:
                     _put(verifier_of, lane.indices, [position] * len(lane.indices))
+            books = [lane.book for lane in its]
             reports.append(
                 VerifierReport(
                     kind=v.kind,
@@ -449,15 +351,15 @@ class _Batch:
                     key=v.key,
                     provenance=v.provenance(),
                     items=sum(len(lane.indices) for lane in its),
-                    reward_sum=total([lane.reward_sum for lane in its]),
-                    latencies=list(chain.from_iterable(lane.latencies for lane in its)),  # one a call: joined in C
-                    latency_items=list(chain.from_iterable(lane.latency_items for lane in its)),
-                    waited=sum(lane.waited for lane in its),
-                    busy=sum(lane.busy for lane in its),
-                    peak_in_flight=max(lane.peak for lane in its),
+                    reward_sum=total([book.reward_sum for book in books]),
+                    latencies=list(chain.from_iterable(book.latencies for book in books)),  # one a call: joined in C
+                    latency_items=list(chain.from_iterable(book.latency_items for book in books)),
+                    waited=sum(book.waited for book in books),
+                    busy=sum(book.busy for book in books),
+                    peak_in_flight=max(book.peak for book in books),
                     retries=v.retries - self.retries_before[v],
-                    active=max(0.0, max(lane.last_end for lane in its) - min(lane.first_start for lane in its)),
-                    startup=[seconds for lane in its for seconds in lane.startup],
+                    active=max(0.0, max(book.last_end for book in books) - min(book.first_start for book in books)),
+                    startup=[seconds for book in books for seconds in book.startup],
                     spent=spent,
                 )
             )
@@ -469,10 +371,19 @@ async def score_batch(
 ) -> BatchResult:
     """Score a batch: its rewards in input order, with a report per verifier; or the first error.
 
-    ``resolve`` names each environment's verifier and meter; ``in_flight`` is the engine-wide cap
-    on calls in flight. A list is scored as it is (copying a large batch costs a cheap plugin ~5%
-    of its speed): it must not change while it is being scored. Errors name item ``i`` as item
-    ``first_index + i``: a stream scored a chunk at a time names its items' places in the stream.
+    Args:
+        items: the batch, scored as it is if it is a list (it must not change meanwhile), else listed once.
+        resolve: each environment's verifier and meter.
+        in_flight: the engine-wide cap on calls in flight.
+        first_index: the place of the batch's first item in the caller's stream, which errors name items by.
+
+    Returns:
+        The rewards in input order, with one report per verifier.
+
+    Raises:
+        VerificationError: the first call that failed, naming its verifier and item; the rest were cancelled.
+        ValueError: an item is malformed, or of no environment (``TypeError`` too, for an item of the wrong type).
+        ConfigError: an environment's manifest is bad.
     """
     batch = _Batch(items if type(items) is list else list(items), resolve, in_flight, first_index)
     try:

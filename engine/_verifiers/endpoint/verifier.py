@@ -87,6 +87,7 @@ class EndpointVerifier:
     """
 
     kind = "endpoint"
+    chunker: None = None  # one HTTP request per item
 
     def __init__(
         self, url: str, limits: Limits, transport: httpx.AsyncBaseTransport, *, sleep: Sleep = anyio.sleep
@@ -118,9 +119,6 @@ class EndpointVerifier:
 
     async def aclose(self) -> None:
         pass  # its connections are the engine's transport's
-
-    def chunk_size(self, share: int) -> int:
-        return 1  # one HTTP request per item
 
     def provenance(self) -> Mapping[str, Any]:
         return {"kind": self.kind, "ref": self.ref}

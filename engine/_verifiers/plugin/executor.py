@@ -51,7 +51,7 @@ class Executor(Protocol):
         ...
 
     async def call_chunk(self, items: Sequence[Mapping[str, Any]]) -> list[float]:
-        """The rewards of ``items`` up to the first of another environment (``ChunkedVerifier.verify_chunk``).
+        """The rewards of ``items`` up to the first of another environment (``Chunker.verify_chunk``).
 
         Raises :class:`CallFailed` with the failing item's position, or ``MalformedItem``.
         """

@@ -212,6 +212,11 @@ class PluginVerifier:
         for snapshot in self._imported:
             forget(snapshot)
 
+    @property
+    def chunker(self) -> PluginVerifier:
+        """What scores its items several to a call (``engine._core.contract.Chunker``): itself, under any executor."""
+        return self
+
     def chunk_size(self, share: int) -> int:
         """Items per call, as its executor sizes them: one until its calls are measured."""
         return self._executor.chunk_size(share) if self._executor is not None else 1

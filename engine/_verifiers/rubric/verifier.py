@@ -20,6 +20,7 @@ class RubricVerifier:
     """
 
     kind = "rubric"
+    chunker: None = None  # one HTTP request per item
 
     def __init__(self, rubric: Rubric, judge: Judge) -> None:
         self.rubric = rubric
@@ -40,9 +41,6 @@ class RubricVerifier:
 
     async def aclose(self) -> None:
         pass  # the judge, and its connections, are the engine's
-
-    def chunk_size(self, share: int) -> int:
-        return 1  # one HTTP request per item
 
     def provenance(self) -> Mapping[str, Any]:
         rubric = self.rubric

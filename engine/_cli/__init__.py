@@ -1,0 +1,1 @@
+"""The ``engine`` command behind ``engine.cli``: lifecycle (signals, exit codes), render (what it prints), commands."""
