@@ -263,6 +263,16 @@ async def test_a_peers_typed_fields_are_read(answering: Callable[[dict[str, Any]
     assert isinstance(error, VerificationError) and fields(error) == ("arith/verify:score", True, False)
 
 
+@pytest.mark.parametrize("name", ["key", "timed_out", "cannot_load"])
+async def test_a_peers_error_without_a_typed_field_is_refused_not_guessed(
+    answering: Callable[[dict[str, Any]], Server], name: str
+) -> None:
+    """A default would be a guess: a timeout counted as none, a failure filed under another verifier's key."""
+    error = await from_peer(answering({key: value for key, value in WELL_FORMED.items() if key != name}))
+    assert isinstance(error, ServiceError) and not isinstance(error, VerificationError), error
+    assert error.status == 422 and f"{name} is missing" in str(error), error
+
+
 @pytest.mark.parametrize(
     ("name", "value", "said"),
     [

@@ -266,8 +266,9 @@ async def test_an_error_body_without_its_fields_is_a_service_error(lying: Callab
 
 
 async def test_a_well_formed_error_is_still_the_error_it_stands_for(lying: Callable[..., Server]) -> None:
-    error = {"type": "VerificationError", "kind": "plugin", "ref": "arith", "environment": "arith", "index": 1,
-             "item_id": "b", "message": "the plugin raised"}
+    error = {"type": "VerificationError", "kind": "plugin", "ref": "arith", "key": "arith/arith",
+             "environment": "arith", "index": 1, "item_id": "b", "timed_out": False, "cannot_load": False,
+             "message": "the plugin raised"}
     with pytest.raises(engine.VerificationError) as info:
         await score_through(lying(Response.json({"error": error}, status=422)))
     assert (info.value.kind, info.value.ref, info.value.index, info.value.reason) == ("plugin", "arith", 1,
@@ -348,7 +349,8 @@ async def test_no_error_repeats_the_token_a_stranger_echoes(handler: Callable[[R
         lambda: {**answer([1.0, 1.0, 1.0]), SECRET: 1},  # the token as a key the answer should not have
         lambda: {"error": {"type": "Unauthorized", "message": f"token {SECRET} is wrong"}},
         lambda: {"error": {"type": "VerificationError", "message": f"Bearer {SECRET}"}},  # no kind: not an error
-        lambda: {"error": {"type": "VerificationError", "kind": "plugin", "ref": SECRET, "item_id": f"/{SECRET}/",
+        lambda: {"error": {"type": "VerificationError", "kind": "plugin", "ref": SECRET, "key": SECRET,
+                           "timed_out": False, "cannot_load": False, "item_id": f"/{SECRET}/",
                            "message": f'"Bearer {SECRET}"'}},  # an error's every field, JSON-escaped too
         lambda: {"error": {"type": "ValueError", "message": f"bad token {SECRET}"}},
     ],

@@ -223,10 +223,10 @@ def decode_error(status: int, body: bytes, url: str) -> Exception:
             raise TypeError("not an error")
         if kind in ("VerificationError", "RubricError"):
             ref = _text(error, "ref")
-            fields = _verification_fields(error)
             if kind == "RubricError":
-                return RubricError(ref, message, **fields)
-            return VerificationError(_text(error, "kind"), ref, message, **fields)
+                return RubricError(ref, message, **_verification_fields(error))
+            verifier_kind = _text(error, "kind")  # read first: a body without one is not an error (its text quoted)
+            return VerificationError(verifier_kind, ref, message, **_verification_fields(error))
     except (json.JSONDecodeError, KeyError, TypeError):
         shown = excerpt(body) or "(empty body)"
         return ServiceError(f"the scoring service at {url} answered HTTP {status}: {shown!r}", status=status)
@@ -240,8 +240,10 @@ def decode_error(status: int, body: bytes, url: str) -> Exception:
     return ServiceError(f"the scoring service at {url} answered HTTP {status}: {kind}: {message}", status=status)
 
 
-# a verification error's fields an answer may leave out (an older service's), each with the types it must be of if
-# given (bool is not int: an index of true is refused)
+# a verification error's fields besides its kind, ref and message, each with the types it must be of (bool is not
+# int: an index of true is refused); those in _REQUIRED must be given: a default would be a guess (a timeout counted
+# as none, a failure filed under another verifier's key), so an answer without one is refused
+_REQUIRED = frozenset({"key", "timed_out", "cannot_load"})
 _ERROR_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "key": ((str,), "a string"),
     "environment": ((str, type(None)), "a string or null"),
@@ -257,6 +259,8 @@ def _verification_fields(error: dict[str, Any]) -> dict[str, Any]:
     fields: dict[str, Any] = {"item_id": error.get("item_id")}  # any JSON value: the item's own id
     for name, (types, what) in _ERROR_FIELDS.items():
         if name not in error:
+            if name in _REQUIRED:
+                raise _Malformed(f"{name} is missing")
             continue
         value = error[name]
         if type(value) not in types or (name == "index" and value is not None and value < 0):

@@ -20,6 +20,8 @@ from engine._serve.limits import GATHER_CALL
 __all__ = ["BUCKETS", "Metrics"]
 
 # seconds: a cheap plugin's microseconds up to a slow judge's minute
+# the one histogram's buckets are read off at these bounds, each to within its ~2% (docs/design.md, "Figures")
+_LATENCY_DOC = "Seconds per {} (each counted within ~2% of a bucket's bound)."
 BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 Labels = tuple[str, ...]
 
@@ -85,11 +87,11 @@ class Metrics:
         for labels, t in totals:
             peak.add_metric(list(labels), t.latest_peak_in_flight)
         yield peak
-        yield _histogram("engine_verifier_latency_seconds", "Seconds per item in the verifier.", verifier,
+        yield _histogram("engine_verifier_latency_seconds", _LATENCY_DOC.format("item in the verifier"), verifier,
                          {labels: t.latency for labels, t in totals})
         yield _counter("engine_http_requests", "Requests answered, per route and status.", ["route", "status"],
                        self.requests)
-        yield _histogram("engine_http_request_seconds", "Seconds per request, per route.", ["route"],
+        yield _histogram("engine_http_request_seconds", _LATENCY_DOC.format("request, per route"), ["route"],
                          {(route,): histogram for route, histogram in self.request_latency.items()})
         cost = GaugeMetricFamily("engine_gather_item_seconds",
                                  "Seconds an item of the plugin takes, its recent batches' mean: requests are gathered "
