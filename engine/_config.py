@@ -1,32 +1,7 @@
 """Frozen, validated configuration, read from TOML with the standard library.
 
-Every default is a named constant below. A config object is checked when it is built: a bad
-value raises ``ConfigError`` naming the key (and the file, when it came from one).
-
-Per-verifier overrides live under ``[refs."<key>"]``, where the key names one verifier:
-
-* endpoint: its URL, ``[refs."http://127.0.0.1:8080/score"]``;
-* rubric: ``owner/name``, ``[refs."alice/arithmetic-correctness"]``;
-* plugin: the environment and the callable, ``[refs."arith/verify:score"]``, because two
-  environments may both ship ``verify:score`` and they are different verifiers.
-
-A key that names no verifier of any environment is refused when the engine opens, not here: the
-environments are read then (``engine._registry.Registry.check_refs``).
-
-An endpoint's refs table may also send headers, whose values name environment variables::
-
-    [refs."https://verifier.example/score"]
-    headers = { Authorization = "Bearer ${VERIFIER_TOKEN}" }
-
-Every value names at least one variable (the config itself never holds a secret); the variables
-are read at call time, and their values are scrubbed from every error message. Headers belong to
-one endpoint (or to ``[judge]``), never to ``[defaults]``, so a token is only sent where it is
-meant to go. A URL with credentials in it is refused (``engine._http.network``): they go in a header.
-
-``ca_bundle`` names a PEM file of CA certificates trusted for HTTPS on top of the default trust.
-
-``[judge]`` is a :class:`JudgeConfig`, here with the rest of the config (not with the judge that
-uses it), so that this module depends on no verifier kind.
+Every default is a named constant below; a bad value raises ``ConfigError`` naming the key. The refs tables,
+headers and the judge's table: docs/design.md, Configuration.
 """
 
 from __future__ import annotations
