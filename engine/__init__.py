@@ -1,13 +1,8 @@
 """engine: an async batch scoring engine for reinforcement-learning training of language models.
 
 A batch of rollouts goes in; one float reward per item comes out, in input order, or one
-``VerificationError`` naming the verifier that failed. Never a zero in place of a failure.
-
-This module is the package's one public face: the names its stub, ``__init__.pyi``, imports (the one list
-of them: ``__all__`` is read from it), and nothing else; the modules behind them are private, ``engine._*``.
-The names are imported on first use (PEP 562), so that ``import engine`` is cheap and changes
-nothing in its host process: the ``engine`` command imports this package before it can handle a
-Ctrl-C (``engine.__main__``).
+``VerificationError`` naming the verifier that failed. The package's one public face: the names of
+its stub, ``__init__.pyi``, imported on first use (docs/design.md, "The public face").
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """A synchronous face over an async engine (``BlockingEngine``, and its client twin ``BlockingEngine.connect``).
 
-One event loop runs in a background thread for the face's whole life (an anyio blocking portal),
-so every call reuses what the engine holds: its connections, threads and imported plugins.
-
-The face belongs to the process that opened it: a child forked since has its objects but not the
-loop's thread, so a call there raises at once (instead of waiting for ever), and leaving its ``with``
-block there closes nothing of the parent's (``engine._core.forks``).
+One event loop runs in a background thread for the face's whole life; a forked child's copy refuses
+calls and closes nothing (docs/design.md, "Forked children").
 """
 
 from __future__ import annotations

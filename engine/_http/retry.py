@@ -1,11 +1,6 @@
 """Which HTTP failures are retried, and how long to wait: pure functions, tested as such.
 
-Retried: failing to connect, and the statuses that mean "try again" (429, 502, 503, 504), and 500,
-which a server under strain answers as often as 503 (a verifier that really broke on an item fails
-it anyway once the bounded budget is spent, only later). Never retried: timeouts waiting for an
-answer (the verifier may be working; trying again doubles the load), other 4xx (the request is
-wrong), other 5xx (501 and the like say the request can never work), and a TLS certificate that
-fails verification (it fails the same way every time).
+What is retried and what never is, and why: docs/design.md, "Transport", "Retries".
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
 """The client of ``engine serve``: what ``Engine.connect`` and ``BlockingEngine.connect`` return.
 
-Its ``score`` and ``run`` behave as an in-process engine's: the same rewards in the same order, the
-same reports and provenance, the same ``VerificationError`` (kind, ref, reason, environment, index,
-item id) raised here, and ``ValueError``/``TypeError`` with the same message for malformed items.
-What cannot cross: an error's chained ``__cause__`` (its words are in the reason), and items that are
-not JSON (a task holding a set, bytes, an object): ``TypeError`` before anything is sent. A service
-that is saturated (503) is asked again after its ``Retry-After`` (never sooner than the backoff), within
-``retry_budget`` seconds; anything else that is not an answer, an answer that is not one reward per
-item sent, or no answer within ``timeout`` seconds, is ``ServiceError``. No message repeats the token.
-
-Imports nothing above ``engine._core`` (but ``engine._http``'s retry policy, and the words and JSON every layer
-shares): ``engine._engine`` sits above it.
+Its ``score`` and ``run`` behave as an in-process engine's; what cannot cross, and what it checks of
+every answer: docs/design.md, "Remote engine".
 """
 
 from __future__ import annotations
