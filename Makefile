@@ -5,6 +5,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.installed-run
 
 # The trainers suite (tests/trainers/README.md): each trainer's released code in a venv of its own, their pins
 # conflicting; slime is not on the registry, so its source (the shared folder beside the clone) goes on PYTHONPATH.
@@ -16,20 +17,32 @@ STANDINS := $(CURDIR)/tests/trainers/standins
 ENGINE_FOR = -e '.[dev]'
 ENGINE_FOR_verl = -e . pytest pytest-timeout
 
-.PHONY: run test trainers bench clean
+.PHONY: run test docs trainers bench clean
 
+# what the suite needs: ray (it runs the --ray backfill on a local Ray) and docs (it builds the site --strict)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev,ray]'  # ray: the suite runs the --ray backfill on a local Ray
-	touch $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[dev,ray,docs]'
+	touch $(STAMP) $(RUN_STAMP)
 
-run: $(STAMP)
+# what make run needs: the engine and the examples' math-verify, not the suite's tools or Ray
+$(RUN_STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[examples]'
+	touch $(RUN_STAMP)
+
+run: $(RUN_STAMP)
 	$(BIN)/python examples/run.py
+
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 test: $(STAMP)
 	$(BIN)/ruff check engine tests benchmarks examples
 	$(BIN)/mypy
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
 	$(MAKE) trainers
 	$(BIN)/pytest -q
 
@@ -64,4 +77,4 @@ bench: $(STAMP) .venv-verl/.installed
 	$(BIN)/python benchmarks/bench_ray.py
 
 clean:
-	rm -rf $(VENV) .venv-* out .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-* out site .pytest_cache .mypy_cache .ruff_cache

@@ -157,3 +157,20 @@ def test_make_run_prints_the_command_it_really_runs() -> None:
                             timeout=60, check=False)
     assert helped.returncode == 0 and "Backfill rewards" in helped.stdout, helped.stderr
     assert str(Path(sys.executable).parent) in str(program)  # the venv's own, beside this interpreter
+
+
+def test_make_run_installs_what_it_needs_and_not_the_suites_tools_or_ray(tmp_path: Path) -> None:
+    """``make run`` on a fresh machine installs the engine and the examples' verifier only: not Ray (840 MB),
+    not the suite's tools; ``make test`` installs the suite's, the docs site's and Ray."""
+    root = Path(__file__).resolve().parent.parent
+    venv = tmp_path / "venv"  # absent: make plans every step a fresh machine takes
+
+    def planned(target: str) -> list[str]:
+        result = subprocess.run(["make", "-n", "-C", str(root), target, f"VENV={venv}"], capture_output=True,
+                                text=True, check=True)
+        return [line for line in result.stdout.splitlines() if "pip install" in line and "--upgrade pip" not in line]
+
+    (run_install,) = planned("run")
+    assert "'.[examples]'" in run_install and "ray" not in run_install and "dev" not in run_install
+    test_installs = planned("test")
+    assert any("'.[dev,ray,docs]'" in line for line in test_installs)
