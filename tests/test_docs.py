@@ -35,3 +35,10 @@ def test_every_pointer_names_a_section_of_the_design_page() -> None:
     sections = _sections()
     unnamed = [(where, rest) for where, rest in _pointers() if not any(rest.startswith(name) for name in sections)]
     assert unnamed == []
+
+
+def test_every_public_name_has_its_reference_entry() -> None:
+    """The reference is generated from the docstrings of the names its pages list: every public name is listed."""
+    reference = PACKAGE.parent / "docs" / "reference"
+    listed = set(re.findall(r"^::: engine\.(\w+)$", "\n".join(p.read_text() for p in reference.glob("*.md")), re.M))
+    assert listed == set(engine.__all__)
