@@ -40,7 +40,7 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 test: $(STAMP)
-	$(BIN)/ruff check engine tests benchmarks examples
+	$(BIN)/ruff check engine tests benchmarks examples scripts
 	$(BIN)/mypy
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
 	$(MAKE) trainers
