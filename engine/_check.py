@@ -17,14 +17,13 @@ from engine._config import EngineConfig
 from engine._core.contract import HintingVerifier, ProcessHint
 from engine._engine import Engine
 from engine._environments.digest import Pin, digest_directory, pin_verdict
-from engine._environments.manifest import Environment, load_environment
+from engine._environments.manifest import EXAMPLE_FIELD, Environment, load_environment
 from engine._errors import DigestError, EngineError, ManifestError, VerificationError
 from engine._http.network import Proxies
 
 __all__ = ["CONNECT_TIMEOUT", "EnvironmentCheck", "check_environments", "process_hint"]
 
 CONNECT_TIMEOUT = 5.0  # seconds to wait for an endpoint's host to accept a connection
-EXAMPLE_FIELD = "example"  # a manifest's optional sample item, {"task": ..., "trajectory": ...}
 # CPython's words when signal.signal() is called outside the main thread (signal.alarm-based timeouts do)
 MAIN_THREAD_ONLY = "signal only works in main thread"
 

@@ -18,6 +18,7 @@ from typing import Any
 from engine._errors import ConfigError
 from engine._http.headers import check_headers
 from engine._http.network import ca_bundle_problem, credentials_refusal, shown_url, url_problem, without_credentials
+from engine._keys import first_unknown, unknown_key
 
 __all__ = [
     "COUNT",
@@ -160,11 +161,9 @@ class Limits:
         """``base`` with the keys of a TOML table applied over it."""
         if not isinstance(table, Mapping):
             raise _fail(source, prefix, "must be a table")
-        known = {f.name for f in fields(cls)}
-        for key in table:
-            if key not in known:
-                raise ConfigError(f"unknown key (known: {', '.join(sorted(known))})", key=key, table=prefix,
-                                  source=source)
+        known = [f.name for f in fields(cls)]
+        if (key := first_unknown(table, known)) is not None:
+            raise ConfigError(unknown_key(key, known), key=key, table=prefix, source=source)
         try:
             limits = replace(base, **dict(table))
         except ConfigError as exc:  # its key, in the table of the file it came from
@@ -263,7 +262,7 @@ class JudgeConfig:
                 reason = "an API key is never written in the config: name its variable in api_key_env"
                 raise _judge_fail(source, key, reason)
             if key not in known:
-                raise _judge_fail(source, key, f"unknown key (known: {', '.join(known)})")
+                raise _judge_fail(source, key, unknown_key(key, known))
         for key in ("base_url", "model"):
             if key not in table:
                 raise _judge_fail(source, key, "is required")
@@ -343,9 +342,8 @@ _TOP_LEVEL = {
 
 def config_from_mapping(data: Mapping[str, Any], *, base_dir: Path, source: Path | None = None) -> EngineConfig:
     """Build an :class:`EngineConfig` from parsed TOML; relative paths are taken from ``base_dir``."""
-    for key in data:
-        if key not in _TOP_LEVEL:
-            raise _fail(source, key, f"unknown key (known: {', '.join(sorted(_TOP_LEVEL))})")
+    if (key := first_unknown(data, _TOP_LEVEL)) is not None:
+        raise _fail(source, key, unknown_key(key, _TOP_LEVEL))
     environments = data.get("environments", DEFAULT_ENVIRONMENTS)
     if not isinstance(environments, str) or not environments:
         raise _fail(source, "environments", f"must be a directory path, got {environments!r}")

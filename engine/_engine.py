@@ -66,8 +66,8 @@ class Engine:
         sleep: What retries wait with (tests inject one that takes no time).
 
     Raises:
-        ConfigError: On entering its ``async with`` block: a ``refs`` key names no verifier, or the
-            environment names a proxy httpx cannot use.
+        ConfigError: On entering its ``async with`` block: a ``refs`` key names no verifier, a ``pins``
+            entry no environment, or the environment names a proxy httpx cannot use.
         RuntimeError: On entering its ``async with`` block: the engine is open already.
     """
 
@@ -137,10 +137,11 @@ class Engine:
     async def __aenter__(self) -> Self:
         if self._client is not None:
             raise RuntimeError("this engine is already open")
-        if self.config.refs:
-            # a refs key that names no verifier would leave its verifier at the defaults in silence
-            # it reads every manifest: in a thread of its own (one of anyio's pool would outlive the engine)
-            await wait_future(in_thread(self._registry.check_refs, "engine-refs"))
+        if self.config.refs or self.config.pins:
+            # a refs key that names no verifier would leave its verifier at the defaults in silence, a pin of
+            # no environment would pin nothing; it reads the directory (and for refs every manifest): in a
+            # thread of its own (one of anyio's pool would outlive the engine)
+            await wait_future(in_thread(self._registry.check_names, "engine-names"))
         size = self.config.max_in_flight
         # a private CA is added to the default trust; without one the transport makes httpx's default context
         tls = ssl_context(self.config.ca_bundle) if self.config.ca_bundle is not None else None

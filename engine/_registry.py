@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import logging
 import re
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from engine._environments.manifest import Environment, load_environment
 from engine._errors import ConfigError, ManifestError, VerificationError
 from engine._http.network import Routes
 from engine._http.retry import Sleep
+from engine._keys import closest
 from engine._verifiers.endpoint.verifier import EndpointVerifier
 from engine._verifiers.plugin.verifier import PluginVerifier
 from engine._verifiers.rubric.judge import Judge
@@ -47,8 +47,8 @@ class Registry:
     resolved anew for each batch (:meth:`resolver`), so every item of a batch is judged against the
     same version even if a new one appears while it runs. A verifier's limits are one
     :class:`~engine._core.meters.Meter`, kept by its key, shared by every batch the engine scores. A
-    ``refs`` key that names no verifier is a ``ConfigError`` when the engine opens (:meth:`check_refs`),
-    naming the closest key that does: a typo never falls back to the defaults in silence.
+    ``refs`` key that names no verifier, or a ``pins`` entry no environment, is a ``ConfigError`` when the
+    engine opens (:meth:`check_names`), naming the closest that does: a typo never passes in silence.
     """
 
     def __init__(self, config: EngineConfig, *, sleep: Sleep) -> None:
@@ -72,8 +72,12 @@ class Registry:
         for verifier in verifiers:
             await verifier.aclose()
 
-    def check_refs(self) -> None:
-        """``ConfigError`` if a ``refs`` key names no verifier of any environment under ``environments``.
+    def check_names(self) -> None:
+        """``ConfigError`` if a ``pins`` entry names no environment, or a ``refs`` key no verifier of one, under
+        ``environments``; it names every such entry and key, each with the closest name that does.
+
+        A pin must name an environment's directory (one the engine would take; its manifest is not read for
+        it): a pin of an environment that is not there would pin nothing, in silence.
 
         Each key must be one the engine would look its limits up by (``Environment.verifier_key``):
         a plugin's ``<env>/<module>:<callable>``, an endpoint's URL as its manifest writes it, a
@@ -84,13 +88,23 @@ class Registry:
         key naming that environment is let through with a warning, since it cannot be checked; any
         other key that matches nothing is still an error, which names the unreadable manifests.
         """
+        root = self.config.environments
+        directories = _environment_dirs(root)
+        names = {path.name for path in directories}
+        problems = [_unknown_pin(name, names, root) for name in self.config.pins if name not in names]
+        problems += self._ref_problems(directories)
+        if problems:
+            raise ConfigError("; ".join(problems), source=self.config.source)
+
+    def _ref_problems(self, directories: list[Path]) -> list[str]:
+        """What is wrong with each ``refs`` key that names no verifier of the environments in ``directories``."""
         refs = self.config.refs
         if not refs:
-            return
+            return []
         root = self.config.environments
         keys: set[str] = set()
         unreadable: list[str] = []
-        for path in _environment_dirs(root):
+        for path in directories:
             env = self._environments.get(path.name)
             if env is None:
                 try:
@@ -109,9 +123,7 @@ class Registry:
                     logger.warning("refs key %r: environment %r has a manifest that cannot be read", key, environment)
                     continue
             problems.append(_unknown_ref(key, keys, root, unreadable))
-        if problems:
-            where = f"{self.config.source}: " if self.config.source is not None else ""
-            raise ConfigError(where + "; ".join(problems))
+        return problems
 
     def environment(self, name: str) -> Environment:
         """The environment called ``name``, loaded once; ``ValueError`` if there is none."""
@@ -197,11 +209,11 @@ def _unknown_ref(key: str, keys: set[str], root: Path, unreadable: list[str]) ->
     """Why ``key`` is refused, with the closest key that names a verifier."""
     message = f"refs.{key!r}: names no verifier of an environment under {root}"
     pinned = RUBRIC_VERSION.fullmatch(key)
-    closest = difflib.get_close_matches(key, keys, n=1, cutoff=0.0)
+    near = closest(key, keys, cutoff=0.0)
     if pinned is not None and pinned["name"] in keys:  # one rubric's limits hold for every version of it
         message += f" (a rubric's limits are keyed without its version, for every version: {pinned['name']!r})"
-    elif closest:
-        message += f" (the closest that does is {closest[0]!r})"
+    elif near is not None:
+        message += f" (the closest that does is {near!r})"
     else:
         message += " (there is none)"
     if unreadable:
@@ -209,3 +221,10 @@ def _unknown_ref(key: str, keys: set[str], root: Path, unreadable: list[str]) ->
     return (
         message + "; a key is an endpoint's URL, a rubric's owner/name or a plugin's <environment>/<module>:<callable>"
     )
+
+
+def _unknown_pin(name: str, names: set[str], root: Path) -> str:
+    """Why the pin of ``name`` is refused, with the closest environment's name."""
+    near = closest(name, names, cutoff=0.0)
+    there = f"the closest that does is {near!r}" if near is not None else "there is none"
+    return f"pins.{name}: names no environment under {root} ({there}); a pin is named as its environment's directory"

@@ -143,6 +143,41 @@ def test_bad_key_or_value_names_the_key_and_the_file(tmp_path: Path, text: str, 
     assert message == f"{path}: {key}: {info.value.problem}"
 
 
+JUDGE = '[judge]\nbase_url = "http://127.0.0.1:1/v1"\nmodel = "m"\n'
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "closest"),
+    [
+        ("max_inflight = 4", "max_inflight", "max_in_flight"),
+        ("thread = 4", "thread", "threads"),
+        ('enviroments = "envs"', "enviroments", "environments"),
+        ("allow_unpined = true", "allow_unpined", "allow_unpinned"),
+        ('[pin]\narith = "x"', "pin", "pins"),
+        ("[defaults]\nmax_concurency = 2", "defaults.max_concurency", "max_concurrency"),
+        ('[refs."x/y"]\ntimeot = 1', "refs.'x/y'.timeot", "timeout"),
+        (JUDGE + 'modle = "m2"', "judge.modle", "model"),
+        (JUDGE + "max_token = 9", "judge.max_token", "max_tokens"),
+    ],
+)
+def test_an_unknown_key_names_the_closest_known_one(tmp_path: Path, text: str, key: str, closest: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert (info.value.key, info.value.source) == (key, path)
+    assert info.value.problem.startswith(f"unknown key, did you mean {closest!r}? (known: "), info.value
+
+
+@pytest.mark.parametrize(("text", "table"), [("zzz = 1", None), ("[defaults]\nzzz = 1", "defaults")])
+def test_an_unknown_key_like_none_names_every_known_one(tmp_path: Path, text: str, table: str | None) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    assert info.value.field == "zzz" and info.value.table == table
+    known = info.value.problem.removeprefix("unknown key (known: ").removesuffix(")").split(", ")
+    assert "did you mean" not in info.value.problem
+    assert ("max_in_flight" if table is None else "max_concurrency") in known and known == sorted(known)
+
+
 def test_invalid_toml_is_a_config_error(tmp_path: Path) -> None:
     path = write(tmp_path, "max_in_flight = = 4\n")
     with pytest.raises(ConfigError, match="not valid TOML") as info:

@@ -82,9 +82,64 @@ def test_verifier_not_an_object(tmp_path: Path) -> None:
     assert "field 'verifier' must be an object" in message
 
 
-def test_verifier_unknown_keys(tmp_path: Path) -> None:
-    content = {"kind": "environment", "verifier": {"kind": "plugin", "ref": "a:b", "timeout": 3}}
-    assert "field 'verifier' has unknown keys ['timeout']" in refused(write_manifest(tmp_path, content))
+def unknown(directory: Path, key: str) -> str:
+    """The problem a manifest with the unknown ``key`` is refused with; the error names the file and the key."""
+    with pytest.raises(ManifestError) as info:
+        load_environment(directory)
+    path = directory / "manifest.json"
+    assert (info.value.key, info.value.source) == (key, path)  # fields, for a reader that must not parse the message
+    assert str(info.value) == f"{path}: {key}: {info.value.problem}"
+    assert info.value.problem.startswith("unknown key")
+    return info.value.problem
+
+
+EXAMPLE = {"task": {"a": 1}, "trajectory": "2"}
+
+
+@pytest.mark.parametrize(
+    ("content", "key", "closest"),
+    [
+        ({**manifest("plugin", "a:b"), "exmaple": EXAMPLE}, "exmaple", "example"),  # engine check would skip it
+        ({"kind": "environment", "verifer": {"kind": "plugin", "ref": "a:b"}}, "verifer", "verifier"),  # not "missing"
+        ({**manifest("plugin", "a:b"), "descripton": "x"}, "descripton", "description"),
+        ({**manifest("plugin", "a:b"), "Version": "1"}, "Version", "version"),
+    ],
+)
+def test_a_typo_in_a_top_level_key_is_refused_naming_the_closest(
+    tmp_path: Path, content: dict[str, Any], key: str, closest: str
+) -> None:
+    problem = unknown(write_manifest(tmp_path, content), key)
+    assert f"did you mean {closest!r}?" in problem
+    assert problem.endswith("(known: description, example, kind, verifier, version)")
+
+
+@pytest.mark.parametrize("key", ["timeout_s", "", "a\nb", "\u202e", "k" * 10_000])  # far, empty, hostile, huge
+def test_a_top_level_key_like_none_is_refused_naming_every_key(tmp_path: Path, key: str) -> None:
+    problem = unknown(write_manifest(tmp_path, {**manifest("plugin", "a:b"), key: 1}), key)
+    assert problem == "unknown key (known: description, example, kind, verifier, version)"
+
+
+def test_every_key_a_manifest_takes_is_accepted(tmp_path: Path) -> None:
+    content = {**manifest("plugin", "a:b"), "version": "1", "description": "d", "example": EXAMPLE}
+    assert load_environment(write_manifest(tmp_path, content)).manifest["example"] == EXAMPLE
+
+
+@pytest.mark.parametrize(
+    ("verifier", "key", "said"),
+    [
+        ({"kind": "plugin", "ref": "a:b", "timeout": 3}, "verifier.timeout", "(known: executor, kind, ref, workers)"),
+        ({"kind": "plugin", "ref": "a:b", "executer": "process"}, "verifier.executer", "did you mean 'executor'?"),
+        ({"kind": "plugin", "ref": "a:b", "worker": 2}, "verifier.worker", "did you mean 'workers'?"),
+        ({"kind": "plugin", "ref": "a:b", "rf": "c:d"}, "verifier.rf", "did you mean 'ref'?"),
+        ({"kind": "endpoint", "ref": "http://h/s", "executor": "process"}, "verifier.executor",
+         "(known: kind, ref); 'executor' is for plugins only"),
+        ({"kind": "rubric", "ref": "a/b", "workers": 2}, "verifier.workers",
+         "(known: kind, ref); 'workers' is for plugins only"),
+    ],
+)
+def test_verifier_unknown_keys(tmp_path: Path, verifier: dict[str, Any], key: str, said: str) -> None:
+    content = {"kind": "environment", "verifier": verifier}
+    assert said in unknown(write_manifest(tmp_path, content), key)
 
 
 @pytest.mark.parametrize("kind", ["python", "builtin", "exact_match", None])

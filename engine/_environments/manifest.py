@@ -16,15 +16,30 @@ import orjson
 from engine._environments.digest import MANIFEST, open_regular
 from engine._errors import DigestError, ManifestError
 from engine._http.network import credentials_refusal, shown_url, url_problem, without_credentials
+from engine._keys import first_unknown, unknown_key
 from engine._reasons import a_or_an
 
-__all__ = ["EXECUTORS", "KINDS", "Environment", "VerifierSpec", "load_environment", "parse_verifier"]
+__all__ = [
+    "EXAMPLE_FIELD",
+    "EXECUTORS",
+    "KINDS",
+    "MANIFEST_KEYS",
+    "Environment",
+    "VerifierSpec",
+    "load_environment",
+    "parse_verifier",
+]
 
 MAX_MANIFEST_BYTES = 1 << 20  # a manifest is a few lines of JSON; more is refused, not read
 KINDS: tuple[str, ...] = ("rubric", "plugin", "endpoint")  # the three verifier kinds: no fourth, no built-in scorer
 Kind = Literal["rubric", "plugin", "endpoint"]
 EXECUTORS: tuple[str, ...] = ("thread", "process")
 Executor = Literal["thread", "process"]
+EXAMPLE_FIELD = "example"  # a manifest's optional sample item, {"task": ..., "trajectory": ...}: engine check scores it
+# every key a manifest may hold; any other is refused, as a typo ("exmaple": an example never checked)
+MANIFEST_KEYS: tuple[str, ...] = ("kind", "verifier", "version", "description", EXAMPLE_FIELD)
+_VERIFIER_KEYS = ("kind", "ref")
+_PLUGIN_KEYS = (*_VERIFIER_KEYS, "executor", "workers")
 
 _NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
@@ -74,8 +89,9 @@ class Environment:
         name: The directory's name, which is the environment's.
         path: The directory.
         verifier: What its manifest says of its verifier.
-        manifest: The manifest's JSON object, whole: keys beside ``kind`` and ``verifier`` (``version``,
-            ``description``, ``example``, ...) are descriptive and allowed.
+        manifest: The manifest's JSON object, whole: beside ``kind`` and ``verifier`` it may hold
+            ``version`` and ``description`` (descriptive) and ``example`` (``engine check``'s sample item),
+            and no other key (:data:`MANIFEST_KEYS`).
         manifest_bytes: The manifest as read: a plugin runs only if the digest hashed these same bytes
             (``engine._verifiers.plugin``), so the verifier the engine was configured with is the one pinned.
     """
@@ -101,8 +117,8 @@ class Environment:
         return spec.ref
 
 
-def parse_verifier(value: Any, where: str) -> VerifierSpec:
-    """Validate a manifest's ``verifier`` object; ``where`` prefixes error messages."""
+def parse_verifier(value: Any, where: Path) -> VerifierSpec:
+    """Validate a manifest's ``verifier`` object; ``where`` (the manifest) prefixes error messages."""
     if not isinstance(value, Mapping):
         raise ManifestError(f"{where}: field 'verifier' must be an object with 'kind' and 'ref'")
     kind = value.get("kind")
@@ -112,13 +128,10 @@ def parse_verifier(value: Any, where: str) -> VerifierSpec:
             f"{where}: field 'verifier.kind' is {shown}; it must be one of 'rubric', 'plugin', 'endpoint' "
             "(there are exactly three kinds and no built-in scorer)"
         )
-    known = {"kind", "ref", "executor", "workers"} if kind == "plugin" else {"kind", "ref"}
-    extra = sorted(set(value) - known)
-    if extra:
-        takes = "'kind', 'ref', 'executor' and 'workers'" if kind == "plugin" else "'kind' and 'ref'"
-        if kind != "plugin" and {"executor", "workers"} & set(extra):
-            takes += "; 'executor' and 'workers' are for plugins only"
-        raise ManifestError(f"{where}: field 'verifier' has unknown keys {extra} (it takes {takes})")
+    known = _PLUGIN_KEYS if kind == "plugin" else _VERIFIER_KEYS
+    if (key := first_unknown(value, known)) is not None:
+        plugins_only = f"; {key!r} is for plugins only" if key in _PLUGIN_KEYS else ""
+        raise ManifestError(unknown_key(key, known) + plugins_only, key=f"verifier.{key}", source=where)
     ref = value.get("ref")
     if kind == "endpoint" and isinstance(ref, str) and (plain := without_credentials(ref)) is not None:
         raise ManifestError(f"{where}: field 'verifier.ref': {credentials_refusal(plain)}")  # never echo the URL
@@ -187,7 +200,8 @@ def load_environment(path: Path) -> Environment:
 
     Raises:
         ManifestError: The manifest is missing, not a regular file, too large, not JSON, or not a valid
-            environment manifest (its kind, its verifier's kind, ref, executor or workers, unknown keys).
+            environment manifest (its kind, its verifier's kind, ref, executor or workers, a key it does
+            not take, at the top or in its verifier: named, with the closest key it does take).
     """
     manifest_path = path / MANIFEST
     raw = _read_manifest(manifest_path)
@@ -199,7 +213,9 @@ def load_environment(path: Path) -> Environment:
         raise ManifestError(f"{manifest_path}: must be a JSON object, got {type(data).__name__}")
     if data.get("kind") != "environment":
         raise ManifestError(f"{manifest_path}: field 'kind' must be 'environment', got {data.get('kind')!r}")
+    if (key := first_unknown(data, MANIFEST_KEYS)) is not None:  # before 'verifier' is missing: "verifer" is a typo
+        raise ManifestError(unknown_key(key, MANIFEST_KEYS), key=key, source=manifest_path)
     if "verifier" not in data:
         raise ManifestError(f"{manifest_path}: field 'verifier' is missing")
-    spec = parse_verifier(data["verifier"], str(manifest_path))
+    spec = parse_verifier(data["verifier"], manifest_path)
     return Environment(name=path.name, path=path, verifier=spec, manifest=data, manifest_bytes=raw)
