@@ -5,7 +5,7 @@ What it checks of each kind, and when it hints at worker processes: docs/design.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -18,7 +18,7 @@ from engine._core.contract import HintingVerifier, ProcessHint
 from engine._engine import Engine
 from engine._environments.digest import Pin, digest_directory, pin_verdict
 from engine._environments.manifest import EXAMPLE_FIELD, Environment, load_environment
-from engine._errors import DigestError, EngineError, ManifestError, VerificationError
+from engine._errors import DigestError, EngineError, Failure, ManifestError, VerificationError
 from engine._http.network import Proxies
 
 __all__ = ["CONNECT_TIMEOUT", "EnvironmentCheck", "check_environments", "process_hint"]
@@ -39,7 +39,7 @@ class EnvironmentCheck:
     digest: str
     verifier: str
     digest_now: str | None = None  # the directory's digest, when its pin is missing or stale
-    hint: ProcessHint | None = None  # a thread plugin measured CPU-bound on its example: processes would gain
+    hint: ProcessHint | None = None  # warm calls of its example measured processes would gain it cores
 
     @property
     def ok(self) -> bool:
@@ -65,15 +65,44 @@ async def _reachable(url: str, proxies: Proxies) -> str:
     return "ok"
 
 
-def process_hint(engine: Engine, environment: str) -> ProcessHint | None:
-    """Whether environment ``environment``'s plugin, as its calls on ``engine`` measured, would gain from
-    ``"executor": "process"``, and how many cores it would use (``PluginVerifier.process_hint``).
+async def process_hint(engine: Engine, environment: str, items: Sequence[Mapping[str, Any]]) -> ProcessHint | None:
+    """Whether environment ``environment``'s plugin would gain from ``"executor": "process"``, and how many cores it
+    would use, from warm calls of ``items`` timed for it: the one decision ``engine check`` and ``engine bench`` share.
 
     The engine never picks the process executor by itself: it changes a plugin's isolation (no state
     shared between items, tasks that must pickle), so it is the manifest's to say; this says when to.
+    Only a loaded thread-executor plugin is called (``ThreadExecutor.process_hint``: what it measures).
+
+    Args:
+        engine: The open engine whose verifier of ``environment`` is timed; it must have been loaded.
+        environment: A plugin environment's name.
+        items: Items of that environment (``task``, ``trajectory``, maybe ``id``) it has scored: the calls cycle
+            through them.
+
+    Returns:
+        The hint, or None: no gain worth it, or not a thread plugin.
+
+    Raises:
+        VerificationError: A call failed (it names the item's ``id``, if it has one).
     """
     verifier = engine._verifier(environment)
-    return verifier.process_hint() if isinstance(verifier, HintingVerifier) else None
+    if not isinstance(verifier, HintingVerifier):
+        return None
+    try:
+        return await verifier.process_hint(items)
+    except Failure as exc:
+        item_id = items[exc.position].get("id") if exc.position is not None else None
+        named = f" (id {item_id!r})" if item_id is not None else ""
+        raise VerificationError(
+            verifier.kind,
+            verifier.ref,
+            f"an item it had scored{named} failed when called again (timing warm calls for the process hint): "
+            f"{exc.reason}",
+            key=verifier.key,
+            environment=environment,
+            item_id=item_id,
+            timed_out=exc.timed_out,
+        ) from exc.__cause__
 
 
 def _rubric_verdict(engine: Engine, ref: str) -> str:
@@ -100,8 +129,9 @@ def _needs_main_thread(exc: BaseException) -> bool:
     return False
 
 
-async def _example_verdict(engine: Engine, env: Environment) -> str:
-    """ "ok" if the plugin scores its manifest's sample item, or has none; else why not, and what to do.
+async def _example_verdict(engine: Engine, env: Environment) -> tuple[str, ProcessHint | None]:
+    """ "ok" if the plugin scores its manifest's sample item, or has none; else why not, and what to do. With it,
+    the process hint its warm calls give (:func:`process_hint`).
 
     A plugin that sets a signal handler (``signal.alarm`` timeouts: math-verify's) imports fine and
     fails every call in the engine's threads: only a call shows it, so check makes one, as the
@@ -109,9 +139,9 @@ async def _example_verdict(engine: Engine, env: Environment) -> str:
     """
     example: Any = env.manifest.get(EXAMPLE_FIELD)
     if example is None:
-        return "ok"
+        return "ok", None
     if not isinstance(example, Mapping) or not {"task", "trajectory"} <= set(example):
-        return f"manifest field '{EXAMPLE_FIELD}' must be an object with 'task' and 'trajectory'"
+        return f"manifest field '{EXAMPLE_FIELD}' must be an object with 'task' and 'trajectory'", None
     item = {"environment": env.name, "task": example["task"], "trajectory": example["trajectory"]}
     try:
         await engine.score([item])
@@ -121,9 +151,12 @@ async def _example_verdict(engine: Engine, env: Environment) -> str:
                 f"its {EXAMPLE_FIELD} fails in the engine's threads only: it sets a signal handler (signal.alarm "
                 "timeouts, as math-verify's), which works only in a process's main thread; set \"executor\": "
                 "\"process\" in its manifest's verifier"
-            )
-        return f"its {EXAMPLE_FIELD} fails: {exc.reason}"
-    return "ok"
+            ), None
+        return f"its {EXAMPLE_FIELD} fails: {exc.reason}", None
+    try:
+        return "ok", await process_hint(engine, env.name, [item])
+    except VerificationError as exc:  # it scored once, and not again: the plugin is not a function of its item
+        return f"its {EXAMPLE_FIELD} fails: {exc.reason}", None
 
 
 async def check_environments(*, config: EngineConfig) -> list[EnvironmentCheck]:
@@ -163,8 +196,7 @@ async def check_environments(*, config: EngineConfig) -> list[EnvironmentCheck]:
                         verdict = "not imported (digest)"
                     else:
                         await engine.load(env.name)
-                        verdict = await _example_verdict(engine, env)
-                        hint = process_hint(engine, env.name)
+                        verdict, hint = await _example_verdict(engine, env)
                 elif env.verifier.kind == "endpoint":
                     verdict = await _reachable(env.verifier.ref, proxies)
                 else:

@@ -27,6 +27,7 @@ from engine._engine import Engine
 __all__ = ["DEFAULT_BATCH_SIZE", "BenchRun", "bench_file", "summarise"]
 
 DEFAULT_BATCH_SIZE = 8192  # rows per batch: a large training step's worth
+HINT_ITEMS = 64  # a plugin's first rows in the file, whose warm calls its process hint times (in turn)
 HISTOGRAM_PER_DOUBLING = 2  # buckets of the latency histogram shown per doubling of latency (x1.41 each)
 
 
@@ -35,7 +36,7 @@ class BenchRun:
     """One pass over the file: its wall time, the time spent scoring, and per-verifier figures.
 
     ``plugin_environments``: a plugin's environment, per verifier key; ``hints``: worker processes would gain
-    it cores (a CPU-bound thread plugin), as of the run's end.
+    it cores (a CPU-bound thread plugin), timed after the last run only (:func:`engine._check.process_hint`).
     """
 
     items: int
@@ -69,15 +70,31 @@ async def bench_file(
     if repeat < 1 or batch_size < 1:
         raise ValueError(f"repeat and batch_size must be >= 1, got {repeat} and {batch_size}")
     runs: list[BenchRun] = []
+    samples: dict[str, list[dict[str, Any]]] = {}  # each plugin environment's first rows, for the process hint
+
+    def sampled(chunk: list[Row], result: BatchResult) -> None:
+        """``run.add``, keeping the first run's first rows of each plugin (a pass over a chunk while one wants more)."""
+        run.add(chunk, result)
+        wanting = {env for env in run.plugin_environments.values() if len(samples.setdefault(env, [])) < HINT_ITEMS}
+        for row in chunk:
+            if not wanting:
+                break
+            if row.environment in wanting:
+                (sample := samples[row.environment]).append(row.as_item())
+                if len(sample) == HINT_ITEMS:
+                    wanting.discard(row.environment)
+
     async with Engine(config, transport=transport) as engine:
         for _ in range(repeat):
             run, started = BenchRun(0, 0.0, 0.0, {}), perf_counter()
             with open_rows(input_path, json_columns=json_columns) as rows:
-                await score_chunks(engine, rows, batch_size, run.verifiers, run.add)
+                await score_chunks(engine, rows, batch_size, run.verifiers, sampled if not runs else run.add)
             run.seconds = perf_counter() - started
-            for key, environment in run.plugin_environments.items():
-                run.hints[key] = process_hint(engine, environment)
             runs.append(run)
+        # as engine check does, on calls of their own, after the runs: none of them is in the figures
+        for key, environment in run.plugin_environments.items():
+            if sample := samples.get(environment):  # the file's rows of it, unless it changed since the first run
+                run.hints[key] = await process_hint(engine, environment, sample)
     return runs
 
 

@@ -135,33 +135,39 @@ class Chunker(Protocol):
 
 @dataclass(frozen=True)
 class ProcessHint:
-    """A thread-executor plugin measured CPU-bound: its calls' cost, and the cores worker processes would use.
+    """A thread-executor plugin measured CPU-bound on warm calls: their cost, and what worker processes would gain.
 
     The engine does not switch executors by itself: worker processes change what a plugin may share
     (no module state across items, tasks that pickle), so it says so instead (``engine bench``, ``engine check``).
     """
 
-    call_seconds: float
+    call_seconds: float  # a warm call's wall time (less waiting for a CPU), calls made one at a time in one thread
     cpu_share: float  # of a call's wall time, on a CPU (holding the GIL, for Python code)
     cores: int
+    calls: int  # the warm calls measured
+    gain: float  # the items/s worker processes would give, as a multiple of one thread's (the estimate hinted on)
 
     def says(self) -> str:
         return (
-            f"CPU-bound ({self.call_seconds * 1e3:.3g} ms a call, {self.cpu_share:.0%} of it on a CPU, one call at a "
-            f'time under the GIL): "executor": "process" in its manifest\'s verifier would use {self.cores} cores'
+            f"CPU-bound ({self.call_seconds * 1e3:.3g} ms a call over {self.calls} warm calls, {self.cpu_share:.0%} "
+            f"of it on a CPU, one call at a time under the GIL; up to ~{self.gain:.1f}x the items/s in processes): "
+            f'"executor": "process" in its manifest\'s verifier would use {self.cores} cores'
         )
 
     def as_dict(self) -> dict[str, Any]:
         return {"call_ms": self.call_seconds * 1e3, "cpu_share": self.cpu_share, "cores": self.cores,
-                "says": self.says()}
+                "calls": self.calls, "gain": self.gain, "says": self.says()}
 
 
 @runtime_checkable
 class HintingVerifier(Verifier, Protocol):
-    """A verifier that can say, from its calls so far, that another executor would serve it better (a plugin)."""
+    """A verifier that can time warm calls of some items and say that another executor would serve it better."""
 
-    def process_hint(self) -> ProcessHint | None:
-        """Worker processes would use more cores for it (what its calls measured), or None."""
+    async def process_hint(self, items: Sequence[Mapping[str, Any]]) -> ProcessHint | None:
+        """Worker processes would gain it cores, as warm calls of ``items`` (its environment's) measured; or None.
+
+        Raises :class:`~engine._errors.Failure` if a call fails (``position``: the item's in ``items``).
+        """
         ...
 
 

@@ -57,8 +57,11 @@ class Executor(Protocol):
         """
         ...
 
-    def process_hint(self) -> ProcessHint | None:
-        """Worker processes would use more cores for it, as its calls measured; or None."""
+    async def process_hint(self, items: Sequence[Mapping[str, Any]]) -> ProcessHint | None:
+        """Worker processes would gain it cores, as warm calls of ``items`` measured; or None (no call made).
+
+        Raises :class:`CallFailed` if a call fails, its ``position`` the item's in ``items``.
+        """
         return None
 
     @property

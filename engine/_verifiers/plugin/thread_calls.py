@@ -18,7 +18,7 @@ from engine._core.contract import MalformedItem, as_rewards, private_pair
 from engine._verifiers.plugin.executor import Cost
 from engine._verifiers.plugin.turns import Turns
 
-__all__ = ["Abandoned", "Interrupted", "ThreadCall", "run_chunk", "timed"]
+__all__ = ["Abandoned", "Interrupted", "ThreadCall", "queued_seconds", "run_chunk", "run_chunk_unqueued", "timed"]
 
 T = TypeVar("T")
 
@@ -86,6 +86,26 @@ def run_chunk(
                 task, trajectory = private_pair(len(out), task, trajectory)
             append(fn(task, trajectory))
     return as_rewards(out, at), (perf_counter() - started - waited, thread_time() - cpu)
+
+
+def queued_seconds() -> float:
+    """Seconds this thread has spent runnable but waiting for a CPU (Linux's schedstat), or 0.0 where not kept."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat", "rb") as stats:
+            return int(stats.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def run_chunk_unqueued(*args: Any) -> tuple[list[float], Cost]:
+    """:func:`run_chunk` (same arguments), less from its wall time what its thread waited for a CPU meanwhile.
+
+    On a machine loaded past its cores a CPU-bound call waits for its turn on one: that is the machine's
+    load, not the call waiting (on I/O, a sleep), and processes on free cores would not wait it.
+    """
+    before = queued_seconds()
+    rewards, (wall, cpu) = run_chunk(*args)
+    return rewards, (max(wall - (queued_seconds() - before), cpu), cpu)
 
 
 class Abandoned:

@@ -221,9 +221,18 @@ class PluginVerifier:
         """Items per call, as its executor sizes them: one until its calls are measured."""
         return self._executor.chunk_size(share) if self._executor is not None else 1
 
-    def process_hint(self) -> ProcessHint | None:
-        """A hint that worker processes would use more cores, if its calls so far say so; else None."""
-        return self._executor.process_hint() if self._executor is not None else None
+    async def process_hint(self, items: Sequence[Mapping[str, Any]]) -> ProcessHint | None:
+        """A hint that worker processes would gain it cores, if warm calls of ``items`` say so; else None.
+
+        Only a loaded thread-executor plugin is called (``ThreadExecutor.process_hint``); raises ``Failure``
+        if a call fails, its ``position`` the item's in ``items``.
+        """
+        if self._executor is None:
+            return None
+        try:
+            return await self._executor.process_hint(items)
+        except CallFailed as fault:
+            raise self._failure(fault) from fault.__cause__
 
     async def verify(self, task: Mapping[str, Any], trajectory: Any) -> float:
         deadline = anyio.current_time() + self.limits.timeout
