@@ -41,6 +41,7 @@ class EnvironmentCheck:
     verifier: str
     digest_now: str | None = None  # the directory's digest, when its pin is missing or stale
     hint: ProcessHint | None = None  # a thread plugin measured CPU-bound on its example: processes would gain
+    error: VerificationError | None = None  # the failure its verifier column says, with where it happened
 
     @property
     def ok(self) -> bool:
@@ -101,8 +102,9 @@ def _needs_main_thread(exc: BaseException) -> bool:
     return False
 
 
-async def _example_verdict(engine: Engine, env: Environment) -> str:
-    """ "ok" if the plugin scores its manifest's sample item, or has none; else why not, and what to do.
+async def _example_verdict(engine: Engine, env: Environment) -> tuple[str, VerificationError | None]:
+    """ "ok" if the plugin scores its manifest's sample item, or has none; else why not, and what to do, with
+    the error it failed with.
 
     A plugin that sets a signal handler (``signal.alarm`` timeouts: math-verify's) imports fine and
     fails every call in the engine's threads: only a call shows it, so check makes one, as the
@@ -110,9 +112,9 @@ async def _example_verdict(engine: Engine, env: Environment) -> str:
     """
     example: Any = env.manifest.get(EXAMPLE_FIELD)
     if example is None:
-        return "ok"
+        return "ok", None
     if not isinstance(example, Mapping) or not {"task", "trajectory"} <= set(example):
-        return f"manifest field '{EXAMPLE_FIELD}' must be an object with 'task' and 'trajectory'"
+        return f"manifest field '{EXAMPLE_FIELD}' must be an object with 'task' and 'trajectory'", None
     item = {"environment": env.name, "task": example["task"], "trajectory": example["trajectory"]}
     try:
         await engine.score([item])
@@ -122,9 +124,9 @@ async def _example_verdict(engine: Engine, env: Environment) -> str:
                 f"its {EXAMPLE_FIELD} fails in the engine's threads only: it sets a signal handler (signal.alarm "
                 "timeouts, as math-verify's), which works only in a process's main thread; set \"executor\": "
                 "\"process\" in its manifest's verifier"
-            )
-        return f"its {EXAMPLE_FIELD} fails: {exc.reason}"
-    return "ok"
+            ), exc
+        return f"its {EXAMPLE_FIELD} fails: {exc.reason}", exc
+    return "ok", None
 
 
 async def check_environments(*, config: EngineConfig) -> list[EnvironmentCheck]:
@@ -157,14 +159,14 @@ async def check_environments(*, config: EngineConfig) -> list[EnvironmentCheck]:
                 Pin.MISSING: f'no pin; after vetting, pin it: {env.name} = "{digest}"',
                 Pin.NOT_NEEDED: "-",
             }[pinned]
-            verdict, hint = "ok", None
+            verdict, hint, error = "ok", None, None
             try:
                 if env.verifier.kind == "plugin":
                     if digest_status not in ("ok", "-"):
                         verdict = "not imported (digest)"
                     else:
                         await engine.load(env.name)
-                        verdict = await _example_verdict(engine, env)
+                        verdict, error = await _example_verdict(engine, env)
                         hint = process_hint(engine, env.name)
                 elif env.verifier.kind == "endpoint":
                     verdict = await _reachable(env.verifier.ref, proxies)
@@ -172,8 +174,11 @@ async def check_environments(*, config: EngineConfig) -> list[EnvironmentCheck]:
                     verdict = _rubric_verdict(engine, env.verifier.ref)
             except EngineError as exc:
                 verdict = getattr(exc, "reason", str(exc))
+                error = exc if isinstance(exc, VerificationError) else None
             stale = digest_status not in ("ok", "-")
             spec = env.verifier
             now = digest if stale else None
-            checks.append(EnvironmentCheck(env.name, spec.kind, spec.ref, "ok", digest_status, verdict, now, hint))
+            checks.append(
+                EnvironmentCheck(env.name, spec.kind, spec.ref, "ok", digest_status, verdict, now, hint, error)
+            )
     return checks

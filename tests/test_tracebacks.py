@@ -1,22 +1,26 @@
 """Where a plugin failed, in its own code: the same file, line and frames under the thread, loop and process executors.
 
 Each environment's entry function calls a helper module of its own, which raises: the innermost frame of the
-plugin is not its entry function.
+plugin is not its entry function. ``engine score`` runs as a user runs it, in a subprocess; ``engine check``
+and ``engine bench`` in-process (``cli_support.Workspace.run``).
 """
 
 from __future__ import annotations
 
 import pickle
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
+from cli_support import RUN_TIMEOUT, Workspace, make_workspace, reaped, write_rows
 from conftest import add_env, item
 
 import engine
 from engine import EngineConfig, VerificationError
 from engine._verifiers.plugin.frames import MAX_FRAMES
+from engine.cli import EXIT_VERIFICATION
 
 ENTRY = """from . import parse
 
@@ -164,3 +168,99 @@ async def test_a_failure_that_raised_nothing_names_no_frame(envs: Path, config: 
     (envs / name / "entry.py").write_text("def score(task, trajectory):\n    return 'high'\n")
     err = await failed(config, [item(name, "x")])
     assert (err.plugin_frames, err.reason) == ((), "returned 'high' (str), which is not a real number")
+
+
+# --- engine score, as a user runs it ------------------------------------------------------------------------------
+
+
+def scored(space: Workspace, output: str, *extra: str) -> tuple[int, str]:
+    """``engine score`` of the workspace's ``in.jsonl`` to ``output`` in a subprocess: its exit status and stderr."""
+    with reaped(space.start("score", space.root / "in.jsonl", "-o", space.root / output,
+                            "--config", space.config, *extra)) as process:
+        try:
+            _, err = process.communicate(timeout=RUN_TIMEOUT * 2)
+        except subprocess.TimeoutExpired:
+            pytest.fail("engine score did not end")
+    return process.returncode, err
+
+
+@pytest.mark.timeout(150)  # two interpreters started, and a worker process
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_score_shows_the_plugins_frames_and_traceback_shows_the_whole(tmp_path: Path, executor: str) -> None:
+    space = make_workspace(tmp_path)
+    name = helper_env(space.envs, executor)
+    good = {"id": "good", "environment": name, "task": {}, "trajectory": GOOD}
+    write_rows(space.root / "in.jsonl", [good, {**good, "id": "bad", "trajectory": BAD}])
+    frames = expected_frames(space.envs / name, executor)
+    code, err = scored(space, "out.jsonl")
+    assert code == EXIT_VERIFICATION, err
+    reason = f"raised ValueError: not a number: 'x' (at parse.py:{frames[-1][1]}, in _number)"
+    said = f"error: plugin verifier 'entry:score' (environment '{name}') failed on item 1 (id 'bad'): {reason}"
+    block = ["  in the plugin's own code, innermost last (--traceback prints the whole traceback):"]
+    for path, line, function, source in frames:
+        block += [f'    File "{path}", line {line}, in {function}', f"      {source}"]
+    lines = err.splitlines()
+    assert said in lines and "  cause: ValueError: not a number: 'x'" in lines, err
+    start = lines.index(block[0])
+    assert lines[start : start + len(block)] == block, err
+    assert "Traceback" not in err and "PluginError" not in err, err  # neither the whole one, nor the engine's
+    assert not (space.root / "out.jsonl").exists()
+
+    code, err = scored(space, "whole.jsonl", "--traceback")
+    assert code == EXIT_VERIFICATION, err
+    lines = err.splitlines()
+    assert said in lines, err
+    whole = lines[lines.index("  the whole traceback of what it raised:") + 1 :]
+    assert whole[0] == "    Traceback (most recent call last):", err
+    assert any(RUNNER[executor] in line for line in whole), err  # the engine's frames too
+    for path, line, function, source in frames:
+        assert f'      File "{path}", line {line}, in {function}' in whole and f"        {source}" in whole, err
+    assert "    ValueError: not a number: 'x'" in whole, err
+    assert "in the plugin's own code" not in err and "PluginError" not in err, err
+
+
+# --- engine check and engine bench ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_check_shows_where_an_example_failed(tmp_path: Path, executor: str) -> None:
+    space = make_workspace(tmp_path)
+    name = helper_env(space.envs, executor, example={"task": {}, "trajectory": BAD})
+    frames = expected_frames(space.envs / name, executor)
+    result = space.run("check", "--config", space.config)
+    assert result.returncode == EXIT_VERIFICATION, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    header = f"{name}: in the plugin's own code, innermost last (--traceback prints the whole traceback):"
+    assert header in lines, result.stdout
+    start = lines.index(header) + 1
+    path, line, function, source = frames[-1]
+    assert lines[start + 4 : start + 6] == [f'    File "{path}", line {line}, in {function}', f"      {source}"]
+    assert "Traceback" not in result.stdout + result.stderr
+
+    result = space.run("check", "--config", space.config, "--traceback")
+    assert result.returncode == EXIT_VERIFICATION
+    assert f"{name}: the whole traceback of what it raised:\n    Traceback (most recent call last):" in result.stdout
+    assert RUNNER[executor] in result.stdout and f'File "{path}", line {line}, in {function}' in result.stdout
+
+
+def test_check_shows_where_an_import_failed(tmp_path: Path) -> None:
+    space = make_workspace(tmp_path)
+    name = helper_env(space.envs, "thread", broken=True)
+    result = space.run("check", "--config", space.config)
+    assert result.returncode == EXIT_VERIFICATION
+    raised = line_of(BROKEN, "raise RuntimeError")
+    assert f'    File "{space.envs / name / "broken.py"}", line {raised}, in <module>' in result.stdout.splitlines()
+
+
+def test_bench_shows_the_plugins_frames_and_traceback_the_whole(tmp_path: Path) -> None:
+    space = make_workspace(tmp_path)
+    name = helper_env(space.envs, "thread")
+    rows_in = write_rows(space.root / "in.jsonl", [{"id": "bad", "environment": name, "task": {}, "trajectory": BAD}])
+    path, line, function, source = expected_frames(space.envs / name, "thread")[-1]
+    result = space.run("bench", rows_in, "--config", space.config)
+    assert result.returncode == EXIT_VERIFICATION
+    assert f'    File "{path}", line {line}, in {function}\n      {source}' in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    result = space.run("bench", rows_in, "--config", space.config, "--traceback")
+    assert result.returncode == EXIT_VERIFICATION
+    assert "the whole traceback of what it raised:\n    Traceback (most recent call last):" in result.stderr
