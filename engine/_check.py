@@ -40,6 +40,7 @@ class EnvironmentCheck:
     verifier: str
     digest_now: str | None = None  # the directory's digest, when its pin is missing or stale
     hint: ProcessHint | None = None  # warm calls of its example measured processes would gain it cores
+    error: VerificationError | None = None  # the failure its verifier column says, with where it happened
 
     @property
     def ok(self) -> bool:
@@ -129,9 +130,11 @@ def _needs_main_thread(exc: BaseException) -> bool:
     return False
 
 
-async def _example_verdict(engine: Engine, env: Environment) -> tuple[str, ProcessHint | None]:
+async def _example_verdict(
+    engine: Engine, env: Environment
+) -> tuple[str, ProcessHint | None, VerificationError | None]:
     """ "ok" if the plugin scores its manifest's sample item, or has none; else why not, and what to do. With it,
-    the process hint its warm calls give (:func:`process_hint`).
+    the process hint its warm calls give (:func:`process_hint`), and the error it failed with.
 
     A plugin that sets a signal handler (``signal.alarm`` timeouts: math-verify's) imports fine and
     fails every call in the engine's threads: only a call shows it, so check makes one, as the
@@ -139,9 +142,9 @@ async def _example_verdict(engine: Engine, env: Environment) -> tuple[str, Proce
     """
     example: Any = env.manifest.get(EXAMPLE_FIELD)
     if example is None:
-        return "ok", None
+        return "ok", None, None
     if not isinstance(example, Mapping) or not {"task", "trajectory"} <= set(example):
-        return f"manifest field '{EXAMPLE_FIELD}' must be an object with 'task' and 'trajectory'", None
+        return f"manifest field '{EXAMPLE_FIELD}' must be an object with 'task' and 'trajectory'", None, None
     item = {"environment": env.name, "task": example["task"], "trajectory": example["trajectory"]}
     try:
         await engine.score([item])
@@ -151,12 +154,12 @@ async def _example_verdict(engine: Engine, env: Environment) -> tuple[str, Proce
                 f"its {EXAMPLE_FIELD} fails in the engine's threads only: it sets a signal handler (signal.alarm "
                 "timeouts, as math-verify's), which works only in a process's main thread; set \"executor\": "
                 "\"process\" in its manifest's verifier"
-            ), None
-        return f"its {EXAMPLE_FIELD} fails: {exc.reason}", None
+            ), None, exc
+        return f"its {EXAMPLE_FIELD} fails: {exc.reason}", None, exc
     try:
-        return "ok", await process_hint(engine, env.name, [item])
+        return "ok", await process_hint(engine, env.name, [item]), None
     except VerificationError as exc:  # it scored once, and not again: the plugin is not a function of its item
-        return f"its {EXAMPLE_FIELD} fails: {exc.reason}", None
+        return f"its {EXAMPLE_FIELD} fails: {exc.reason}", None, exc
 
 
 async def check_environments(*, config: EngineConfig) -> list[EnvironmentCheck]:
@@ -189,22 +192,25 @@ async def check_environments(*, config: EngineConfig) -> list[EnvironmentCheck]:
                 Pin.MISSING: f'no pin; after vetting, pin it: {env.name} = "{digest}"',
                 Pin.NOT_NEEDED: "-",
             }[pinned]
-            verdict, hint = "ok", None
+            verdict, hint, error = "ok", None, None
             try:
                 if env.verifier.kind == "plugin":
                     if digest_status not in ("ok", "-"):
                         verdict = "not imported (digest)"
                     else:
                         await engine.load(env.name)
-                        verdict, hint = await _example_verdict(engine, env)
+                        verdict, hint, error = await _example_verdict(engine, env)
                 elif env.verifier.kind == "endpoint":
                     verdict = await _reachable(env.verifier.ref, proxies)
                 else:
                     verdict = _rubric_verdict(engine, env.verifier.ref)
             except EngineError as exc:
                 verdict = getattr(exc, "reason", str(exc))
+                error = exc if isinstance(exc, VerificationError) else None
             stale = digest_status not in ("ok", "-")
             spec = env.verifier
             now = digest if stale else None
-            checks.append(EnvironmentCheck(env.name, spec.kind, spec.ref, "ok", digest_status, verdict, now, hint))
+            checks.append(
+                EnvironmentCheck(env.name, spec.kind, spec.ref, "ok", digest_status, verdict, now, hint, error)
+            )
     return checks

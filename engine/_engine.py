@@ -223,7 +223,8 @@ class Engine:
             await verifier.load()
         except Failure as exc:  # no item asked: the error names the verifier and the environment
             raise VerificationError(verifier.kind, verifier.ref, exc.reason, key=verifier.key, environment=name,
-                                    timed_out=exc.timed_out, cannot_load=exc.of_environment) from exc.__cause__
+                                    timed_out=exc.timed_out, cannot_load=exc.of_environment,
+                                    plugin_frames=exc.frames) from exc.__cause__
 
     def _verifier(self, name: str) -> Verifier:
         """The verifier of environment ``name``, as a batch would resolve it (internal: what tests look into)."""

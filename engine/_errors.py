@@ -12,7 +12,8 @@ Python API is a plain ``TypeError``/``ValueError``; a foreign exception becomes 
 #   engine._http.transport.ResponseTooLarge  an httpx transport error for a body past ``max_body``
 #   engine._http.transport._Unsolicited  the transport's signal: bytes no request asked for, the connection closes
 #   engine._verifiers.plugin.executor.CallFailed  an executor's Failure (position, timed_out, of_environment)
-#   engine._verifiers.plugin.worker_client.PluginError  a plugin's exception in a worker, as its type's name and text
+#   engine._verifiers.plugin.worker_client.PluginError  a plugin's exception in a worker: its type's name, what
+#                                        describe says, the worker's traceback (its text) and the plugin's own frames
 #   engine._verifiers.plugin.worker_client._Overran  the worker client's signal: a deadline passed waiting for it
 #   engine._verifiers.plugin.importer.PluginLoadError  a Failure importing a plugin (where the import is retried)
 #   engine._verifiers.plugin.thread_calls.Interrupted  a plugin's KeyboardInterrupt in a thread, as its failure
@@ -24,7 +25,9 @@ Python API is a plain ``TypeError``/``ValueError``; a foreign exception becomes 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from traceback import FrameSummary
 from typing import Any, Literal
 
 from engine._numpy import python_scalar
@@ -123,6 +126,11 @@ class VerificationError(EngineError):
         timed_out: The verifier ran out of its time (the engine's finding, never a plugin's words).
         cannot_load: The environment cannot load its verifier (a pin that does not match, a module that
             does not import, a rubric that cannot be resolved): none of its items can be scored.
+        plugin_frames: Where in a plugin's own code it failed: the frames of what it raised that are in its
+            environment's files (``traceback.FrameSummary``: ``filename``, ``lineno``, ``name``, ``line``),
+            innermost last, at most 5; empty for other verifiers and failures that raised nothing. The reason
+            ends with the innermost (``(at helper.py:12, in parse)``), and only the reason crosses
+            ``engine serve``'s wire.
     """
 
     def __init__(
@@ -137,6 +145,7 @@ class VerificationError(EngineError):
         item_id: Any = None,
         timed_out: bool = False,
         cannot_load: bool = False,
+        plugin_frames: Sequence[FrameSummary] = (),
     ) -> None:
         self.kind = kind
         self.ref = ref
@@ -149,6 +158,7 @@ class VerificationError(EngineError):
         self.item_id = python_scalar(item_id)
         self.timed_out = timed_out
         self.cannot_load = cannot_load
+        self.plugin_frames = tuple(plugin_frames)
         super().__init__(kind, ref, reason)
 
     def at_item(self, environment: str, index: int, item_id: Any) -> VerificationError:
@@ -244,16 +254,24 @@ class Failure(Exception):
     the batch it was. ``position``, if known, is the item's place in the chunk the verifier was
     handed; ``timed_out``, that the call ran out of its time; ``of_environment``, that the environment
     cannot load its verifier (a pin that does not match, a module that does not import): every item
-    of it fails alike, and the scheduler names its first in the batch. Never seen by users: the
+    of it fails alike, and the scheduler names its first in the batch; ``frames``, where in a plugin's own
+    code it failed (``VerificationError.plugin_frames``). Never seen by users: the
     scheduler, which knows the item, turns it into the one ``VerificationError`` naming the verifier
     and the item, these fields with it, chaining this failure's cause.
     """
 
     def __init__(
-        self, reason: str, *, position: int | None = None, timed_out: bool = False, of_environment: bool = False
+        self,
+        reason: str,
+        *,
+        position: int | None = None,
+        timed_out: bool = False,
+        of_environment: bool = False,
+        frames: Sequence[FrameSummary] = (),
     ) -> None:
         self.reason = reason
         self.position = position
         self.timed_out = timed_out
         self.of_environment = of_environment
+        self.frames = tuple(frames)
         super().__init__(reason)

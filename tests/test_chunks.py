@@ -106,7 +106,7 @@ async def test_a_chunk_holds_items_of_several_lanes_apart(config: EngineConfig) 
 @pytest.mark.parametrize(
     ("mode", "reason"),
     [
-        ("raise", "raised ArithmeticError: cannot score item 13577"),
+        ("raise", "raised ArithmeticError: cannot score item 13577 (at verify.py:40, in _score)"),  # where it raised
         ("nan", "returned nan, which is not a finite number"),
         ("none", "returned None (NoneType), which is not a real number"),
         ("text", "returned 'high' (str), which is not a real number"),

@@ -340,7 +340,7 @@ def test_errors_on_the_wire_have_every_field(service: Service) -> None:
     assert response.json() == {"error": {
         "type": "VerificationError", "kind": "plugin", "ref": "faults:by_task", "key": "faulty/faults:by_task",
         "environment": "faulty", "index": 5, "item_id": "z", "timed_out": False, "cannot_load": False,
-        "message": "raised Boom: the plugin blew up",
+        "message": "raised Boom: the plugin blew up (at faults.py:16, in by_task)",  # where, in the plugin
     }}
     response = service.post("/v1/score", {"items": [[1]]})
     assert response.status_code == 400

@@ -380,7 +380,7 @@ def test_a_failing_item_is_its_own_requests_error_and_the_others_get_their_rewar
         "type": "VerificationError", "kind": "plugin", "ref": "verify:score",
         "key": f"{failing[position]['environment']}/verify:score", "environment": failing[position]["environment"],
         "index": 40 + position, "item_id": {"row": 3}, "timed_out": False, "cannot_load": False,
-        "message": "raised RuntimeError: boom on 5",
+        "message": "raised RuntimeError: boom on 5 (at verify.py:4, in score)",
     }
     for answer, items in zip(answers, good, strict=True):
         check_result(answer, items)
@@ -397,9 +397,9 @@ def test_two_failing_requests_in_one_batch_each_get_their_own_error(service: Ser
     assert shared(before, after), (before, after)
     errors = {n: body["error"] for n, (status, body) in enumerate(answers) if status != 200}
     assert {n: (e["environment"], e["index"], e["item_id"], e["message"]) for n, e in errors.items()} == {
-        2: ("echo2", 21, "b2", "raised RuntimeError: boom on 2"),
-        7: ("echo", 70, "b7", "raised RuntimeError: boom on 7"),
-        10: ("echo", 1, "g", "raised RuntimeError: boom on 3"),  # /get_reward's items are from 0
+        2: ("echo2", 21, "b2", "raised RuntimeError: boom on 2 (at verify.py:4, in score)"),
+        7: ("echo", 70, "b7", "raised RuntimeError: boom on 7 (at verify.py:4, in score)"),
+        10: ("echo", 1, "g", "raised RuntimeError: boom on 3 (at verify.py:4, in score)"),  # from 0 in /get_reward
     }
     for n in set(range(10)) - {2, 7}:
         check_result(answers[n], bodies[n][1]["items"])

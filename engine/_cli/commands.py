@@ -19,12 +19,21 @@ from engine._backfill.files import file_format
 from engine._backfill.input import JSON_TEXT_COLUMNS, count_rows, json_columns
 from engine._backfill.run import DEFAULT_CHUNK_SIZE, RunSummary, score_file
 from engine._check import check_environments
-from engine._cli.lifecycle import EXIT_BAD_INPUT, EXIT_IO, EXIT_VERIFICATION, Commands, fail, interrupted, run
-from engine._cli.render import bench_table, show_progress, stdout, summary_table
+from engine._cli.lifecycle import (
+    EXIT_BAD_INPUT,
+    EXIT_IO,
+    EXIT_VERIFICATION,
+    Commands,
+    fail,
+    interrupted,
+    outcome,
+    run,
+)
+from engine._cli.render import bench_table, failure_details, show_progress, stdout, summary_table
 from engine._config import load_config
 from engine._environments.digest import digest_directory
 from engine._environments.manifest import RUBRIC_REF
-from engine._errors import ResumeError, RubricError, WriteError
+from engine._errors import ResumeError, RubricError, VerificationError, WriteError
 from engine._http.headers import token_problem
 from engine._ray.plan import DEFAULT_BLOCK_ROWS
 from engine._serve import limits as _limits
@@ -59,6 +68,15 @@ json_columns_option = click.option(
     callback=_json_columns,
     help="Parquet input: these columns hold JSON text, decoded for the plugin (as are those the file's "
     "engine.json_columns metadata lists, and a text task); any other text reaches it as text.",
+)
+
+
+traceback_option = click.option(
+    "--traceback",
+    "whole_traceback",
+    is_flag=True,
+    help="When a verifier fails, print the whole traceback of what it raised (a process plugin's as its worker "
+    "formatted it), not only the plugin's own frames.",
 )
 
 
@@ -122,14 +140,15 @@ def cli() -> None:
 @click.option("--url", default=None, help="With --ray: every actor scores through this `engine serve` instead.")
 @click.option("--token-env", metavar="NAME", default=None, help="With --url: variable holding the service's token.")
 @json_columns_option
+@traceback_option
 def score(input_path: Path, output: Path, config_path: Path, resume: bool, chunk_size: int | None, on_ray: bool,
           address: str | None, actors: int | None, url: str | None, token_env: str | None,
-          json_text: frozenset[str]) -> None:
+          json_text: frozenset[str], whole_traceback: bool) -> None:
     """Backfill rewards for a file of stored trajectories (JSON Lines or Parquet)."""
     ray_only = {"--address": address, "--actors": actors, "--url": url, "--token-env": token_env}
     if on_ray:
         _score_on_ray(input_path, output, config_path, resume, chunk_size or DEFAULT_BLOCK_ROWS, address, actors, url,
-                      token_env, json_text)
+                      token_env, json_text, whole_traceback)
         return
     _refuse_json_columns_for_jsonl(input_path, json_text)
     chunk_size = chunk_size or DEFAULT_CHUNK_SIZE
@@ -158,6 +177,7 @@ def score(input_path: Path, output: Path, config_path: Path, resume: bool, chunk
                     json_columns=json_text,
                 ),
                 kept=lambda: _kept(output),
+                whole=whole_traceback,
             )
     except KeyboardInterrupt:  # before or after the run itself (run() reports one during it)
         interrupted(f"; {_kept(output)}")
@@ -194,7 +214,7 @@ def _token(variable: str | None) -> str | None:
 
 def _score_on_ray(input_path: Path, output: Path, config_path: Path, resume: bool, block_rows: int,
                   address: str | None, actors: int | None, url: str | None, token_env: str | None,
-                  json_text: frozenset[str]) -> None:
+                  json_text: frozenset[str], whole_traceback: bool) -> None:
     """``engine score --ray``: :func:`engine._ray.run.backfill`, with the single-machine command's errors and exits."""
     from engine._ray.run import DEFAULT_ACTORS, backfill  # Ray itself is imported only once a run starts
 
@@ -210,6 +230,10 @@ def _score_on_ray(input_path: Path, output: Path, config_path: Path, resume: boo
         interrupted(f"; {kept}")
     except WriteError as exc:
         fail(EXIT_IO, f"{exc}; {kept}")
+    except VerificationError as exc:  # reported as a run's is, whole with --traceback
+        known = outcome(exc, whole=whole_traceback)
+        assert known is not None  # one of the engine's own errors
+        fail(*known)
     if summary.already_complete:
         stdout.print(f"{output} is already complete ({summary.rows:,} rows): nothing to do", soft_wrap=True)
         return
@@ -231,15 +255,16 @@ def _score_on_ray(input_path: Path, output: Path, config_path: Path, resume: boo
               help="Rows scored per batch, as a trainer's step would.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON instead of a table.")
 @json_columns_option
+@traceback_option
 def bench(input_path: Path, config_path: Path, repeat: int, batch_size: int, as_json: bool,
-          json_text: frozenset[str]) -> None:
+          json_text: frozenset[str], whole_traceback: bool) -> None:
     """Measure each verifier on a file of stored trajectories, writing no rewards."""
     _refuse_json_columns_for_jsonl(input_path, json_text)
     config = load_config(config_path)
     if not input_path.is_file():
         fail(EXIT_BAD_INPUT, f"{input_path}: no such input file")
     runs = run(lambda: bench_file(input_path=input_path, config=config, repeat=repeat, batch_size=batch_size,
-                                   json_columns=json_text))
+                                   json_columns=json_text), whole=whole_traceback)
     summary = summarise(runs)
     if as_json:
         click.echo(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
@@ -249,10 +274,11 @@ def bench(input_path: Path, config_path: Path, repeat: int, batch_size: int, as_
 
 @cli.command()
 @config_option
-def check(config_path: Path) -> None:
+@traceback_option
+def check(config_path: Path, whole_traceback: bool) -> None:
     """Load every environment and report whether each can score; exit 1 if any cannot."""
     config = load_config(config_path)
-    checks = run(lambda: check_environments(config=config))
+    checks = run(lambda: check_environments(config=config), whole=whole_traceback)
     table = Table()
     for name in ("environment", "kind", "ref", "manifest", "digest", "verifier", "ok"):
         table.add_column(name, overflow="fold")
@@ -261,6 +287,9 @@ def check(config_path: Path) -> None:
         mark = Text("yes", style="green") if row.ok else Text("NO", style="bold red")
         table.add_row(*map(Text, cells), mark)
     stdout.print(table)
+    for row in checks:  # where each plugin that failed failed, under the table (its cells fold)
+        if row.error is not None and (details := failure_details(row.error, whole_traceback)):
+            stdout.print(f"{row.environment}: " + "\n  ".join(details), markup=False, soft_wrap=True)
     for row in checks:
         if row.hint is not None:
             stdout.print(f"hint: {row.environment}: {row.hint.says()}", markup=False, soft_wrap=True)

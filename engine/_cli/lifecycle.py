@@ -20,7 +20,7 @@ import anyio
 import click
 from rich.text import Text
 
-from engine._cli.render import stderr
+from engine._cli.render import cause_line, failure_details, stderr
 from engine._errors import EngineError, VerificationError, WriteError
 
 __all__ = [
@@ -122,7 +122,7 @@ async def _stoppable(fn: Callable[[], Awaitable[T]], result: list[T]) -> None:
             _Signals.stop = _no_loop_to_stop
 
 
-def run(fn: Callable[[], Awaitable[T]], kept: Callable[[], str] | None = None) -> T:
+def run(fn: Callable[[], Awaitable[T]], kept: Callable[[], str] | None = None, *, whole: bool = False) -> T:
     """Run ``fn`` on an asyncio loop, turning the engine's errors into messages and exit codes.
 
     Once a signal was received, whatever ends the run (cancellation, or an error or exception group
@@ -131,6 +131,7 @@ def run(fn: Callable[[], Awaitable[T]], kept: Callable[[], str] | None = None) -
     Args:
         fn: the run.
         kept: what a run stopped by an interrupt or a write error kept, and how to go on.
+        whole: a verification error shows the whole traceback of what the verifier raised (``--traceback``).
 
     Returns:
         What ``fn`` returned.
@@ -153,7 +154,7 @@ def run(fn: Callable[[], Awaitable[T]], kept: Callable[[], str] | None = None) -
     except BaseException as exc:
         if _Signals.received or isinstance(exc, KeyboardInterrupt):
             interrupted(after())
-        known = outcome(exc, after)
+        known = outcome(exc, after, whole=whole)
         if known is None:
             raise  # a bug: the command group reports it (Commands)
         fail(*known)
@@ -162,7 +163,9 @@ def run(fn: Callable[[], Awaitable[T]], kept: Callable[[], str] | None = None) -
     return result[0]
 
 
-def outcome(exc: BaseException, after: Callable[[], str] | None = None) -> tuple[int, str] | None:
+def outcome(
+    exc: BaseException, after: Callable[[], str] | None = None, *, whole: bool = False
+) -> tuple[int, str] | None:
     """The exit code and ``error:`` message of one of the engine's own errors; None for any other exception.
 
     Only an error the engine raises on purpose (``engine._errors``) says something about the
@@ -170,9 +173,13 @@ def outcome(exc: BaseException, after: Callable[[], str] | None = None) -> tuple
     one of them where the input is read (a bad row: ``InputError``, by its line); a ``ValueError``
     or ``TypeError`` from anywhere else is a bug in the engine and must not read as bad input.
 
+    A verification error's message goes on with its cause, its notes, and where it failed: a plugin's own
+    frames, or with ``whole`` the whole traceback of what the verifier raised (``failure_details``).
+
     Args:
         exc: what ended the command.
         after: for a write error, what the run kept and how to go on.
+        whole: show the whole traceback of a verification error's cause, not only the plugin's frames.
 
     Returns:
         The exit code and message, or None if ``exc`` is not one of the engine's own errors.
@@ -180,8 +187,9 @@ def outcome(exc: BaseException, after: Callable[[], str] | None = None) -> tuple
     if isinstance(exc, VerificationError):
         lines = [str(exc)]
         if exc.__cause__ is not None:
-            lines.append(f"cause: {type(exc.__cause__).__name__}: {exc.__cause__}")
+            lines.append(f"cause: {cause_line(exc.__cause__)}")
         lines += getattr(exc, "__notes__", [])
+        lines += failure_details(exc, whole)
         return EXIT_VERIFICATION, "\n  ".join(lines)
     if isinstance(exc, WriteError):
         return EXIT_IO, f"{exc}{after() if after is not None else ''}"

@@ -6,6 +6,7 @@ import contextlib
 import math
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,8 +16,10 @@ from rich.table import Table
 from rich.text import Text
 
 from engine._backfill.run import RunSummary
+from engine._errors import VerificationError
+from engine._verifiers.plugin.worker_client import PluginError
 
-__all__ = ["bench_table", "show_progress", "stderr", "stdout", "summary_table"]
+__all__ = ["bench_table", "cause_line", "failure_details", "show_progress", "stderr", "stdout", "summary_table"]
 
 PLAIN_PROGRESS_EVERY = 10.0  # seconds between progress lines when stderr is not a terminal
 LOG_WIDTH = 200
@@ -70,6 +73,33 @@ def show_progress(total: int | None) -> Iterator[Callable[[int], None]]:
         stderr.print(f"scored {done}{of} rows, {rate:,.0f} rows/s{eta}", soft_wrap=True)
 
     yield line
+
+
+def cause_line(cause: BaseException) -> str:
+    """What a verification error's cause was, in one line: a worker's plugin exception as the plugin's own type."""
+    if isinstance(cause, PluginError):
+        return cause.described
+    try:
+        text = str(cause)
+    except Exception:  # a plugin's exception: its __str__ is the plugin's code
+        text = "(its message cannot be read)"
+    return f"{type(cause).__name__}: {text}"
+
+
+def failure_details(exc: VerificationError, whole: bool) -> list[str]:
+    """Where a verifier failed, as lines under its error: the plugin's own frames (file, line and source, innermost
+    last), or with ``whole`` (``--traceback``) the whole traceback of what it raised (a worker's as it sent it)."""
+    cause = exc.__cause__
+    if whole and cause is not None:
+        text = cause.worker_traceback if isinstance(cause, PluginError) else "".join(traceback.format_exception(cause))
+        return ["the whole traceback of what it raised:", *(f"  {line}" for line in text.rstrip("\n").splitlines())]
+    if not exc.plugin_frames:
+        return []
+    frames = traceback.StackSummary.from_list(list(exc.plugin_frames)).format()  # indented as in a traceback
+    return [
+        "in the plugin's own code, innermost last (--traceback prints the whole traceback):",
+        *"".join(frames).rstrip("\n").splitlines(),
+    ]
 
 
 def summary_table(summary: RunSummary) -> Table:

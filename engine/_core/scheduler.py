@@ -74,6 +74,7 @@ def _failed(verifier: Verifier, exc: Exception, index: int, item: Mapping[str, A
         item_id=item.get("id"),
         timed_out=is_timeout(exc),
         cannot_load=isinstance(exc, Failure) and exc.of_environment,
+        plugin_frames=exc.frames if isinstance(exc, Failure) else (),
     )
     if error.cannot_load:
         error.add_note(

@@ -121,15 +121,16 @@ def plugin(eng: BlockingEngine | Engine, environment: str) -> PluginVerifier:
 
 # --- a call that fails: the same outcome in a thread and in a worker process ---
 
+AT = r" \(at faults\.py:\d+, in by_task\)"  # where in the plugin's file it raised: its own frame, not the engine's
 BAD_CALLS = [
-    ("raise", re.escape("raised Boom: the plugin blew up")),
+    ("raise", re.escape("raised Boom: the plugin blew up") + AT),
     ("none", re.escape("returned None (NoneType), which is not a real number")),
     ("text", re.escape("returned 'high' (str), which is not a real number")),
     ("nan", re.escape("returned nan, which is not a finite number")),
     ("inf", re.escape("returned inf, which is not a finite number")),
-    ("exit", re.escape("raised SystemExit: 3")),
-    ("base_exception", re.escape("raised FunctionTimedOut: too slow")),  # escaped raw, and killed a BlockingEngine
-    ("cancelled", re.escape("raised CancelledError: the plugin's own")),
+    ("exit", re.escape("raised SystemExit: 3") + AT),
+    ("base_exception", re.escape("raised FunctionTimedOut: too slow") + AT),  # escaped raw, and killed a BlockingEngine
+    ("cancelled", re.escape("raised CancelledError: the plugin's own") + AT),
     ("float_exit", re.escape("returned 0.5 (ExitingFloat), whose float() raised SystemExit(3)")),  # ended the trainer
 ]
 
@@ -250,7 +251,8 @@ def test_an_import_that_raises_a_base_exception_fails_the_item(
     with BlockingEngine(config(fault_envs)) as eng:
         for _ in range(2):  # and again: a failed import is tried again
             err = fails(eng, [*ok(THREAD), item(env, item_id="s")])
-            reason = re.escape("cannot load 'faults:by_task': Skipped: could not import sympy")
+            said = "cannot load 'faults:by_task': Skipped: could not import sympy (at faults.py:5, in <module>)"
+            reason = re.escape(said)
             check(err, environment=env, index=1, item_id="s", match=reason)
         assert eng.score(ok(THREAD, 2)) == [0.5] * 2
 
@@ -357,7 +359,7 @@ def test_an_abort_kills_the_worker_calls_in_flight(fault_envs: Path, tmp_path: P
     cue = item(THREAD, item_id="cue", mode="raise_when", when=str(pidfile))
     with BlockingEngine(config(fault_envs, timeout=10)) as eng:
         err = fails(eng, [busy, cue])
-        check(err, environment=THREAD, index=1, item_id="cue", match=re.escape("raised Boom: cue pid seen"))
+        check(err, environment=THREAD, index=1, item_id="cue", match=re.escape("raised Boom: cue pid seen") + AT)
         wait_until_gone(int(pidfile.read_text()))  # not left running for its 10 s
         assert eng.score(ok(PROCESS, 2)) == [0.5] * 2
 
@@ -472,7 +474,7 @@ def test_an_async_plugin_runs_in_a_worker_too(fault_envs: Path, no_leaks: Snapsh
     with BlockingEngine(config(fault_envs)) as eng:
         assert eng.score([item(env, mode="ok"), item(env, mode="main_thread")]) == [0.5, 1.0]
         err = fails(eng, [item(env, item_id="a", mode="raise")])
-        reason = re.escape("raised Boom: the plugin blew up")
+        reason = re.escape("raised Boom: the plugin blew up") + AT
         check(err, environment=env, index=0, item_id="a", match=reason, ref="faults:async_by_task")
 
 
@@ -531,7 +533,7 @@ IMPORT_FAULTS = [
     (
         "import a_module_that_does_not_exist_anywhere\n",
         re.escape("cannot import module 'faults': ModuleNotFoundError: No module named ")
-        + "'a_module_that_does_not_exist_anywhere'",
+        + re.escape("'a_module_that_does_not_exist_anywhere' (at faults.py:1, in <module>)"),
     ),
     (
         "import ctypes\nctypes.string_at(0)\n",

@@ -226,8 +226,8 @@ class ThreadExecutor(Executor):
                     return await self._run(items, out, converting, serial, runner)
                 except MalformedItem:
                     raise
-                except BadItem as exc:
-                    raise CallFailed(exc.reason, exc.position) from None
+                except BadItem as exc:  # chained as a single call's is: a value's __float__ is the plugin's code
+                    raise CallFailed(exc.reason, exc.position) from exc.__cause__
                 except BaseException as exc:  # the call at len(out) raised: SystemExit or any other, but ours
                     if must_pass(exc):
                         raise

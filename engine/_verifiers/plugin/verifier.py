@@ -22,12 +22,14 @@ from engine._environments.digest import MANIFEST, Pin, Snapshot, pin_verdict, sn
 from engine._environments.manifest import Environment
 from engine._errors import DigestError, Failure
 from engine._verifiers.plugin.executor import CallFailed, Executor
+from engine._verifiers.plugin.frames import own_frames, where
 from engine._verifiers.plugin.importer import PluginLoadError, forget, load_plugin
 from engine._verifiers.plugin.in_processes import ProcessExecutor
 from engine._verifiers.plugin.in_threads import ThreadExecutor
 from engine._verifiers.plugin.launcher import default_workers
 from engine._verifiers.plugin.on_loop import LoopExecutor
 from engine._verifiers.plugin.wire import PluginSpec
+from engine._verifiers.plugin.worker_client import PluginError
 
 __all__ = ["PluginVerifier"]
 
@@ -49,6 +51,7 @@ class PluginVerifier:
         thread_limiter: anyio.CapacityLimiter,
     ) -> None:
         self.environment = environment
+        self._root = os.path.abspath(environment.path)  # what a worker is told too: its frames name files under it
         self.ref = environment.verifier.ref
         self.key = environment.verifier_key
         self.limits = limits
@@ -77,11 +80,25 @@ class PluginVerifier:
         """The process ids of its worker processes (process executor; none before the first call)."""
         return self._executor.worker_pids if self._executor is not None else []
 
-    @staticmethod
-    def _failure(fault: CallFailed) -> Failure:
-        """The ``Failure`` the scheduler sees for ``fault``: every failure of a plugin is made here."""
+    def _failure(self, fault: CallFailed) -> Failure:
+        """The ``Failure`` the scheduler sees for ``fault``: every failure of a plugin is made here.
+
+        What the plugin raised, if anything, gives its own frames (found here in a thread's or the loop's
+        exception, carried by a worker's), and its reason ends with the innermost: a trainer's log then
+        names the plugin's file and line under any executor.
+        """
+        cause, root = fault.__cause__, self._root
+        if isinstance(cause, PluginError):
+            frames = cause.frames
+        else:
+            frames = own_frames(cause, root) if cause is not None else ()
+        reason = f"{fault.reason} (at {where(frames[-1], root)})" if frames else fault.reason
         return Failure(
-            fault.reason, position=fault.position, timed_out=fault.timed_out, of_environment=fault.of_environment
+            reason,
+            position=fault.position,
+            timed_out=fault.timed_out,
+            of_environment=fault.of_environment,
+            frames=frames,
         )
 
     def _check_digest(self) -> Snapshot:
@@ -137,7 +154,7 @@ class PluginVerifier:
         env = self.environment
         if fn is None:
             assert self._workers is not None  # the process executor's: its workers import the module
-            spec = PluginSpec(os.path.abspath(env.path), env.name, self.ref, snapshot.digest)
+            spec = PluginSpec(self._root, env.name, self.ref, snapshot.digest)
             return ProcessExecutor(spec, snapshot.sources, self.limits, self._workers)
         if is_async(fn):
             return LoopExecutor(fn, self.limits.timeout)

@@ -21,6 +21,7 @@ from typing import Any
 
 from engine._core.contract import BadItem, as_rewards, is_async, private_pair
 from engine._environments.digest import Snapshot
+from engine._verifiers.plugin.frames import own_frames
 from engine._verifiers.plugin.importer import PluginLoadError, load_plugin, safely_described
 from engine._verifiers.plugin.wire import PROGRESS_BYTES, Pair, PluginSpec, read_argv
 
@@ -29,9 +30,11 @@ __all__ = ["main"]
 _Call = Callable[[Mapping[str, Any], Any], Any]
 
 
-def _described(exc: BaseException) -> tuple[str, str, str]:
-    """(type name, what ``describe`` says, the traceback) of a plugin's exception, as plain strings."""
-    return type(exc).__name__, safely_described(exc), "".join(traceback.format_exception(exc))
+def _described(exc: BaseException, root: str) -> tuple[str, str, str, tuple[traceback.FrameSummary, ...]]:
+    """(type name, what ``describe`` says, the traceback, the plugin's own frames under ``root``) of a plugin's
+    exception: plain strings and frames, which pickle whatever the exception held."""
+    text = "".join(traceback.format_exception(exc))
+    return type(exc).__name__, safely_described(exc), text, own_frames(exc, root)
 
 
 def _watch_parent(alive: int) -> None:
@@ -57,8 +60,8 @@ def _caller(fn: Callable[..., Any]) -> _Call:
     return lambda task, trajectory: loop.run_until_complete(fn(task, trajectory))
 
 
-def _serve_chunk(call: _Call, pairs: Sequence[Pair], progress: memoryview[float]) -> tuple[Any, ...]:
-    """Call the plugin on each pair; the reply to send back.
+def _serve_chunk(call: _Call, pairs: Sequence[Pair], progress: memoryview[float], root: str) -> tuple[Any, ...]:
+    """Call the plugin (of environment directory ``root``) on each pair; the reply to send back.
 
     Each call is handed its own copy of its task and trajectory (``private_pair``), as in the
     engine's threads: unpickled together, the items of a piece that shared a task share it here too.
@@ -80,16 +83,23 @@ def _serve_chunk(call: _Call, pairs: Sequence[Pair], progress: memoryview[float]
             at(position)
             append(call(*private_pair(position, task, trajectory)))
     except BadItem as exc:  # the item cannot be copied
-        return ("bad", exc.position, exc.reason)
+        return _bad(exc, root)
     except BaseException as exc:  # SystemExit and the like fail the item, not the worker
-        return ("raised", position, *_described(exc))
+        return ("raised", position, *_described(exc, root))
     cost = (perf_counter() - started, thread_time() - cpu)
     try:
         return ("done", as_rewards(out, at), cost)
     except BadItem as exc:
-        return ("bad", exc.position, exc.reason)
+        return _bad(exc, root)
     except BaseException as exc:  # KeyboardInterrupt from a value's code (SIGINT is ignored here: it is the plugin's)
-        return ("raised", int(progress[0]), *_described(exc))
+        return ("raised", int(progress[0]), *_described(exc, root))
+
+
+def _bad(exc: BadItem, root: str) -> tuple[Any, ...]:
+    """The reply for an item that cannot be copied or a value that is not a reward, with what raised, if anything
+    did (a value's ``__float__``: the plugin's code), described as a plugin's exception is."""
+    cause = exc.__cause__
+    return ("bad", exc.position, exc.reason, _described(cause, root) if cause is not None else None)
 
 
 def _first_unpicklable(pickles: Sequence[bytes], progress: memoryview[float]) -> tuple[Any, ...]:
@@ -99,8 +109,8 @@ def _first_unpicklable(pickles: Sequence[bytes], progress: memoryview[float]) ->
         try:
             ForkingPickler.loads(data)
         except BaseException as exc:  # whatever unpickling the trainer's objects raises, even SystemExit
-            return ("bad", position, f"the worker process cannot unpickle the item: {safely_described(exc)}")
-    return ("bad", -1, "every item unpickles alone")
+            return ("bad", position, f"the worker process cannot unpickle the item: {safely_described(exc)}", None)
+    return ("bad", -1, "every item unpickles alone", None)
 
 
 def main() -> None:
@@ -128,7 +138,7 @@ def _serve(conn: Connection, progress: memoryview[float], spec: PluginSpec) -> N
         fn = load_plugin(Snapshot(Path(spec.root), spec.digest, sources), spec.environment, spec.ref)
     except PluginLoadError as exc:
         cause = exc.__cause__
-        conn.send(("failed", exc.reason, _described(cause) if cause is not None else None))
+        conn.send(("failed", exc.reason, _described(cause, spec.root) if cause is not None else None))
         return
     call = _caller(fn)
     conn.send(("ready",))
@@ -150,4 +160,4 @@ def _serve(conn: Connection, progress: memoryview[float], spec: PluginSpec) -> N
         if type(message) is tuple:  # a probe: ("probe", each item of the chunk that failed, pickled alone)
             conn.send(_first_unpicklable(message[1], progress))
         else:
-            conn.send(_serve_chunk(call, pairs, progress))
+            conn.send(_serve_chunk(call, pairs, progress, spec.root))

@@ -15,6 +15,7 @@ import signal
 import socket
 import tempfile
 import threading
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
@@ -36,11 +37,28 @@ CLOSE_GRACE = 2.0  # seconds an idle worker has to exit once its pipe is closed,
 
 
 class PluginError(Exception):
-    """A plugin's exception in a worker process, as text (chained as the ``VerificationError``'s cause)."""
+    """A plugin's exception in a worker process, as the worker saw it (chained as the ``VerificationError``'s cause).
 
-    def __init__(self, type_name: str, text: str) -> None:
+    Its text is the traceback the worker formatted, whole (what a trainer's log of the error shows);
+    ``type_name`` and ``described`` are its type's name and what ``describe`` said of it, ``frames`` the
+    plugin's own frames of it (``engine._verifiers.plugin.frames``).
+    """
+
+    def __init__(
+        self, type_name: str, described: str, text: str, frames: Sequence[traceback.FrameSummary] = ()
+    ) -> None:
         self.type_name = type_name
+        self.described = described
+        self.frames = tuple(frames)
         super().__init__(text)
+
+    @property
+    def worker_traceback(self) -> str:
+        """The traceback as the worker formatted it."""
+        return str(self.args[0])
+
+    def __reduce__(self) -> tuple[Any, ...]:  # its arguments are not its args
+        return type(self), (self.type_name, self.described, self.worker_traceback, self.frames)
 
 
 class _Overran(Exception):
@@ -216,7 +234,7 @@ class WorkerClient:
             if message[0] == "failed":
                 _, reason, error = message
                 self.close(grace=CLOSE_GRACE)
-                cause = PluginError(error[0], error[2]) if error is not None else None
+                cause = PluginError(*error) if error is not None else None
                 raise CallFailed(reason, 0) from cause
         except CallFailed:
             raise
@@ -252,10 +270,10 @@ class WorkerClient:
         if reply[0] == "done":
             return reply[1], reply[2]
         if reply[0] == "raised":
-            _, position, type_name, what, text = reply
-            raise CallFailed(f"raised {what}", position) from PluginError(type_name, text)
-        _, position, reason = reply
-        raise CallFailed(reason, position)
+            _, position, type_name, what, text, frames = reply
+            raise CallFailed(f"raised {what}", position) from PluginError(type_name, what, text, frames)
+        _, position, reason, error = reply  # "bad", and what raised, if anything did
+        raise CallFailed(reason, position) from (PluginError(*error) if error is not None else None)
 
     def _probe(self, pairs: Sequence[Pair], reason: str, timeout: float) -> tuple[Any, ...]:
         """The reply naming the item of a chunk the worker could not unpickle (``reason`` says why).
@@ -280,6 +298,7 @@ class WorkerClient:
                 0,
                 f"the worker process cannot unpickle the items: {reason}; each item alone unpickles there, "
                 "so which of them is not known",
+                None,
             )
         return reply
 
