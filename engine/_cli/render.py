@@ -208,7 +208,7 @@ def _bottleneck_line(slowest: dict[str, Any], verifiers: list[dict[str, Any]], s
     spent their time: queued for a limit, or in the verifier."""
     v = next(v for v in verifiers if (v["kind"], v["verifier"]) == (slowest["kind"], slowest["verifier"]))
     others = sorted((o for o in verifiers if o is not v), key=lambda o: o["active_s_all_runs"], reverse=True)
-    nxt = f"; the next, {_named(others[0])}, {_seconds(others[0]['active_s_all_runs'])}" if others else ""
+    nxt = f"; the next, {_named(others[0])}, {_seconds(others[0]['active_s_all_runs'])}" if others else "; the only one"
     if v["waiting_share"] >= 0.5:  # most of its calls' time queued: a limit bounds it, not the verifier
         why = (f"its calls spent {v['waiting_share']:.0%} of their time queued for a limit (its max_concurrency "
                "or max_rate, the engine's cap, the judge's, a worker pool's)")
