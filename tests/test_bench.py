@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import re
 import shutil
 import statistics
 from collections.abc import Awaitable, Callable
@@ -21,7 +22,11 @@ import pytest
 from cli_support import PLUGIN_ENV, RUBRICS, Ran, Workspace, make_workspace, row, rows, write_rows
 from conftest import SPIN, add_endpoint_env, add_env, add_rubric_env, process_twin
 from servers import Request, Response, Server, score
+from test_cli import exited, squeezed, table_rows
 
+from engine._backfill.bench import BenchRun, summarise
+from engine._cli.render import bench_table, stdout
+from engine._core.report import VerifierTotals
 from engine._verifiers.plugin.launcher import default_workers
 from engine.cli import EXIT_OK, EXIT_VERIFICATION
 
@@ -63,19 +68,104 @@ def test_bench_reports_each_verifier_and_writes_nothing(tmp_path: Path) -> None:
     assert remote["in_verifier_s"] > 0 and 0 <= remote["waiting_share"] <= 1
 
 
+NARROW = ["kind", "verifier", "items", "items/s", "active", "p50", "p99"]
+WIDE = ["kind", "verifier", "items", "items/s", "min-max", "active", "start-up", "p50", "p95", "p99", "peak in flight",
+        "mean in flight", "queued", "retries"]
+
+
+def header(out: str) -> list[str]:
+    """The bench table's header cells; the test fails if the header takes more than one line (a word broken)."""
+    lines = [line for line in out.splitlines() if line.lstrip().startswith("┃")]
+    assert len(lines) == 1, out
+    return table_rows(lines[0])[0]
+
+
+def cells_of(out: str, verifier: str) -> list[str]:
+    """The cells of the bench table's row of ``verifier``."""
+    found = [cells for cells in table_rows(out) if len(cells) > 1 and cells[1] == verifier]
+    assert found, out
+    return found[0]
+
+
 def test_bench_table_on_stdout(tmp_path: Path) -> None:
     space = make_workspace(tmp_path, PLUGIN_ENV)
     inp = write_rows(space.root / "in.jsonl", rows(100))
     result = space.run("bench", inp, "--config", space.config, "--repeat", "2")
     assert result.returncode == EXIT_OK, result.stderr
     assert "median of 2 run(s) (min " in result.stdout
-    for column in ("items/s", "p50 ms", "p95 ms", "p99 ms", "peak in flight", "retries", "waiting", "in verifier"):
-        assert column in result.stdout
-    assert "waiting (summed)" in result.stdout and "in verifier (summed)" in result.stdout  # not wall time
-    assert "start-up (summed)" in result.stdout and "active s" in result.stdout
-    assert f"{PLUGIN_ENV}/verify:score" in result.stdout
+    assert header(result.stdout) == NARROW
+    assert "2 runs of 100 items" in result.stdout and "count all 2 runs" in result.stdout  # one unit, said
+    cells = cells_of(result.stdout, f"{PLUGIN_ENV}/verify:score")
+    assert cells[0] == "plugin" and cells[2] == "200"  # both runs' items, as the histogram's
+    assert f"bottleneck: plugin {PLUGIN_ENV}/verify:score: " in result.stdout  # the only one
     runs = result.stdout.split("runs: ")[1].split(", ")
     assert len(runs) == 2 and all(float(r.replace(",", "")) > 0 for r in runs)
+
+    wide = space.run("bench", inp, "--config", space.config, "--repeat", "2", "--wide")
+    assert wide.returncode == EXIT_OK, wide.stderr
+    assert header(wide.stdout) == WIDE
+    cells = cells_of(wide.stdout, f"{PLUGIN_ENV}/verify:score")
+    assert cells[2] == "200" and cells[-1] == "0"  # items of both runs; no retries
+    assert re.fullmatch(r"\d+%", cells[WIDE.index("queued")])  # a share of its calls' time, never a sum over them
+
+
+def test_the_default_table_fits_100_columns_and_names_the_bottleneck(tmp_path: Path) -> None:
+    """At COLUMNS=100, as a user's terminal or log may be: no line is wider, the header is one line of
+    whole words, and a long verifier name folds in its cell. Of two plugins, 20 ms calls 2 at a time
+    (0.6 s for 60 items) and 5 ms calls 4 at a time (0.15 s for 120), the slow one bounds the batches,
+    and one line says so and why: its items queued for its 2 slots (one waits ~15 calls' time)."""
+    space = make_workspace(tmp_path)
+    slow, fast = add_sleeper(space, "slow", 0.02), add_sleeper(space, "fast_" + "x" * 60, 0.005)
+    space.write_config(
+        f'[refs."slow/verify:score"]\nmax_concurrency = 2\n[refs."{fast}/verify:score"]\nmax_concurrency = 4\n'
+    )
+    inp = write_rows(space.root / "in.jsonl", [row(n, slow) for n in range(60)] + [row(n, fast) for n in range(120)])
+
+    code, out, err = exited(space.start("bench", inp, "--config", space.config, env={"COLUMNS": "100"}))
+
+    assert code == EXIT_OK, err
+    assert max(map(len, out.splitlines())) <= 100, out
+    assert header(out) == NARROW
+    assert fast in "".join(cells[1] for cells in table_rows(out) if cells[0] in ("plugin", "")), out  # folded
+    said = [line for line in out.splitlines() if line.startswith("bottleneck: ")]
+    assert len(said) == 1 and said[0].startswith("bottleneck: plugin slow/verify:score: active longest, "), out
+    assert squeezed("queued for a limit") in squeezed(out), out
+    assert squeezed(f"the next, plugin {fast}/verify:score") in squeezed(out), out
+
+    as_json = space.run("bench", inp, "--config", space.config, "--json")
+    assert as_json.returncode == EXIT_OK, as_json.stderr
+    summary = orjson.loads(as_json.stdout)
+    figures = by_verifier(summary)
+    s, f = figures["slow/verify:score"], figures[f"{fast}/verify:score"]
+    slowest = summary["bottleneck"]
+    assert (slowest["kind"], slowest["verifier"]) == ("plugin", "slow/verify:score")
+    assert slowest["active_s"] == s["active_s_all_runs"] > f["active_s_all_runs"]
+    assert 0 < slowest["share"] <= 1 and slowest["active_s"] <= summary["scoring_s_all_runs"]
+    assert s["waiting_share"] >= 0.5  # 60 items through 2 slots: most of their time queued
+
+
+def test_a_rate_over_too_short_a_span_is_flagged(tmp_path: Path) -> None:
+    """5 items of a cheap plugin are a wave, not a rate: its items/s is starred and a line says why. 120
+    sleeps of 20 ms, 4 at a time (>= 0.6 s of activity, physically), are a rate: no star, no warning."""
+    space = make_workspace(tmp_path, PLUGIN_ENV)
+    steady = add_sleeper(space, "steady", 0.02)
+    space.write_config('[refs."steady/verify:score"]\nmax_concurrency = 4\n')
+    inp = write_rows(space.root / "in.jsonl", rows(5) + [row(n, steady) for n in range(120)])
+
+    table = space.run("bench", inp, "--config", space.config)
+    as_json = space.run("bench", inp, "--config", space.config, "--json")
+
+    assert table.returncode == as_json.returncode == EXIT_OK, table.stderr + as_json.stderr
+    warned = [line for line in table.stdout.splitlines() if line.startswith("* ")]
+    assert len(warned) == 1, table.stdout
+    assert warned[0].startswith(f"* plugin {PLUGIN_ENV}/verify:score: too short to measure a rate: active ")
+    assert warned[0].endswith(" over 5 items a run, under 100 ms or 100 items; bench a larger file")
+    assert cells_of(table.stdout, f"{PLUGIN_ENV}/verify:score")[3].endswith("*")
+    assert not cells_of(table.stdout, "steady/verify:score")[3].endswith("*")
+    figures = by_verifier(orjson.loads(as_json.stdout))
+    assert figures[f"{PLUGIN_ENV}/verify:score"]["short_span"] is True
+    assert figures["steady/verify:score"]["short_span"] is False
+    assert figures["steady/verify:score"]["active_s"]["median"] >= 30 * 0.02 * 0.95
 
 
 def test_a_broken_verifier_fails_the_benchmark(tmp_path: Path) -> None:
@@ -145,8 +235,8 @@ def test_each_verifiers_rate_is_over_its_own_active_time(tmp_path: Path) -> None
 
 
 def test_start_up_is_reported_apart_from_steady_state_latency(tmp_path: Path) -> None:
-    """A plugin whose import takes 0.5 s: the time its first calls spent on it is start-up, measured, and
-    no call's latency; every call, those first ones too, is in the percentiles and the histogram."""
+    """A plugin whose import takes 0.5 s: the time its first calls spent on it is start-up, measured; those
+    calls are start-up's, in neither the percentiles nor the histogram, which hold every other item."""
     space = make_workspace(tmp_path)
     slow = add_sleeper(space, "slow", 0.02, import_seconds=0.5)
     space.write_config('[refs."slow/verify:score"]\nmax_concurrency = 2\n')
@@ -158,10 +248,12 @@ def test_start_up_is_reported_apart_from_steady_state_latency(tmp_path: Path) ->
     v = by_verifier(orjson.loads(result.stdout))["slow/verify:score"]
     startup, latency = v["startup"], v["latency_ms"]
     (imported,) = imports_of(space, slow)  # >= 0.5 s: the plugin's own measure of its import
-    assert sum(bucket["items"] for bucket in v["histogram"]) == 2 * 60  # every item of both runs
-    # the first calls' latency holds no import
-    assert 19 <= latency["p50"] <= latency["p95"] <= latency["p99"] < imported * 1e3
     assert 1 <= startup["calls"] <= 2  # the first wave's (2 at once) waited for the import, once in the benchmark
+    assert startup["items"] == startup["calls"]  # a call an item, until calls are measured
+    assert sum(bucket["items"] for bucket in v["histogram"]) == 2 * 60 - startup["items"]  # every other item
+    assert v["items_all_runs"] == 2 * 60 and v["items"] == 60
+    # no percentile holds the import
+    assert 19 <= latency["p50"] <= latency["p95"] <= latency["p99"] < imported * 1e3
     assert startup["max_ms"] >= imported * 1e3 and startup["seconds"] >= imported  # the import's time, all of it
     # Nor is the import time in the verifier: no call is in it while the module runs, and at most 2 are at
     # once, so both runs' time in it is at most 2 x (their active spans less the import)
@@ -170,7 +262,8 @@ def test_start_up_is_reported_apart_from_steady_state_latency(tmp_path: Path) ->
 
 def test_a_process_workers_spawn_is_start_up(tmp_path: Path) -> None:
     """A process plugin whose import takes 0.5 s in each of its 2 workers: their spawn, until the plugin is
-    imported, is start-up (a call per worker paid it); no call's latency holds it, every item is counted."""
+    imported, is start-up (a call per worker paid it); the calls that waited on it are start-up's too, in no
+    latency; every other item is in the histogram."""
     space = make_workspace(tmp_path)
     slow = process_twin(space.envs, add_sleeper(space, "slow", 0.02, import_seconds=0.5), workers=2)
     space.write_config(f'[refs."{slow}/verify:score"]\nmax_concurrency = 2\n')
@@ -183,11 +276,57 @@ def test_a_process_workers_spawn_is_start_up(tmp_path: Path) -> None:
     startup, latency = v["startup"], v["latency_ms"]
     imported = imports_of(space, "slow")  # each worker's import, >= 0.5 s, as the plugin measured it
     assert len(imported) == 2
-    assert sum(bucket["items"] for bucket in v["histogram"]) == 2 * 40  # every item of both runs
-    assert 19 <= latency["p50"] <= latency["p95"] <= latency["p99"] < min(imported) * 1e3
     assert 1 <= startup["calls"] <= 2  # the 2 workers' spawns (and the digest check) in the first wave only
+    assert startup["items"] >= startup["calls"]
+    assert sum(bucket["items"] for bucket in v["histogram"]) == 2 * 40 - startup["items"]  # every other item
+    assert 19 <= latency["p50"] <= latency["p95"] <= latency["p99"] < min(imported) * 1e3
     # a worker's import, inside its spawn
     assert startup["max_ms"] >= max(imported) * 1e3 and startup["seconds"] >= max(imported)
+
+
+def test_calls_that_waited_on_start_up_are_not_in_the_percentiles(tmp_path: Path) -> None:
+    """A plugin of microsecond calls whose import takes 0.5 s, called 64 at a time: its first wave of calls
+    waits on the one import. Those calls are start-up, their items counted apart; the percentiles are
+    the other items', so even its p99 is under the import (the issue's JSON parse read 83 ms at p95)."""
+    space = make_workspace(tmp_path)
+    quick = add_sleeper(space, "quick", 0.0, import_seconds=0.5)
+    space.write_config('[refs."quick/verify:score"]\nmax_concurrency = 64\n')
+    inp = write_rows(space.root / "in.jsonl", [row(n, quick) for n in range(2_000)])
+
+    result = space.run("bench", inp, "--config", space.config, "--json")
+
+    assert result.returncode == EXIT_OK, result.stderr
+    v = by_verifier(orjson.loads(result.stdout))["quick/verify:score"]
+    startup, latency = v["startup"], v["latency_ms"]
+    (imported,) = imports_of(space, quick)
+    assert 2 <= startup["calls"] <= 64  # the first wave: every call started before the import ended
+    assert startup["items"] == startup["calls"]  # a call an item until calls are measured
+    assert sum(bucket["items"] for bucket in v["histogram"]) == 2_000 - startup["items"]
+    assert startup["max_ms"] >= imported * 1e3
+    assert latency["p50"] <= latency["p95"] <= latency["p99"] < imported * 1e3
+
+
+def test_the_table_and_the_histogram_count_the_same_items(tmp_path: Path) -> None:
+    """Two runs of 60 items of a plugin whose import takes 0.5 s: the header says what the counts are over,
+    and the table's items, the histogram's and the start-up calls' are all over both runs, and add up."""
+    space = make_workspace(tmp_path)
+    slow = add_sleeper(space, "slow", 0.02, import_seconds=0.5)
+    space.write_config('[refs."slow/verify:score"]\nmax_concurrency = 2\n')
+    inp = write_rows(space.root / "in.jsonl", [row(n, slow) for n in range(60)])
+
+    result = space.run("bench", inp, "--config", space.config, "--repeat", "2", "--batch-size", "20")
+
+    assert result.returncode == EXIT_OK, result.stderr
+    out = result.stdout
+    assert out.startswith("2 runs of 60 items. ") and "count all 2 runs" in out
+    assert cells_of(out, "slow/verify:score")[2] == "120"
+    title = "latency per item, plugin slow/verify:score"
+    said = re.search(rf"^{title}: (\d+) of (\d+) items \(all 2 runs\); (\d+) items in the (\d+) calls that waited "
+                     "on start-up", out, re.MULTILINE)
+    assert said, out
+    counted, of, apart, calls = map(int, said.groups())
+    assert of == 120 and counted + apart == 120 and apart == calls and 1 <= calls <= 2
+    assert sum(drawn(out, title)) == counted
 
 
 def test_time_queued_for_a_process_plugins_workers_is_waiting(tmp_path: Path) -> None:
@@ -301,7 +440,7 @@ def test_latency_histogram_shows_two_modes(tmp_path: Path) -> None:
     assert as_json.returncode == EXIT_OK, as_json.stderr
     (v,) = orjson.loads(as_json.stdout)["verifiers"]
     buckets = v["histogram"]
-    assert sum(b["items"] for b in buckets) == 80 - v["startup"]["calls"]
+    assert sum(b["items"] for b in buckets) == 80 - v["startup"]["items"]
     for low, high in itertools.pairwise(buckets):  # contiguous, each sqrt(2) wide
         assert low["high_ms"] == high["low_ms"]
         assert math.isclose(low["high_ms"] / low["low_ms"], math.sqrt(2))
@@ -311,8 +450,40 @@ def test_latency_histogram_shows_two_modes(tmp_path: Path) -> None:
     assert sum(b["items"] for b in buckets if b["high_ms"] > 60) >= 40 - startup
     assert sum(b["items"] for b in buckets if b["low_ms"] < 30) >= 40 // 2 - startup
     assert table.returncode == EXIT_OK, table.stderr
-    assert f"latency per item after start-up, endpoint {server.url}/score:" in table.stdout
-    assert "█" in table.stdout and " ms" in table.stdout
+    title = f"latency per item, endpoint {server.url}/score"
+    counted = re.search(rf"^{re.escape(title)}: (\d+) of 80 items \(the one run\)", table.stdout, re.MULTILINE)
+    assert counted, table.stdout
+    # a row for each bucket that holds items, none for an empty one: the rows add up to the items counted
+    rows_drawn = drawn(table.stdout, title)
+    assert all(rows_drawn) and sum(rows_drawn) == int(counted[1]), table.stdout
+
+
+def drawn(out: str, title: str) -> list[int]:
+    """The item counts of the histogram under the line starting with ``title`` (its rows, in order)."""
+    lines = iter(out.splitlines()[next(n for n, line in enumerate(out.splitlines()) if line.startswith(title)):])
+    for line in lines:  # the title, wrapped or not, ends with a colon
+        if line.endswith(":"):
+            break
+    counts = []
+    for line in lines:
+        if not (found := re.search(r"  ([\d,]+) \(\d+%\)$", line)):
+            break
+        counts.append(int(found[1].replace(",", "")))
+    return counts
+
+
+def test_the_histogram_draws_only_the_buckets_that_hold_items() -> None:
+    """Items at 10 us and at 1 s: two rows, each with its range, and none for the 32 empty buckets between."""
+    totals = VerifierTotals("plugin", "verify:score", items=5, active=1.0, busy=3.0)
+    totals.latency.extend([10e-6, 1.0], [3, 2])
+    summary = summarise([BenchRun(5, 1.0, 1.0, {"env/verify:score": totals})])
+    assert len(summary["verifiers"][0]["histogram"]) > 20  # the JSON keeps every bucket, empty ones too
+    with stdout.capture() as captured:
+        bench_table(summary)
+    out = captured.get()
+    assert drawn(out, "latency per item, plugin env/verify:score: 5 of 5 items (the one run)") == [3, 2], out
+    assert re.search(r"^ *8\.00-11\.3 us +█+ +3 \(60%\)$", out, re.MULTILINE), out  # each row its bounds
+    assert re.search(r"^ *741 ms-1\.05 s +█+ +2 \(40%\)$", out, re.MULTILINE), out
 
 
 def add_spinner(space: Workspace, name: str = "spin") -> str:

@@ -24,11 +24,15 @@ from engine._core.contract import ProcessHint
 from engine._core.report import BatchResult, VerifierTotals
 from engine._engine import Engine
 
-__all__ = ["DEFAULT_BATCH_SIZE", "BenchRun", "bench_file", "summarise"]
+__all__ = ["DEFAULT_BATCH_SIZE", "MIN_SPAN_ITEMS", "MIN_SPAN_S", "BenchRun", "bench_file", "summarise"]
 
 DEFAULT_BATCH_SIZE = 8192  # rows per batch: a large training step's worth
 HINT_ITEMS = 64  # a plugin's first rows in the file, whose warm calls its process hint times (in turn)
 HISTOGRAM_PER_DOUBLING = 2  # buckets of the latency histogram shown per doubling of latency (x1.41 each)
+# A rate over less than this (a run's active span, or its items) is a wave or two, not a sustained one:
+# 1,225 items of a cheap plugin in 10 ms read 122,586 items/s.
+MIN_SPAN_S = 0.1
+MIN_SPAN_ITEMS = 100
 
 
 @dataclass
@@ -117,20 +121,28 @@ def _verifier(key: str, runs: list[BenchRun]) -> dict[str, Any]:
     steady, waited, busy = pooled.latency, pooled.waited, pooled.busy
     rates = [t.items / t.active if t.active else 0.0 for t in totals]
     hint = [run.hints.get(key) for run in runs if key in run.verifiers][-1]  # as of its last run's end
+    active = _spread([t.active for t in totals])
     return {
         "kind": first.kind,
         "verifier": key if first.kind == "plugin" else first.ref,
-        "items": first.items,
+        "items": first.items,  # a run's
+        "items_all_runs": pooled.items,
         "items_per_s": _spread(rates),
-        "active_s": _spread([t.active for t in totals]),
+        "active_s": active,
+        "active_s_all_runs": pooled.active,
+        # too short a span (or too few items) to take its rate for a sustained one
+        "short_span": active["median"] < MIN_SPAN_S or first.items < MIN_SPAN_ITEMS,
         "latency_ms": {f"p{q}": _ms(steady.percentile(q)) for q in (50, 95, 99)},
         "startup": {"calls": pooled.startup_calls, "seconds": pooled.startup_seconds,
-                    "max_ms": pooled.startup_longest * 1e3 if pooled.startup_calls else None},
+                    "max_ms": pooled.startup_longest * 1e3 if pooled.startup_calls else None,
+                    # the items of the calls that started it up or waited on that: in no latency
+                    "items": pooled.items - sum(steady.counts.values())},
         "histogram": [
             {"low_ms": low * 1e3, "high_ms": high * 1e3, "items": count}
             for low, high, count in steady.coarse(HISTOGRAM_PER_DOUBLING)
         ],
         "peak_in_flight": pooled.peak_in_flight,
+        "mean_in_flight": busy / pooled.active if pooled.active else 0.0,  # its calls in the verifier, on average
         "retries": pooled.retries,
         "waiting_s": waited,
         "in_verifier_s": busy,
@@ -141,11 +153,21 @@ def _verifier(key: str, runs: list[BenchRun]) -> dict[str, Any]:
     }
 
 
+def _bottleneck(verifiers: list[dict[str, Any]], scoring: float) -> dict[str, Any] | None:
+    """The verifier that bounds the batches: the longest active over all runs (the batches end when it does)."""
+    if not verifiers:
+        return None
+    slowest = max(verifiers, key=lambda v: v["active_s_all_runs"])
+    return {"kind": slowest["kind"], "verifier": slowest["verifier"], "active_s": slowest["active_s_all_runs"],
+            "share": slowest["active_s_all_runs"] / scoring if scoring else 0.0}
+
+
 def summarise(runs: list[BenchRun]) -> dict[str, Any]:
     """The benchmark as plain data: each verifier's figures (see the module docstring) and every run's rate.
 
-    Rates are over each run, reported as min, median and max (``each`` lists them); time sums,
-    latencies, retries and judge usage are over all runs together.
+    Rates are over each run, reported as min, median and max (``each`` lists them); counts, time sums,
+    latencies, retries and judge usage are over all runs together (``items`` alone is a run's, the file's);
+    ``bottleneck`` names the verifier active longest, its share of the time spent scoring.
     """
     keys = list(dict.fromkeys(key for run in runs for key in run.verifiers))
     rates = [run.items / run.seconds for run in runs]
@@ -153,10 +175,18 @@ def summarise(runs: list[BenchRun]) -> dict[str, Any]:
     for run in runs:
         for totals in run.verifiers.values():
             usage.update(totals.spent)
+    verifiers = [_verifier(key, runs) for key in keys]
+    scoring = math.fsum(run.scoring for run in runs)
     return {
         "runs": len(runs),
         "items": runs[0].items,
+        "items_all_runs": sum(run.items for run in runs),
         "items_per_s": {**_spread(rates), "each": rates, "stdev": statistics.pstdev(rates)},
-        "verifiers": [_verifier(key, runs) for key in keys],
+        "seconds": _spread([run.seconds for run in runs]),
+        "scoring_s_all_runs": scoring,
+        "short_span": statistics.median(run.seconds for run in runs) < MIN_SPAN_S,
+        "min_span": {"seconds": MIN_SPAN_S, "items": MIN_SPAN_ITEMS},
+        "bottleneck": _bottleneck(verifiers, scoring),
+        "verifiers": verifiers,
         "judge_usage": dict(usage),
     }

@@ -254,9 +254,10 @@ def _score_on_ray(input_path: Path, output: Path, config_path: Path, resume: boo
 @click.option("--batch-size", type=click.IntRange(min=1), default=DEFAULT_BATCH_SIZE, show_default=True,
               help="Rows scored per batch, as a trainer's step would.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON instead of a table.")
+@click.option("--wide", is_flag=True, help="Every column of the table (the default fits 100 columns).")
 @json_columns_option
 @traceback_option
-def bench(input_path: Path, config_path: Path, repeat: int, batch_size: int, as_json: bool,
+def bench(input_path: Path, config_path: Path, repeat: int, batch_size: int, as_json: bool, wide: bool,
           json_text: frozenset[str], whole_traceback: bool) -> None:
     """Measure each verifier on a file of stored trajectories, writing no rewards."""
     _refuse_json_columns_for_jsonl(input_path, json_text)
@@ -269,7 +270,7 @@ def bench(input_path: Path, config_path: Path, repeat: int, batch_size: int, as_
     if as_json:
         click.echo(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
         return
-    bench_table(summary)
+    bench_table(summary, wide=wide)
 
 
 @cli.command()

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal, TextIO
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
@@ -25,9 +26,15 @@ PLAIN_PROGRESS_EVERY = 10.0  # seconds between progress lines when stderr is not
 LOG_WIDTH = 200
 HISTOGRAM_BAR = 40  # characters of the longest bar
 
-# Off a terminal (CI, job logs) rich would fold tables to 80 columns; a log line may be long instead.
-stdout = Console(highlight=False, width=None if sys.stdout.isatty() else LOG_WIDTH)
-stderr = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else LOG_WIDTH)
+
+def _width(stream: TextIO) -> int | None:
+    """Off a terminal (CI, job logs) rich would fold tables to 80 columns; a log line may be long instead,
+    unless ``COLUMNS`` says how wide (None: rich reads the terminal's width, or ``COLUMNS``)."""
+    return None if stream.isatty() or os.environ.get("COLUMNS", "").isdigit() else LOG_WIDTH
+
+
+stdout = Console(highlight=False, width=_width(sys.stdout))
+stderr = Console(stderr=True, highlight=False, width=_width(sys.stderr))
 
 
 @contextlib.contextmanager
@@ -120,69 +127,159 @@ def summary_table(summary: RunSummary) -> Table:
     return table
 
 
-def _number(value: float | None, spec: str = ".2f") -> str:
-    return "-" if value is None or math.isnan(value) else format(value, spec)
+def _seconds(seconds: float | None) -> str:
+    """A duration in the unit that reads best (us, ms, s), three figures at most: ``-`` for none."""
+    if seconds is None or math.isnan(seconds):
+        return "-"
+    for scale, unit in ((1e6, "us"), (1e3, "ms")):
+        if seconds * scale < 1000:
+            return f"{_figures(seconds * scale)} {unit}"
+    return f"{_figures(seconds)} s" if seconds < 1000 else f"{seconds:,.0f} s"
 
 
-def bench_table(summary: dict[str, Any]) -> None:
-    """``engine bench``'s figures: a table of the verifiers, each one's latency histogram, judge usage, the runs."""
-    runs = summary["runs"]
-    table = Table(
-        title=f"{summary['items']:,} items a run, {runs} run(s): items/s over each verifier's active time "
-        "(median, min-max over runs); latency per item less start-up; start-up, waiting and in verifier summed "
-        "over calls",
-        title_justify="left",
+def _figures(value: float) -> str:
+    return format(value, ".2f" if value < 10 else ".1f" if value < 100 else ".0f")
+
+
+def _ms(ms: float | None) -> str:
+    return _seconds(None if ms is None else ms / 1e3)
+
+
+def _rate(rate: float) -> str:
+    return f"{rate:,.0f}" if rate >= 100 else _figures(rate)
+
+
+def _named(v: dict[str, Any]) -> str:
+    return f"{v['kind']} {v['verifier']}"
+
+
+# (header, cell) of each column; --wide shows them all, the default those named in NARROW
+_COLUMNS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
+    ("kind", lambda v: v["kind"]),
+    ("verifier", lambda v: v["verifier"]),
+    ("items", lambda v: f"{v['items_all_runs']:,}"),
+    ("items/s", lambda v: _rate(v["items_per_s"]["median"]) + ("*" if v["short_span"] else "")),
+    ("min-max", lambda v: f"{_rate(v['items_per_s']['min'])}-{_rate(v['items_per_s']['max'])}"),
+    ("active", lambda v: _seconds(v["active_s_all_runs"])),
+    ("start-up", lambda v: f"{_ms(v['startup']['max_ms'])} ({v['startup']['calls']:,} calls)"
+                           if v["startup"]["calls"] else "-"),
+    ("p50", lambda v: _ms(v["latency_ms"]["p50"])),
+    ("p95", lambda v: _ms(v["latency_ms"]["p95"])),
+    ("p99", lambda v: _ms(v["latency_ms"]["p99"])),
+    ("peak in flight", lambda v: f"{v['peak_in_flight']:,}"),
+    ("mean in flight", lambda v: f"{v['mean_in_flight']:.1f}"),
+    ("queued", lambda v: f"{v['waiting_share']:.0%}"),
+    ("retries", lambda v: f"{v['retries']:,}"),
+)
+NARROW = ("kind", "verifier", "items", "items/s", "active", "p50", "p99")  # fits 100 columns
+
+
+def bench_table(summary: dict[str, Any], *, wide: bool = False) -> None:
+    """``engine bench``'s figures: what they count, a table of the verifiers (``wide``: every column), the
+    bottleneck, warnings and hints, each one's latency histogram and judge usage, the runs' rates."""
+    runs, verifiers = summary["runs"], summary["verifiers"]
+    over = "the one run" if runs == 1 else f"all {runs} runs"
+    floor = summary["min_span"]
+    stdout.print(
+        f"{runs} run{'s' if runs > 1 else ''} of {summary['items']:,} items. Items, active time, start-up, retries "
+        f"and the histograms count {over}; items/s is the median run's, over the verifier's active time (first "
+        "call's start to last call's end, per batch); latency is per item, calls that waited on start-up apart"
+        + ("" if wide else " (--wide: every column)") + ".",
+        markup=False,
     )
-    columns = ("kind", "verifier", "items", "items/s", "min-max", "active s", "start-up (summed)", "p50 ms", "p95 ms",
-               "p99 ms", "peak in flight", "retries", "waiting (summed)", "in verifier (summed)")
-    for name in columns:
-        table.add_column(name, justify="left" if name in ("kind", "verifier") else "right", overflow="fold")
-    for v in summary["verifiers"]:
-        latency, rate, startup = v["latency_ms"], v["items_per_s"], v["startup"]
-        table.add_row(
-            Text(v["kind"]), Text(v["verifier"]), f"{v['items']:,}", f"{rate['median']:,.0f}",
-            f"{rate['min']:,.0f}-{rate['max']:,.0f}", f"{v['active_s']['median']:.2f}",
-            f"{startup['seconds']:.2f} s ({startup['calls']} calls)",
-            _number(latency["p50"]), _number(latency["p95"]), _number(latency["p99"]), str(v["peak_in_flight"]),
-            str(v["retries"]), f"{v['waiting_s']:.2f} s ({v['waiting_share']:.0%})", f"{v['in_verifier_s']:.2f} s",
-        )
-    stdout.print(table)
-    for v in summary["verifiers"]:
+    table = Table()
+    shown = [column for column in _COLUMNS if wide or column[0] in NARROW]
+    for name, _ in shown:  # a header may wrap between its words, never inside one; a long URL folds in its cell
+        justify: Literal["left", "right"] = "left" if name in ("kind", "verifier") else "right"
+        table.add_column(name, justify=justify, overflow="fold", min_width=max(map(len, name.split())))
+    for v in verifiers:
+        table.add_row(*(Text(cell(v)) for _, cell in shown))
+    if wide:  # at its own width, however narrow the terminal: folded to fit, its figures would break mid-number
+        table.width = stdout.measure(table, options=stdout.options.update(max_width=10_000)).maximum
+        stdout.print(table, crop=False)
+    else:
+        stdout.print(table)
+    if (slowest := summary["bottleneck"]) is not None:
+        stdout.print(_bottleneck_line(slowest, verifiers, summary["scoring_s_all_runs"]), markup=False)
+    for v in verifiers:
+        if v["short_span"]:
+            stdout.print(
+                f"* {_named(v)}: too short to measure a rate: active {_seconds(v['active_s']['median'])} over "
+                f"{v['items']:,} items a run, under {_seconds(floor['seconds'])} or {floor['items']:,} items; "
+                "bench a larger file",
+                markup=False,
+            )
+    for v in verifiers:
         if (hint := v["process_hint"]) is not None:
-            stdout.print(f"hint: {v['kind']} {v['verifier']}: {hint['says']}", soft_wrap=True, markup=False)
-    for v in summary["verifiers"]:
-        stdout.print(f"latency per item after start-up, {v['kind']} {v['verifier']}:", soft_wrap=True, markup=False)
+            stdout.print(f"hint: {_named(v)}: {hint['says']}", markup=False)
+    for v in verifiers:
+        stdout.print(_histogram_title(v, over), markup=False)
         stdout.print(_histogram(v["histogram"]))
         usage = v["judge_usage"]
         if usage:
             stdout.print(
-                f"judge usage of {v['verifier']} (all runs): {usage['requests']:,} requests ({usage['retries']:,} "
+                f"judge usage of {v['verifier']} ({over}): {usage['requests']:,} requests ({usage['retries']:,} "
                 f"retries), {usage['prompt_tokens']:,} prompt + {usage['completion_tokens']:,} completion = "
                 f"{usage['total_tokens']:,} tokens",
-                soft_wrap=True, markup=False,
+                markup=False,
             )
     rate = summary["items_per_s"]
     each = ", ".join(f"{r:,.0f}" for r in rate["each"])
+    short = (f"; * runs of {_seconds(summary['seconds']['median'])} are too short to measure a rate"
+             if summary["short_span"] else "")
     stdout.print(
-        f"overall {rate['median']:,.0f} items/s, median of {runs} run(s) (min {rate['min']:,.0f}, max "
-        f"{rate['max']:,.0f}; reading the file included); runs: {each}",
-        soft_wrap=True,
+        f"overall {rate['median']:,.0f} items/s{'*' if short else ''}, median of {runs} run(s) (min "
+        f"{rate['min']:,.0f}, max {rate['max']:,.0f}; reading the file included){short}; runs: {each}",
     )
 
 
+def _bottleneck_line(slowest: dict[str, Any], verifiers: list[dict[str, Any]], scoring: float) -> str:
+    """Which verifier bounds the batches (the one active longest: they end when it does), and how its calls
+    spent their time: queued for a limit, or in the verifier."""
+    v = next(v for v in verifiers if (v["kind"], v["verifier"]) == (slowest["kind"], slowest["verifier"]))
+    others = sorted((o for o in verifiers if o is not v), key=lambda o: o["active_s_all_runs"], reverse=True)
+    nxt = f"; the next, {_named(others[0])}, {_seconds(others[0]['active_s_all_runs'])}" if others else "; the only one"
+    if v["waiting_share"] >= 0.5:  # most of its calls' time queued: a limit bounds it, not the verifier
+        why = (f"its calls spent {v['waiting_share']:.0%} of their time queued for a limit (its max_concurrency "
+               "or max_rate, the engine's cap, the judge's, a worker pool's)")
+    else:
+        why = (f"its calls spent {1 - v['waiting_share']:.0%} of their time in the verifier, "
+               f"{v['mean_in_flight']:.1f} at once on average (at most {v['peak_in_flight']:,})")
+    return (f"bottleneck: {_named(v)}: active longest, {_seconds(slowest['active_s'])} of the "
+            f"{_seconds(scoring)} spent scoring ({slowest['share']:.0%}){nxt}; {why}")
+
+
+def _histogram_title(v: dict[str, Any], over: str) -> str:
+    startup = v["startup"]
+    counted = sum(bucket["items"] for bucket in v["histogram"])
+    said = f"latency per item, {_named(v)}: {counted:,} of {v['items_all_runs']:,} items ({over})"
+    if startup["calls"]:
+        said += (f"; {startup['items']:,} items in the {startup['calls']:,} calls that waited on start-up "
+                 f"(the longest {_ms(startup['max_ms'])}) are start-up's")
+    return said + ":"
+
+
 def _histogram(buckets: list[dict[str, Any]]) -> Table:
-    """A latency histogram: one row per log-scaled bucket, a bar for its share (its shape: a tail, two modes)."""
+    """A latency histogram: a row per non-empty log-scaled bucket, a bar for its share (its shape: a tail,
+    two modes; a gap shows in the ranges)."""
     table = Table(box=None, show_header=False, pad_edge=False)
-    table.add_column(justify="right")
-    table.add_column()
-    table.add_column(justify="right")
+    table.add_column(justify="right", no_wrap=True)
+    table.add_column(no_wrap=True)
+    table.add_column(justify="right", no_wrap=True)
     most = max((bucket["items"] for bucket in buckets), default=0)
     total = sum(bucket["items"] for bucket in buckets)
     for bucket in buckets:
-        count = bucket["items"]
-        bar = "█" * max(1 if count else 0, round(HISTOGRAM_BAR * count / most)) if most else ""
-        table.add_row(
-            f"{bucket['low_ms']:.3g}-{bucket['high_ms']:.3g} ms", Text(bar, style="cyan"),
-            f"{count:,} ({count / total:.0%})",
-        )
+        if not (count := bucket["items"]):
+            continue
+        bar = "█" * max(1, round(HISTOGRAM_BAR * count / most))
+        table.add_row(_range(bucket["low_ms"], bucket["high_ms"]), Text(bar, style="cyan"),
+                      f"{count:,} ({count / total:.0%})")
+    if not total:
+        table.add_row("none after start-up", "", "")
     return table
+
+
+def _range(low_ms: float, high_ms: float) -> str:
+    """A bucket's bounds, ``1.41-2.00 ms``: the unit once when both read in it."""
+    low, high = _ms(low_ms).split(), _ms(high_ms).split()
+    return f"{low[0]}-{high[0]} {high[1]}" if low[1] == high[1] else f"{low[0]} {low[1]}-{high[0]} {high[1]}"

@@ -58,9 +58,11 @@ class VerifierReport:
     ``busy`` the total time in the verifier; both are sums over calls that ran at the same time
     (one span per call, a chunk's as one), not wall time. ``active`` is the wall time from its
     first call's start to its last call's end. ``startup`` holds, for each call that started the
-    verifier up (a plugin's import, a worker process's spawn, ``meters.starting``), the seconds it
-    spent so: in neither ``busy`` nor ``latencies``. ``spent`` is what its calls cost (a judge's
-    requests and tokens; empty for other kinds).
+    verifier up or waited on that (a plugin's import, a worker process's spawn, ``meters.starting``),
+    the seconds it spent so: not in ``busy``; nor is the call in ``latencies`` (the rest of it is
+    start-up's too: the calls an import releases at once, each a thread's first), so its items are
+    in ``items`` alone. ``spent`` is what its calls cost (a judge's requests and tokens; empty for
+    other kinds).
     """
 
     kind: str
