@@ -19,12 +19,12 @@ from engine._backfill.files import file_format
 from engine._backfill.input import JSON_TEXT_COLUMNS, count_rows, json_columns
 from engine._backfill.run import DEFAULT_CHUNK_SIZE, RunSummary, score_file
 from engine._check import check_environments
-from engine._cli.lifecycle import EXIT_BAD_INPUT, EXIT_IO, EXIT_VERIFICATION, Commands, fail, interrupted, run
+from engine._cli.lifecycle import EXIT_BAD_INPUT, EXIT_IO, EXIT_VERIFICATION, Commands, fail, interrupted, outcome, run
 from engine._cli.render import bench_table, show_progress, stdout, summary_table
 from engine._config import load_config
 from engine._environments.digest import digest_directory
 from engine._environments.manifest import RUBRIC_REF
-from engine._errors import ResumeError, RubricError, WriteError
+from engine._errors import ResumeError, RubricError, VerificationError, WriteError
 from engine._http.headers import token_problem
 from engine._ray.plan import DEFAULT_BLOCK_ROWS
 from engine._serve import limits as _limits
@@ -210,6 +210,8 @@ def _score_on_ray(input_path: Path, output: Path, config_path: Path, resume: boo
         interrupted(f"; {kept}")
     except WriteError as exc:
         fail(EXIT_IO, f"{exc}; {kept}")
+    except VerificationError as exc:  # said as the single-machine run's is: with what is kept, and --resume
+        fail(*(outcome(exc, lambda: f"; {kept}") or (EXIT_VERIFICATION, str(exc))))
     if summary.already_complete:
         stdout.print(f"{output} is already complete ({summary.rows:,} rows): nothing to do", soft_wrap=True)
         return
