@@ -83,7 +83,8 @@ async def serve(engine_config: EngineConfig, config: ServeConfig) -> list[int]:
         checks = await check_ready(engine, environment_dirs(root), which=f"under {root}",
                                    then=", so the service does not start (engine check says more)")
         kinds = ", ".join(f"{check.environment} ({check.kind})" for check in checks)
-        logger.info("engine serve: %d environments, each checked and able to score: %s", len(checks), kinds or "none")
+        count = f"{len(checks)} environment{'' if len(checks) == 1 else 's'}"
+        logger.info("engine serve: %s, each checked and able to score: %s", count, kinds or "none")
         guard = Guard(config.head_timeout, config.body_timeout, config.connections())
         app = App(engine, config, guard)
         server = _Server(
