@@ -1,12 +1,14 @@
-"""``engine check``: load every environment and say, for each, whether it can score.
+"""``engine check``: load every environment and say, for each, whether it can score; ``engine score`` and
+``engine serve`` check theirs the same way before they start (:func:`check_ready`).
 
 What it checks of each kind, and when it hints at worker processes: docs/design.md, engine check and engine bench.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -15,17 +17,27 @@ import httpx
 
 from engine._config import EngineConfig
 from engine._core.contract import HintingVerifier, ProcessHint
+from engine._core.scheduler import aborts_unlogged
 from engine._engine import Engine
 from engine._environments.digest import Pin, digest_directory, pin_verdict
 from engine._environments.manifest import EXAMPLE_FIELD, Environment, load_environment
-from engine._errors import DigestError, EngineError, Failure, ManifestError, VerificationError
+from engine._errors import DigestError, EngineError, Failure, ManifestError, UnreadyError, VerificationError
 from engine._http.network import Proxies
 
-__all__ = ["CONNECT_TIMEOUT", "EnvironmentCheck", "check_environments", "process_hint"]
+__all__ = [
+    "CONNECT_TIMEOUT",
+    "EnvironmentCheck",
+    "check_environment",
+    "check_environments",
+    "check_ready",
+    "environment_dirs",
+    "process_hint",
+]
 
 CONNECT_TIMEOUT = 5.0  # seconds to wait for an endpoint's host to accept a connection
 # CPython's words when signal.signal() is called outside the main thread (signal.alarm-based timeouts do)
 MAIN_THREAD_ONLY = "signal only works in main thread"
+NOT_IMPORTED = "not imported (digest)"  # a plugin's verdict when its digest failed: the digest's column says why
 
 
 @dataclass(frozen=True)
@@ -45,6 +57,16 @@ class EnvironmentCheck:
     @property
     def ok(self) -> bool:
         return all(value in ("ok", "-") for value in (self.manifest, self.digest, self.verifier))
+
+    @property
+    def problem(self) -> str:
+        """Why it cannot score, in one line ("" if it can): its verifier and each column that failed."""
+        failed = [f"{name}: {value}" for name, value in (("manifest", self.manifest), ("digest", self.digest),
+                                                          ("verifier", self.verifier))
+                  if value not in ("ok", "-", NOT_IMPORTED)]
+        if not failed:
+            return ""
+        return "; ".join(failed if self.kind == "?" else [f"{self.kind} {self.ref!r}", *failed])
 
 
 async def _reachable(url: str, proxies: Proxies) -> str:
@@ -131,10 +153,10 @@ def _needs_main_thread(exc: BaseException) -> bool:
 
 
 async def _example_verdict(
-    engine: Engine, env: Environment
+    engine: Engine, env: Environment, *, hint: bool
 ) -> tuple[str, ProcessHint | None, VerificationError | None]:
     """ "ok" if the plugin scores its manifest's sample item, or has none; else why not, and what to do. With it,
-    the process hint its warm calls give (:func:`process_hint`), and the error it failed with.
+    the process hint its warm calls give (:func:`process_hint`) if ``hint``, and the error it failed with.
 
     A plugin that sets a signal handler (``signal.alarm`` timeouts: math-verify's) imports fine and
     fails every call in the engine's threads: only a call shows it, so check makes one, as the
@@ -147,7 +169,8 @@ async def _example_verdict(
         return f"manifest field '{EXAMPLE_FIELD}' must be an object with 'task' and 'trajectory'", None, None
     item = {"environment": env.name, "task": example["task"], "trajectory": example["trajectory"]}
     try:
-        await engine.score([item])
+        with aborts_unlogged():  # its failure is this verdict, not a run's batch aborted
+            await engine.score([item])
     except VerificationError as exc:
         if env.verifier.executor == "thread" and _needs_main_thread(exc):
             return (
@@ -156,61 +179,100 @@ async def _example_verdict(
                 "\"process\" in its manifest's verifier"
             ), None, exc
         return f"its {EXAMPLE_FIELD} fails: {exc.reason}", None, exc
+    if not hint:
+        return "ok", None, None
     try:
         return "ok", await process_hint(engine, env.name, [item]), None
     except VerificationError as exc:  # it scored once, and not again: the plugin is not a function of its item
         return f"its {EXAMPLE_FIELD} fails: {exc.reason}", None, exc
 
 
-async def check_environments(*, config: EngineConfig) -> list[EnvironmentCheck]:
-    """Check every environment directory under ``config.environments``, in name order."""
-    root = config.environments
+def environment_dirs(root: Path) -> list[Path]:
+    """The directories under ``root`` a check looks at, in name order: every one but hidden ones and ``__pycache__``'s.
+
+    Raises:
+        ManifestError: ``root`` is not a directory.
+    """
     if not root.is_dir():
         raise ManifestError(f"{root}: the environments directory does not exist")
-    checks = []
+    return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "__")))
+
+
+async def check_environments(*, config: EngineConfig) -> list[EnvironmentCheck]:
+    """Check every environment directory under ``config.environments``, in name order."""
+    paths = environment_dirs(config.environments)
     proxies = Proxies.from_environment()  # as the engine reads them
     async with Engine(config) as engine:
-        for path in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))):
-            try:
-                env = load_environment(path)
-            except ManifestError as exc:
-                checks.append(EnvironmentCheck(path.name, "?", "?", str(exc), "-", "-"))
-                continue
-            pin = config.pins.get(env.name)
-            try:
-                digest = digest_directory(path)
-            except DigestError as exc:  # it holds a FIFO, a socket or a device: nothing in it is imported
-                spec = env.verifier
-                refused = "not imported (digest)"
-                checks.append(EnvironmentCheck(env.name, spec.kind, spec.ref, "ok", exc.reason, refused))
-                continue
-            # a plugin needs a pin unless allow_unpinned; a pin of another kind is checked all the same
-            pinned = pin_verdict(digest, pin, required=env.verifier.kind == "plugin" and not config.allow_unpinned)
-            digest_status = {
-                Pin.MATCHES: "ok",
-                Pin.CHANGED: f"changed since pinned (now {digest})",
-                Pin.MISSING: f'no pin; after vetting, pin it: {env.name} = "{digest}"',
-                Pin.NOT_NEEDED: "-",
-            }[pinned]
-            verdict, hint, error = "ok", None, None
-            try:
-                if env.verifier.kind == "plugin":
-                    if digest_status not in ("ok", "-"):
-                        verdict = "not imported (digest)"
-                    else:
-                        await engine.load(env.name)
-                        verdict, hint, error = await _example_verdict(engine, env)
-                elif env.verifier.kind == "endpoint":
-                    verdict = await _reachable(env.verifier.ref, proxies)
-                else:
-                    verdict = _rubric_verdict(engine, env.verifier.ref)
-            except EngineError as exc:
-                verdict = getattr(exc, "reason", str(exc))
-                error = exc if isinstance(exc, VerificationError) else None
-            stale = digest_status not in ("ok", "-")
-            spec = env.verifier
-            now = digest if stale else None
-            checks.append(
-                EnvironmentCheck(env.name, spec.kind, spec.ref, "ok", digest_status, verdict, now, hint, error)
-            )
+        return [await check_environment(engine, path, proxies=proxies, hint=True) for path in paths]
+
+
+async def check_ready(engine: Engine, paths: Iterable[Path], *, which: str, then: str) -> list[EnvironmentCheck]:
+    """Check the environments at ``paths`` as ``engine check`` does, on the open ``engine`` a run is about to use.
+
+    The imports are the engine's own (``Engine.load``): a plugin is imported once, for the run too. An endpoint
+    is not contacted: one down for a moment at the start is its retries' to wait for, as at any other time.
+
+    Args:
+        engine: The engine the run scores with.
+        paths: The environments' directories.
+        which: Which environments they are, for the error ("the input names").
+        then: What follows from a failure, for the error (", so no row was scored").
+
+    Returns:
+        Each one's check (each can score), in name order.
+
+    Raises:
+        UnreadyError: Some cannot score: each named, with why.
+    """
+    checks = [await check_environment(engine, path, proxies=None) for path in sorted(set(paths))]
+    broken = [(check.environment, check.problem) for check in checks if not check.ok]
+    if broken:
+        raise UnreadyError(broken, checked=len(checks), which=which, then=then)
     return checks
+
+
+async def check_environment(
+    engine: Engine, path: Path, *, proxies: Proxies | None, hint: bool = False
+) -> EnvironmentCheck:
+    """Check environment directory ``path`` on the open ``engine``; ``proxies`` None: an endpoint is not contacted;
+    ``hint``: time warm calls of its example for the process hint (``engine check``'s, not a run's check)."""
+    config = engine.config
+    try:
+        env = load_environment(path)
+    except ManifestError as exc:
+        return EnvironmentCheck(path.name, "?", "?", str(exc), "-", "-")
+    pin = config.pins.get(env.name)
+    try:
+        digest = digest_directory(path)
+    except DigestError as exc:  # it holds a FIFO, a socket or a device: nothing in it is imported
+        spec = env.verifier
+        return EnvironmentCheck(env.name, spec.kind, spec.ref, "ok", exc.reason, NOT_IMPORTED)
+    # a plugin needs a pin unless allow_unpinned; a pin of another kind is checked all the same
+    pinned = pin_verdict(digest, pin, required=env.verifier.kind == "plugin" and not config.allow_unpinned)
+    digest_status = {
+        Pin.MATCHES: "ok",
+        Pin.CHANGED: f"changed since pinned (now {digest})",
+        Pin.MISSING: f'no pin; after vetting, pin it: {env.name} = "{digest}"',
+        Pin.NOT_NEEDED: "-",
+    }[pinned]
+    verdict, process, error = "ok", None, None
+    try:
+        if env.verifier.kind == "plugin":
+            if digest_status not in ("ok", "-"):
+                verdict = NOT_IMPORTED
+            else:
+                await engine.load(env.name)
+                verdict, process, error = await _example_verdict(engine, env, hint=hint)
+        elif env.verifier.kind == "endpoint":
+            verdict = await _reachable(env.verifier.ref, proxies) if proxies is not None else "-"
+        else:
+            verdict = _rubric_verdict(engine, env.verifier.ref)
+    except EngineError as exc:
+        verdict = getattr(exc, "reason", str(exc))
+        error = exc if isinstance(exc, VerificationError) else None
+    except ValueError as exc:  # a manifest the engine takes under a name it does not (not an environment's name)
+        verdict = str(exc)
+    stale = digest_status not in ("ok", "-")
+    spec = env.verifier
+    now = digest if stale else None
+    return EnvironmentCheck(env.name, spec.kind, spec.ref, "ok", digest_status, verdict, now, process, error)

@@ -43,6 +43,7 @@ __all__ = [
     "ResumeError",
     "RubricError",
     "ServiceError",
+    "UnreadyError",
     "VerificationError",
     "WriteError",
 ]
@@ -245,6 +246,21 @@ class ServiceError(EngineError):
     def __init__(self, message: str, *, status: int | None = None) -> None:
         self.status = status
         super().__init__(message)
+
+
+class UnreadyError(Exception):
+    """Internal: environments checked before a command's run starts cannot score, so it does not start (``engine
+    score``'s input's, ``engine serve``'s); no API raises it, and the command ends with the verification exit
+    code, as ``engine check`` does. Not an ``EngineError`` (each of those is public): it never leaves a command.
+
+    ``broken`` pairs each such environment's name with why, in name order; ``checked`` counts those checked.
+    """
+
+    def __init__(self, broken: list[tuple[str, str]], *, checked: int, which: str, then: str) -> None:
+        self.broken = broken
+        self.checked = checked
+        lines = "".join(f"\n  {name}: {why}" for name, why in broken)
+        super().__init__(f"{len(broken)} of {checked} environments {which} cannot score{then}:{lines}")
 
 
 class Failure(Exception):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from cli_support import child_env, engine_command
+from test_serve import servable
 
 import engine
 from engine.adapters.trl import EngineReward
@@ -20,9 +21,9 @@ TOKEN = "adapter-test-token"
 
 
 @pytest.fixture
-def served(engine_toml: Path) -> Iterator[str]:
-    """The URL of an ``engine serve`` over the test's environments, asking for ``TOKEN`` (as tests/test_serve.py
-    starts one: ``--config``, ``--port``, ``--token-env``, ready once ``/healthz`` answers)."""
+def served(envs: Path, engine_toml: Path) -> Iterator[str]:
+    """The URL of an ``engine serve`` over the test's environments (those it starts with), asking for ``TOKEN`` (as
+    tests/test_serve.py starts one: ``--config``, ``--port``, ``--token-env``, ready once ``/healthz`` answers)."""
     import socket
     import urllib.request
 
@@ -31,6 +32,7 @@ def served(engine_toml: Path) -> Iterator[str]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
+    servable(envs)
     command = engine_command("serve", "--config", engine_toml, "--port", str(port), "--token-env", "SERVE_TOKEN")
     server = subprocess.Popen(command, cwd=engine_toml.parent, env=child_env({"SERVE_TOKEN": TOKEN}))
     url = f"http://127.0.0.1:{port}"

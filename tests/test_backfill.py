@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,11 +31,13 @@ import pyarrow.parquet as pq
 import pytest
 from cli_support import (
     ENGINE_UNDER_TRACE,
+    ENVS,
     PLUGIN_ENV,
     RUN_TIMEOUT,
     Ran,
     Workspace,
     child_env,
+    copy_env,
     engine_command,
     finish_steps,
     kill_at_step,
@@ -42,6 +45,7 @@ from cli_support import (
     partial_records,
     read_log,
     reaped,
+    records,
     row,
     rows,
     start_under_trace,
@@ -245,6 +249,7 @@ def test_a_verifier_failing_at_row_700_keeps_the_rows_before_it_and_resumes(
 
     done = last_checkpoint(out)
     assert done % CHUNK == 0 and FAIL_LINE - 1 - CHUNK < done <= FAIL_LINE - 1  # every chunk before it, kept
+    assert f"  {done:,} rows are checkpointed: run the same command with --resume to continue" in message.splitlines()
     kept = partial_records(out)
     assert [record["id"] for record in kept] == [f"row-{n:04d}" for n in range(done)]  # none for row-0699
 
@@ -276,10 +281,6 @@ BAD_ROWS: dict[str, tuple[bytes, str]] = {
     "missing field": (
         b'{"id": "row-0129", "environment": "backfill", "task": {"n": 129}}',
         "missing field(s) 'trajectory'",
-    ),
-    "unknown environment": (
-        b'{"id": "row-0129", "environment": "nowhere", "task": {"n": 129}, "trajectory": "x"}',
-        "unknown environment 'nowhere'",
     ),
     "task not an object": (
         b'{"id": "row-0129", "environment": "backfill", "task": [129], "trajectory": "x"}',
@@ -349,16 +350,116 @@ def test_a_bad_parquet_row_names_its_row_number(space: Workspace) -> None:
     assert sorted(read_log(space.root / "calls.log")) == list(range((BAD_LINE - 1) // CHUNK * CHUNK))
 
 
-def test_a_bad_manifest_stops_the_run_as_a_config_error(space: Workspace) -> None:
+def test_a_bad_manifest_stops_the_run_as_a_config_error_before_any_row_is_scored(space: Workspace) -> None:
     (space.envs / "broken").mkdir()
     (space.envs / "broken" / "manifest.json").write_text('{"kind": "environment", "verifier": {"kind": "builtin"}}')
     items = rows(SMALL)
     items[BAD_LINE - 1] = {**items[BAD_LINE - 1], "environment": "broken"}
     out = space.root / "rewards.jsonl"
-    failed = space.score(write_rows(space.root / "in.jsonl", items), out, *chunk_args())
+    log = space.root / "calls.log"
+    failed = space.score(write_rows(space.root / "in.jsonl", items), out, *chunk_args(), env=knobs(log))
     assert failed.returncode == 2, failed.stderr
     assert "manifest.json" in failed.stderr and "verifier.kind" in failed.stderr
-    assert last_checkpoint(out) == (BAD_LINE - 1) // CHUNK * CHUNK
+    assert read_log(log) == [] and not state_path(out).exists()
+
+
+# --- every environment the input names, checked before its first row ----------------------------------
+
+GOOD_FIRST = 5000  # good rows before the first of a broken environment's (the issue's file: 4,096 were scored)
+
+
+def broken_environments(space: Workspace) -> None:
+    """Three environments that cannot score (an import that fails, a missing callable, an example that fails),
+    and one that cannot either but no row names."""
+    for name in ("broken_import", "no_attr", "not_callable"):
+        copy_env(name, space.envs)
+    example = copy_env(PLUGIN_ENV, space.envs).rename(space.envs / "bad_example") / "manifest.json"
+    copy_env(PLUGIN_ENV, space.envs)
+    manifest = orjson.loads(example.read_bytes())
+    example.write_bytes(orjson.dumps({**manifest, "example": {"task": {"n": -1, "poison": True}, "trajectory": ""}}))
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_broken_environments_after_thousands_of_good_rows_stop_the_run_before_any_row(
+    tmp_path: Path, fmt: str
+) -> None:
+    space = make_workspace(tmp_path)
+    broken_environments(space)
+    named = ["no_attr", PLUGIN_ENV, "broken_import", "bad_example"]
+    items = rows(GOOD_FIRST) + [row(GOOD_FIRST + k, name) for k, name in enumerate(named)]
+    inp = write_rows(space.root / f"in.{fmt}", items)
+    out = space.root / f"rewards.{fmt}"
+    log = space.root / "calls.log"
+
+    failed = space.score(inp, out, env=knobs(log))  # the default chunk: 4 of them are good rows only
+    assert failed.returncode == 1, failed.stderr
+    assert "Traceback" not in failed.stderr
+    lines = failed.stderr.splitlines()
+    first = lines.index("error: 3 of 4 environments the input names cannot score, checked before scoring any row:")
+    assert [line.split(": ", 1)[0] for line in lines[first + 1:first + 4]] == [
+        "  bad_example", "  broken_import", "  no_attr"]
+    assert lines[first + 1].startswith("  bad_example: plugin 'verify:score'; verifier: its example fails: ")
+    assert "task -1 is poisoned" in lines[first + 1]
+    assert lines[first + 2].startswith("  broken_import: plugin 'verify:score'; verifier: cannot import module")
+    assert lines[first + 3] == ("  no_attr: plugin 'verify:missing'; verifier: module 'verify' has no attribute "
+                                "'missing'")
+    assert lines[first + 4:] == ["  nothing was checkpointed yet: run the same command again"], failed.stderr
+    assert read_log(log) == [-1]  # the example's call, and no row's
+    assert not out.exists() and not state_path(out).exists() and not partial_path(out).exists()
+
+    (space.envs / "broken_import" / "verify.py").write_text("def score(task, trajectory):\n    return 0.5\n")
+    (space.envs / "no_attr" / "verify.py").write_text("def missing(task, trajectory):\n    return 0.25\n")
+    (space.envs / "bad_example" / "manifest.json").write_bytes((space.envs / PLUGIN_ENV / "manifest.json").read_bytes())
+    ok(space.score(inp, out, env=knobs(log)))  # the same command again, once they are fixed
+    assert len(records(out)) == len(items)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_a_row_naming_no_environment_is_refused_by_its_place_before_any_row(space: Workspace, fmt: str) -> None:
+    items = [*rows(GOOD_FIRST), row(GOOD_FIRST, "nowhere"), row(GOOD_FIRST + 1, "nowhere")]
+    inp = write_rows(space.root / f"in.{fmt}", items)
+    out = space.root / f"rewards.{fmt}"
+    log = space.root / "calls.log"
+    failed = space.score(inp, out, env=knobs(log))
+    assert failed.returncode == EXIT_BAD_INPUT, failed.stderr
+    unit = "line" if fmt == "jsonl" else "row"
+    assert f"{inp.name}: {unit} {GOOD_FIRST + 1}: unknown environment 'nowhere'" in failed.stderr
+    assert read_log(log) == [] and not state_path(out).exists()
+
+
+def test_a_resume_checks_the_environments_of_the_rows_still_to_score_only(space: Workspace) -> None:
+    """The rows before the checkpoint are not read again: an environment only they name may be gone since."""
+    shutil.copytree(space.envs / PLUGIN_ENV, space.envs / "early")
+    items = rows(SMALL, environment="early") + [row(SMALL + n, poison=n == 100) for n in range(SMALL)]
+    inp = write_rows(space.root / "in.jsonl", items)
+    out = space.root / "rewards.jsonl"
+    fixed = space.root / "fixed"
+    assert space.score(inp, out, *chunk_args(), env=knobs(space.root / "first.log", fixed)).returncode == 1
+    assert last_checkpoint(out) == SMALL + 100
+    shutil.rmtree(space.envs / "early")
+    shutil.copytree(ENVS / "broken_import", space.envs / PLUGIN_ENV, dirs_exist_ok=True)  # what is left breaks
+    failed = space.score(inp, out, *chunk_args(), "--resume", env=knobs(space.root / "second.log", fixed))
+    assert failed.returncode == 1, failed.stderr
+    assert ("error: 1 of 1 environments the rows still to score name cannot score, checked before scoring any row:"
+            in failed.stderr.splitlines()), failed.stderr
+    assert f"  {SMALL + 100:,} rows are checkpointed: run the same command with --resume to continue" \
+        in failed.stderr.splitlines()
+    shutil.rmtree(space.envs / PLUGIN_ENV)
+    copy_env(PLUGIN_ENV, space.envs)
+    fixed.touch()
+    log = space.root / "resumed.log"
+    ok(space.score(inp, out, *chunk_args(), "--resume", env=knobs(log, fixed)))
+    assert sorted(read_log(log)) == list(range(SMALL + 100, 2 * SMALL))
+    assert len(records(out)) == 2 * SMALL
+
+
+def test_the_check_before_the_run_is_the_runs_own_import(space: Workspace) -> None:
+    """Checked and then scored on one engine: a plugin is imported once (a slow import is paid once)."""
+    copy_env("import_log", space.envs)
+    imports = space.root / "imports.log"
+    inp = write_rows(space.root / "in.jsonl", rows(20, environment="import_log"))
+    ok(space.score(inp, space.root / "rewards.jsonl", env={"ENGINE_TEST_IMPORT_LOG": str(imports)}))
+    assert imports.read_text() == "imported\n"
 
 
 # --- resume refusals --------------------------------------------------------------------------

@@ -54,6 +54,7 @@ from engine._backfill.checkpoint import state_path
 from engine._backfill.run import open_run
 from engine._backfill.writer import partial_path
 from engine._cli.lifecycle import Commands, outcome
+from engine._errors import UnreadyError
 from engine._verifiers.plugin.launcher import default_workers
 from engine.cli import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_IO, EXIT_OK, EXIT_VERIFICATION, cli
 
@@ -267,6 +268,8 @@ ENGINE_ERRORS = {  # one of each of the engine's own errors, and the exit code i
     "resume": (engine.ResumeError("no interrupted run"), EXIT_BAD_INPUT),
     "verification": (engine.VerificationError("plugin", "verify:score", "boom"), EXIT_VERIFICATION),
     "rubric": (engine.RubricError("a/b", "no rubric a/b"), EXIT_VERIFICATION),
+    "unready": (UnreadyError([("a", "plugin 'v:s'; verifier: boom")], checked=2, which="named", then=""),
+                EXIT_VERIFICATION),
     "write": (engine.WriteError(Path("out.partial"), OSError(28, "No space left on device"), 5), EXIT_IO),
 }
 NOT_ENGINE_ERRORS = [ValueError("x"), TypeError("x"), KeyError("x"), OSError(5, "x"), RuntimeError("x"), Exception()]
@@ -274,8 +277,11 @@ NOT_ENGINE_ERRORS = [ValueError("x"), TypeError("x"), KeyError("x"), OSError(5, 
 
 @pytest.mark.parametrize("case", ENGINE_ERRORS, ids=list(ENGINE_ERRORS))
 def test_each_of_the_engines_own_errors_has_its_exit_code(case: str) -> None:
+    """What a run kept, and how to go on, follows a write error on its line and a verification error on a line of
+    its own (as it follows an interrupt)."""
     exc, code = ENGINE_ERRORS[case]
-    assert outcome(exc, lambda: "; kept") == (code, f"{exc}; kept" if code == EXIT_IO else str(exc))
+    kept = {EXIT_IO: f"{exc}; kept", EXIT_VERIFICATION: f"{exc}\n  kept"}.get(code, str(exc))
+    assert outcome(exc, lambda: "; kept") == (code, kept)
 
 
 @pytest.mark.parametrize("exc", NOT_ENGINE_ERRORS, ids=lambda exc: type(exc).__name__)
@@ -632,10 +638,12 @@ def score(task, trajectory):
 EXIT_WAIT = 90.0  # seconds to wait for an engine process whose work is done to end (it took ~1 s) before failing
 
 
-def hanging_workspace(root: Path) -> Workspace:
-    """A workspace whose environment ``hang`` never returns from a call, in the engine's threads, timeout 1 s."""
+def hanging_workspace(root: Path, *, example: bool = True) -> Workspace:
+    """A workspace whose environment ``hang`` never returns from a call, in the engine's threads, timeout 1 s;
+    ``example``: its manifest has one (which ``engine check``, and ``engine score`` before its rows, calls)."""
     space = make_workspace(root, config="[defaults]\ntimeout = 1.0\n")
-    add_env(space.envs, "hang", "plugin", "hang:score", example={"task": {}, "trajectory": "x"})
+    extra = {"example": {"task": {}, "trajectory": "x"}} if example else {}
+    add_env(space.envs, "hang", "plugin", "hang:score", **extra)
     (space.envs / "hang" / "hang.py").write_text(HANGS)
     return space
 
@@ -664,7 +672,7 @@ def test_check_exits_when_a_plugin_call_hangs_in_a_thread(tmp_path: Path) -> Non
 
 @pytest.mark.timeout(150)  # a new interpreter: its exit is the point
 def test_score_exits_when_a_plugin_call_hangs_in_a_thread(tmp_path: Path) -> None:
-    space = hanging_workspace(tmp_path)
+    space = hanging_workspace(tmp_path, example=False)  # the row's call hangs, not the check's before it
     stuck = {"id": "stuck", "environment": "hang", "task": {}, "trajectory": "x"}
     rows_in = write_rows(space.root / "in.jsonl", [stuck])
     output = space.root / "out.jsonl"

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_support import copy_env
 from conftest import add_endpoint_env, add_env, add_rubric_env, item, process_twin
 from servers import Request, Response, Server, score
 from test_serve import Service, start_service, stop
@@ -201,9 +202,11 @@ def test_a_failure_keeps_its_fields_through_a_pickle() -> None:
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     """``engine serve`` over a copy of the test environments: a plugin with a short timeout, one that cannot load."""
     root = tmp_path_factory.mktemp("service")
-    shutil.copytree(Path(__file__).parent / "envs", root / "envs",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for name in ("faulty", "twin_a"):
+        copy_env(name, root / "envs")
     running = start_service(root, f'[refs."faulty/faults:by_task"]\ntimeout = {TIMEOUT}\n')
+    # added once the service runs, as the check at its start refuses it (a new environment loads when first asked)
+    copy_env("broken_import", root / "envs")
     yield running
     stop(running)
 

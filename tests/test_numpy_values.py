@@ -92,8 +92,8 @@ async def test_a_numpy_nan_is_refused_on_its_way_to_an_endpoint_not_sent_as_null
             assert server.requests == []
 
 
-def test_engine_serve_gets_each_value_exactly_and_a_nan_is_the_callers_type_error(tmp_path: Path, envs: Path) -> None:
-    write_check(envs)
+def test_engine_serve_gets_each_value_exactly_and_a_nan_is_the_callers_type_error(tmp_path: Path) -> None:
+    write_check(tmp_path / "envs")
     service = start_service(tmp_path, "")
     try:
         async def both() -> tuple[list[float], BaseException | None]:

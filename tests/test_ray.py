@@ -199,6 +199,7 @@ def test_a_failing_row_aborts_with_exit_1_naming_its_id_and_resume_finishes(spac
     assert ran.returncode == 1, ran.stderr
     assert "plugin verifier 'verify:score'" in ran.stderr and "id 'row-01234'" in ran.stderr
     assert f"input: {source}, line 1235" in ran.stderr
+    assert f"parts committed so far are kept in {outdir}: run the same command with --resume to continue" in ran.stderr
     assert not (outdir / "_SUCCESS").exists()
     assert "part-000000001000-000000001500.parquet" not in committed(outdir)  # its block was never committed
     assert "row-01234" not in by_id(outdir)  # never a zero in its place

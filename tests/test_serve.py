@@ -29,6 +29,7 @@ import httpx
 import orjson
 import pytest
 from cli_support import RUBRICS, child_env, copy_env, engine_command, invoke
+from conftest import add_endpoint_env, add_rubric_env
 from polling import eventually, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from servers import Request, Response, Server, score, status
@@ -41,6 +42,18 @@ pytestmark = pytest.mark.timeout(90)  # services are processes: slow to start on
 TOKEN = "s3cret-token"
 START_TIMEOUT = 60.0  # seconds for a service to answer /healthz
 LIMIT = 4  # the endpoint's max_concurrency, which every client of one service shares
+
+
+# tests/envs' environments that cannot score (import_log: not without $ENGINE_TEST_IMPORT_LOG set), which a service
+# refuses to start with (its check at start)
+CANNOT_SCORE = ("broken_import", "import_log", "no_attr", "not_callable")
+
+
+def servable(envs: Path) -> Path:
+    """``envs``, a copy of tests/envs, without the environments a service refuses to start with (``CANNOT_SCORE``)."""
+    for name in CANNOT_SCORE:
+        shutil.rmtree(envs / name, ignore_errors=True)
+    return envs
 
 
 def free_port() -> int:
@@ -186,10 +199,7 @@ def make_envs(root: Path, url: str) -> None:
     manifest = {"kind": "environment", "verifier": {"kind": "plugin", "ref": "verify:score", "executor": "process",
                                                     "workers": 1}}
     (envs / "crash" / "manifest.json").write_bytes(orjson.dumps(manifest))
-    for name, ref in (("rubbed", "nobody/missing"), ("graded", "bob/helpfulness")):
-        (envs / name).mkdir()
-        manifest = {"kind": "environment", "verifier": {"kind": "rubric", "ref": ref}}
-        (envs / name / "manifest.json").write_bytes(orjson.dumps(manifest))
+    add_rubric_env(envs, "graded", "bob/helpfulness")
     shutil.copytree(RUBRICS, root / "rubrics")
 
 
@@ -209,6 +219,9 @@ def service(
     make_envs(root, endpoint[0].url)
     running = start_service(root, limits(endpoint[0].url, judge.base_url), "--environment", "arith",
                             "--max-items", "200", "--max-bytes", "100000", token=TOKEN)
+    # a rubric that cannot be resolved, for its error's class on the wire: added once the service runs, as the
+    # check at its start refuses one (an environment added later is loaded when first asked for)
+    add_rubric_env(root / "envs", "rubbed", "nobody/missing")
     yield running
     code, err = stop(running)
     assert code == 0, err
@@ -709,13 +722,54 @@ async def test_sigterm_cancels_a_batch_still_running_at_the_deadline_and_exits_0
         stop(service)
 
 
-def test_a_failed_batch_is_logged_on_the_services_stderr_at_error(tmp_path: Path) -> None:
-    """The line a trainer's user looks for beside the trainer's own traceback (the OpenRLHF and TRL pages)."""
-    shutil.copytree(Path(__file__).parent / "envs", tmp_path / "envs")
+def test_a_service_says_what_it_serves_at_start_and_logs_a_failed_batch_once_at_error(tmp_path: Path) -> None:
+    """Its config, its environments checked, its address; then the line a trainer's user looks for beside the
+    trainer's own traceback (the OpenRLHF and TRL pages), once."""
+    for name in ("arith", "faulty"):
+        copy_env(name, tmp_path / "envs")
+    add_endpoint_env(tmp_path / "envs", "remote", f"http://127.0.0.1:{free_port()}/score")  # not contacted at start
     service = start_service(tmp_path, "")
     try:
-        response = service.post("/v1/score", {"items": [it("faulty", mode="raise", item_id="z")]})
+        response = service.post("/v1/score", {"items": [it("arith", "4", reference="4"),
+                                                        it("faulty", mode="raise", item_id="z")]})
         assert response.status_code == 422
     finally:
         _, err = stop(service)
-    assert "batch aborted: plugin verifier 'faults:by_task' (environment 'faulty') failed on item 0 (id 'z')" in err
+    lines = err.splitlines()
+    said = [
+        f"INFO:     engine serve: config {service.config}, environments under {service.envs}",
+        "INFO:     engine serve: 3 environments, each checked and able to score: arith (plugin), faulty (plugin), "
+        "remote (endpoint)",
+        f"INFO:     Uvicorn running on {service.url} (Press CTRL+C to quit)",
+    ]
+    assert all(line in lines for line in said), err
+    assert [lines.index(line) for line in said] == sorted(lines.index(line) for line in said), err
+    assert [line for line in lines if "batch aborted" in line] == [
+        "ERROR:    batch aborted: plugin verifier 'faults:by_task' (environment 'faulty') failed on item 1 (id 'z'): "
+        "raised Boom: the plugin blew up (at faults.py:16, in by_task)"
+    ], err
+
+
+def test_a_service_with_a_broken_environment_refuses_to_start_naming_each(tmp_path: Path) -> None:
+    envs = tmp_path / "envs"
+    for name in ("arith", "broken_import", "no_attr"):
+        copy_env(name, envs)
+    (envs / "garbled").mkdir()
+    (envs / "garbled" / "manifest.json").write_text("{not json")
+    (tmp_path / "engine.toml").write_text('environments = "envs"\nallow_unpinned = true\n')
+    port = free_port()
+    done = subprocess.run(engine_command("serve", "--config", tmp_path / "engine.toml", "--port", str(port)),
+                          cwd=tmp_path, env=child_env(None), capture_output=True, text=True, timeout=START_TIMEOUT,
+                          check=False)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr and "Uvicorn running" not in done.stderr, done.stderr
+    lines = done.stderr.splitlines()
+    first = next(n for n, line in enumerate(lines) if line.startswith("error: "))
+    assert lines[first] == (f"error: 3 of 4 environments under {envs} cannot score, so the service does not start "
+                            "(engine check says more):"), done.stderr
+    assert [line.split(": ", 1)[0] for line in lines[first + 1:]] == ["  broken_import", "  garbled", "  no_attr"]
+    for name, reason in (("broken_import", "plugin 'verify:score'; verifier: cannot import module 'verify': "
+                                           "ModuleNotFoundError"),
+                         ("garbled", f"manifest: {envs / 'garbled' / 'manifest.json'}: invalid JSON"),
+                         ("no_attr", "plugin 'verify:missing'; verifier: module 'verify' has no attribute 'missing'")):
+        assert any(line.startswith(f"  {name}: {reason}") for line in lines), (name, done.stderr)

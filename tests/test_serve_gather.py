@@ -405,6 +405,35 @@ def test_two_failing_requests_in_one_batch_each_get_their_own_error(service: Ser
         check_result(answers[n], bodies[n][1]["items"])
 
 
+def test_each_failed_request_of_a_gathered_batch_is_logged_once_by_its_own_index(
+    tmp_path: Path, endpoint: Server
+) -> None:
+    """The service's ERROR line is the failed request's, as its batch alone would log it: a gathered batch's own
+    failure is not (its index is the gathered batch's, and the requests it held are scored again alone, where
+    a timeout that is a request's own fails, and is logged, a second time)."""
+    running = start_service(tmp_path, configured(tmp_path, endpoint.url))
+    try:
+        bodies = [score_body([echo(n)], first_index=n) for n in range(8)]
+        bodies[5] = score_body([echo(1), it("echo", "boom", "b5", k=5)], first_index=50)
+        answers, before, after = counted_burst(running, bodies)
+        assert shared(before, after), (before, after)
+        assert [status for status, _ in answers] == [200] * 5 + [422] + [200] * 2, answers
+        bodies = [score_body([it("slow", "", n)], first_index=n) for n in range(3)]
+        bodies.append(score_body([it("slow", "", "over", seconds=TIMEOUT * 1.5)], first_index=30))
+        answers, before, after = counted_burst(running, bodies)
+        assert shared(before, after), (before, after)
+        assert [status for status, _ in answers] == [200] * 3 + [422], answers
+    finally:
+        code, err = stop(running)
+    assert code == 0, err
+    assert [line for line in err.splitlines() if "batch aborted" in line] == [
+        "ERROR:    batch aborted: plugin verifier 'verify:score' (environment 'echo') failed on item 51 (id 'b5'): "
+        "raised RuntimeError: boom on 5 (at verify.py:4, in score)",
+        f"ERROR:    batch aborted: plugin verifier 'verify:score' (environment 'slow') failed on item 30 (id 'over'): "
+        f"timed out after {TIMEOUT:g} s",
+    ], err
+
+
 def test_a_malformed_item_fails_its_own_request_only(service: Service) -> None:
     bad = [echo(1), {"environment": "echo", "task": [1], "trajectory": "2"}]
     bodies = [score_body([echo(n, ("echo", "echo2")[n % 2])], first_index=n) for n in range(10)]

@@ -15,6 +15,7 @@ from typing import Any, BinaryIO, Literal, Protocol, Self
 
 import orjson
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from engine import _json
@@ -33,12 +34,14 @@ __all__ = [
     "RowReader",
     "count_rows",
     "json_columns",
+    "named_environments",
     "open_rows",
 ]
 
 FIELDS: tuple[str, ...] = ("id", "environment", "task", "trajectory")
 JSON_TEXT_COLUMNS: tuple[str, ...] = ("task", "trajectory")  # what a caller may say a Parquet file holds as JSON text
 BATCH_ROWS = 1024  # Parquet rows decoded at once: small enough to keep memory flat, big enough to be fast
+NAMES_BATCH_ROWS = 1 << 16  # Parquet rows of the environment column alone read at once, for named_environments
 COUNT_BLOCK = 1 << 20  # bytes read at a time to count a JSON Lines file's lines
 
 Unit = Literal["line", "row"]
@@ -430,6 +433,74 @@ def open_rows(path: str | Path, *, start: int = 0, json_columns: Collection[str]
     :class:`RowReader` (``ValueError`` for a name that is not one of :data:`JSON_TEXT_COLUMNS`).
     """
     return RowReader(Path(path), start=start, json_columns=json_columns)
+
+
+def named_environments(path: Path, *, start: int = 0) -> dict[str, int]:
+    """The environments the rows of ``path`` after its first ``start`` name, each with the number of the first row
+    that does (its line, or row, as :class:`RowDecoder` numbers them), in the order they first appear.
+
+    A first pass, cheaper than the run's: a Parquet file's environment column alone, a JSON Lines file's lines
+    parsed but nothing decoded or checked (measured on 100,000 rows, a cheap plugin's run: Parquet ~0.3% of it,
+    JSON Lines 3% with short rows, 11% with 2 KB trajectories). A row that is not one, or names no environment,
+    is skipped: the run reports it where it reads it.
+
+    Raises:
+        InputError: the file cannot be read, or its extension is not an input format's.
+    """
+    fmt = file_format(path)
+    if fmt is None:
+        raise InputError(path, unsupported(path))
+    named: dict[str, int] = {}
+    if fmt == "jsonl":
+        _named_in_lines(path, start, named)
+    else:
+        _named_in_parquet(path, start, named)
+    return named
+
+
+def _named_in_lines(path: Path, start: int, named: dict[str, int]) -> None:
+    rows = 0
+    try:
+        with path.open("rb") as file:
+            for number, line in enumerate(file, 1):
+                if line.isspace():
+                    continue
+                rows += 1
+                if rows <= start:
+                    continue
+                try:
+                    data = orjson.loads(line)  # an integer too wide for orjson: the run's exact parser reads it
+                except orjson.JSONDecodeError:
+                    try:
+                        data = _json.loads(line)
+                    except _json.JSONDecodeError:
+                        continue
+                name = data.get("environment") if type(data) is dict else None
+                if type(name) is str and name not in named:
+                    named[name] = number
+    except OSError as exc:
+        raise InputError(path, f"cannot read: {exc}") from exc
+
+
+def _named_in_parquet(path: Path, start: int, named: dict[str, int]) -> None:
+    number = 0  # rows before the batch
+    try:
+        with pq.ParquetFile(path) as file:
+            if "environment" not in file.schema_arrow.names:
+                return  # the run refuses the file, naming every missing column
+            for batch in file.iter_batches(batch_size=NAMES_BATCH_ROWS, columns=["environment"]):
+                column = batch.column(0)
+                skip = min(max(start - number, 0), len(column))
+                part = column.slice(skip)
+                if pa.types.is_dictionary(part.type):  # a data frame's categorical column
+                    part = part.cast(part.type.value_type)
+                if _is_text(part.type):
+                    new = [name for name in pc.unique(part).to_pylist() if name is not None and name not in named]
+                    first = {name: number + skip + pc.index(part, name).as_py() + 1 for name in new}
+                    named.update(sorted(first.items(), key=lambda pair: pair[1]))
+                number += len(column)
+    except (OSError, pa.ArrowException) as exc:
+        raise InputError(path, f"cannot read as Parquet: {exc}") from exc
 
 
 def count_rows(path: Path) -> int | None:

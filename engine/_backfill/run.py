@@ -13,15 +13,17 @@ from pathlib import Path
 
 import httpx
 
-from engine._backfill.checkpoint import hold_lock
-from engine._backfill.input import Row, RowReader, open_rows
+from engine._backfill.checkpoint import Checkpoint, hold_lock, state_path
+from engine._backfill.input import Row, RowDecoder, RowReader, named_environments, open_rows
 from engine._backfill.writer import RewardWriter, open_output
+from engine._check import check_ready
 from engine._config import EngineConfig
 from engine._core.report import BatchResult, VerifierTotals, add_reports
+from engine._core.threads import in_thread, wait_future
 from engine._engine import Engine
-from engine._errors import ResumeError, VerificationError
+from engine._errors import ManifestError, ResumeError, VerificationError
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "RunSummary", "open_run", "score_chunks", "score_file"]
+__all__ = ["DEFAULT_CHUNK_SIZE", "RunSummary", "check_named", "open_run", "score_chunks", "score_file"]
 
 DEFAULT_CHUNK_SIZE = 1024  # rows per batch and per checkpoint: at most this many are scored again on resume
 
@@ -129,13 +131,18 @@ async def score_file(
 ) -> RunSummary:
     """Score every row of ``input_path`` into ``output``; see the module docstring.
 
+    Every environment the rows to score name is checked first (:func:`check_named`): one that cannot score
+    stops the run before it writes anything.
+
     Raises ``VerificationError`` when a verifier fails (a note names the input line or row),
-    ``InputError`` for a bad row, ``OutputError``/``ResumeError`` when the output cannot be
-    written or resumed, and ``ConfigError`` for a bad config or manifest.
+    ``UnreadyError`` when an environment the rows name cannot score, ``InputError`` for a bad row,
+    ``OutputError``/``ResumeError`` when the output cannot be written or resumed, and ``ConfigError``
+    for a bad config or manifest.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     async with Engine(config, transport=transport) as engine:
+        await check_named(engine, Path(input_path), _rows_left_after(output) if resume else 0)
         with open_run(input_path, output, resume=resume, json_columns=json_columns) as (rows, writer):
             resumed_at = writer.rows_written
             totals = _previous_totals(writer) if resume else {}
@@ -156,6 +163,42 @@ async def score_file(
             await score_chunks(engine, rows, chunk_size, totals, scored)
             writer.finish()
             return _summary(output, rows.rows_read, resumed_at, totals, writer)
+
+
+def _rows_left_after(output: Path) -> int | None:
+    """The rows a resumed run of ``output`` skips (its checkpoint's); None if it reads none (only its cleanup is
+    left), 0 if its state cannot be read (opening the run says why)."""
+    try:
+        checkpoint = Checkpoint.load(state_path(output))
+    except ResumeError:
+        return 0
+    return None if checkpoint.finished is not None else checkpoint.rows_done
+
+
+async def check_named(engine: Engine, input_path: Path, start: int | None) -> None:
+    """Check, before any row is scored, every environment the rows of ``input_path`` after its first ``start``
+    name (:func:`engine._check.check_ready`, on the run's own engine: its imports are the run's); None: no row.
+
+    Raises:
+        InputError: a row names no environment of ``engine``'s (the first such row, by its line or row).
+        ManifestError: an environment's manifest is broken (a config error, as a row reaching it would raise).
+        UnreadyError: some of those environments cannot score (each named, with why): no row was scored.
+    """
+    if start is None:
+        return
+    decoder = RowDecoder(input_path)
+    # in a thread of its own: a signal stops the run at once, not once a pass over a large file is done
+    named = await wait_future(in_thread(lambda: named_environments(input_path, start=start), "engine-names"))
+    for name, number in named.items():
+        try:
+            engine.environment(name)
+        except ManifestError:
+            raise  # a config error, reported as such (as the run would when it reached the row)
+        except ValueError as exc:
+            raise decoder.error(number, str(exc)) from None
+    which = "the rows still to score name" if start else "the input names"
+    await check_ready(engine, (engine.config.environments / name for name in named), which=which,
+                      then=", checked before scoring any row")
 
 
 def _previous_totals(writer: RewardWriter) -> dict[str, VerifierTotals]:

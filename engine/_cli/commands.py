@@ -3,7 +3,6 @@ and prints what they return (``engine._cli.render``); errors and signals end it 
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 from pathlib import Path
@@ -230,10 +229,8 @@ def _score_on_ray(input_path: Path, output: Path, config_path: Path, resume: boo
         interrupted(f"; {kept}")
     except WriteError as exc:
         fail(EXIT_IO, f"{exc}; {kept}")
-    except VerificationError as exc:  # reported as a run's is, whole with --traceback
-        known = outcome(exc, whole=whole_traceback)
-        assert known is not None  # one of the engine's own errors
-        fail(*known)
+    except VerificationError as exc:  # said as the single-machine run's is: what is kept, --resume, --traceback
+        fail(*(outcome(exc, lambda: f"; {kept}", whole=whole_traceback) or (EXIT_VERIFICATION, str(exc))))
     if summary.already_complete:
         stdout.print(f"{output} is already complete ({summary.rows:,} rows): nothing to do", soft_wrap=True)
         return
@@ -378,7 +375,8 @@ def serve(config_path: Path, host: str, port: int, token_env: str | None, enviro
           max_bytes: int, max_queued: int, graceful_timeout: float, gather_items: int, head_timeout: float,
           keep_alive: int, body_timeout: float, max_connections: int | None) -> None:
     """Serve one engine over HTTP to every process of a training job (POST /v1/score, /get_reward)."""
-    from engine._serve.server import serve as run_service  # uvicorn: imported by this command only
+    from engine._serve.server import log_to_stderr  # uvicorn: imported by this command only
+    from engine._serve.server import serve as run_service
 
     token = _token(token_env)
     try:
@@ -390,9 +388,7 @@ def serve(config_path: Path, host: str, port: int, token_env: str | None, enviro
     except ValueError as exc:
         fail(EXIT_BAD_INPUT, str(exc))
     config = load_config(config_path)
-    # the service's log, on stderr: each failed batch at ERROR (the scheduler's "batch aborted" line, which a
-    # trainer's user looks for beside its own traceback), and a bug answering a request (answered 500)
-    logging.getLogger("engine").addHandler(logging.StreamHandler())
+    log_to_stderr()
     stopped_by = run(lambda: run_service(config, settings))
     if signal.SIGINT in stopped_by:
         interrupted()

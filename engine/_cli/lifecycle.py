@@ -21,7 +21,7 @@ import click
 from rich.text import Text
 
 from engine._cli.render import cause_line, failure_details, stderr
-from engine._errors import EngineError, VerificationError, WriteError
+from engine._errors import EngineError, UnreadyError, VerificationError, WriteError
 
 __all__ = [
     "EXIT_BAD_INPUT",
@@ -178,18 +178,21 @@ def outcome(
 
     Args:
         exc: what ended the command.
-        after: for a write error, what the run kept and how to go on.
+        after: for a verification or write error, what the run kept and how to go on.
         whole: show the whole traceback of a verification error's cause, not only the plugin's frames.
 
     Returns:
         The exit code and message, or None if ``exc`` is not one of the engine's own errors.
     """
-    if isinstance(exc, VerificationError):
+    if isinstance(exc, VerificationError | UnreadyError):
         lines = [str(exc)]
         if exc.__cause__ is not None:
             lines.append(f"cause: {cause_line(exc.__cause__)}")
         lines += getattr(exc, "__notes__", [])
-        lines += failure_details(exc, whole)
+        if isinstance(exc, VerificationError):
+            lines += failure_details(exc, whole)
+        if kept := (after() if after is not None else "").removeprefix("; "):
+            lines.append(kept)  # what a run stopped by it kept, and how to go on, as an interrupt says
         return EXIT_VERIFICATION, "\n  ".join(lines)
     if isinstance(exc, WriteError):
         return EXIT_IO, f"{exc}{after() if after is not None else ''}"

@@ -7,10 +7,12 @@ each taking a chunk of items at a time: docs/design.md, The scheduler.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import logging
 import math
 from collections import Counter, defaultdict, deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, compress, repeat
 from operator import eq, itemgetter
@@ -27,9 +29,10 @@ from engine._core.report import BatchResult, VerifierReport
 from engine._errors import ConfigError, Failure, VerificationError
 from engine._reasons import describe, is_timeout
 
-__all__ = ["Resolve", "score_batch", "total"]
+__all__ = ["Resolve", "aborts_unlogged", "log_abort", "score_batch", "total"]
 
 logger = logging.getLogger("engine")
+_LOG_ABORTS = contextvars.ContextVar("engine_log_aborts", default=True)  # aborts_unlogged() sets it False
 
 GROUP_SLICE = 1 << 14  # items grouped between two yields to the event loop (~2 ms of work)
 _FEW = 8  # environments in a slice picked out one pass each; more are grouped item by item
@@ -38,6 +41,25 @@ _ENVIRONMENT = itemgetter("environment")
 Resolve = Callable[[str], tuple[Verifier, Meter]]
 """An environment's name -> its verifier and meter: ``ValueError`` if there is no such environment,
 ``ConfigError`` if its manifest is bad, ``VerificationError`` if it cannot score (the scheduler names the item)."""
+
+
+def log_abort(exc: BaseException) -> None:
+    """The one ERROR line of a failed batch, on the ``engine`` logger: ``batch aborted: <the error>``."""
+    logger.error("batch aborted: %s", exc)
+
+
+@contextlib.contextmanager
+def aborts_unlogged() -> Iterator[None]:
+    """Batches scored in this context (this task, and what it awaits) log no ``batch aborted`` line.
+
+    For a caller whose batch's failure is not the failure its user sees: the service's gathered batch
+    (the failing request's own error is logged, by :func:`log_abort`, once), an environment check's example.
+    """
+    token = _LOG_ABORTS.set(False)
+    try:
+        yield
+    finally:
+        _LOG_ABORTS.reset(token)
 
 
 @dataclass(eq=False)
@@ -324,7 +346,8 @@ class _Batch:
             for lane in list(lanes):
                 start(lane)
         if failure is not None:
-            logger.error("batch aborted: %s", failure)
+            if _LOG_ABORTS.get():
+                log_abort(failure)
             raise failure
 
     def result(self, elapsed: float) -> BatchResult:
@@ -390,7 +413,8 @@ async def score_batch(
     try:
         await batch.plan()
     except VerificationError as exc:
-        logger.error("batch aborted: %s", exc)
+        if _LOG_ABORTS.get():
+            log_abort(exc)
         raise
     started = perf_counter()
     await batch.run()

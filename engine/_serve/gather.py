@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from engine._core.batcher import Batcher
 from engine._core.report import BatchResult, VerifierReport
-from engine._core.scheduler import total
+from engine._core.scheduler import aborts_unlogged, log_abort, total
 from engine._errors import VerificationError
 from engine._serve.limits import GATHER_CALL, GATHER_ITEMS, MAX_GATHERED
 
@@ -218,7 +218,9 @@ class Gatherer:
             items += request.items
         try:
             try:
-                result = await self.engine.run(items)
+                # its failure is logged as the request that gets it (_split_failure), or as each scored alone: once
+                with aborts_unlogged():
+                    result = await self.engine.run(items)
             finally:
                 batch.done = True  # from here a request that goes away cancels only its own work
                 self._scored_batch(batch)
@@ -252,6 +254,7 @@ class Gatherer:
         self.failed(exc)
         own = exc.at_item(exc.environment, owner.first_index + place - owner.start, exc.item_id)
         own.__cause__ = exc.__cause__
+        log_abort(own)  # the line its batch alone would have logged: its own item's index
         if not owner.future.done():
             owner.future.set_exception(own)
         await self._alone([request for request in requests if request is not owner])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import math
 import signal
 import threading
@@ -14,14 +15,18 @@ from collections.abc import Iterator
 
 import anyio
 import uvicorn
+import uvicorn.logging
 
+from engine._check import check_ready, environment_dirs
 from engine._config import EngineConfig
 from engine._engine import Engine
 from engine._serve.app import App
 from engine._serve.connections import Guard
 from engine._serve.limits import ServeConfig
 
-__all__ = ["serve"]
+__all__ = ["log_to_stderr", "serve"]
+
+logger = logging.getLogger("engine.serve")
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 SETTLE = 5.0  # seconds the requests cancelled at shutdown get to send their 503
@@ -53,9 +58,33 @@ class _Server(uvicorn.Server):
             self.stopped_by = list(self._captured_signals)
 
 
+def log_to_stderr() -> None:
+    """The service's log (the ``engine`` logger's, from INFO) on stderr, its lines as uvicorn writes its own.
+
+    At start: the config, the environments checked; then each failed batch once, at ERROR (``batch aborted``,
+    the line a trainer's user looks for beside the trainer's own traceback), and a bug answering a request.
+    """
+    handler = logging.StreamHandler()
+    handler.setFormatter(uvicorn.logging.DefaultFormatter("%(levelprefix)s %(message)s", use_colors=False))
+    engine_logger = logging.getLogger("engine")
+    engine_logger.addHandler(handler)
+    engine_logger.setLevel(logging.INFO)
+
+
 async def serve(engine_config: EngineConfig, config: ServeConfig) -> list[int]:
-    """Serve until a signal stops the service; the signals that did."""
+    """Serve until a signal stops the service; the signals that did.
+
+    Every environment is checked first, on the engine the service then scores with (its plugins imported once,
+    for the service): if one cannot score, the service does not start (``UnreadyError``, naming each).
+    """
+    root = engine_config.environments
+    logger.info("engine serve: config %s, environments under %s", engine_config.source or "(the defaults)", root)
     async with Engine(engine_config) as engine:
+        checks = await check_ready(engine, environment_dirs(root), which=f"under {root}",
+                                   then=", so the service does not start (engine check says more)")
+        kinds = ", ".join(f"{check.environment} ({check.kind})" for check in checks)
+        count = f"{len(checks)} environment{'' if len(checks) == 1 else 's'}"
+        logger.info("engine serve: %s, each checked and able to score: %s", count, kinds or "none")
         guard = Guard(config.head_timeout, config.body_timeout, config.connections())
         app = App(engine, config, guard)
         server = _Server(

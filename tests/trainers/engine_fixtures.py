@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_serve import Service, start_service, stop
+from test_serve import Service, servable, start_service, stop
 
 from engine.adapters import close_engines
 
@@ -33,6 +33,7 @@ def in_process(envs_with_arithmetic: Path, engine_toml: Path, monkeypatch: pytes
 
 @pytest.fixture
 def served(envs_with_arithmetic: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Service]:
+    servable(envs_with_arithmetic)
     service = start_service(tmp_path, "")
     monkeypatch.setenv("ENGINE_URL", service.url)
     monkeypatch.delenv("ENGINE_CONFIG", raising=False)

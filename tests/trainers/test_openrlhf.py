@@ -39,7 +39,7 @@ sys.path[:0] = [str(HERE), str(ROOT / "examples" / "trainers")]
 
 import openrlhf_ppo as example  # noqa: E402
 import openrlhf_support as orl  # noqa: E402
-from test_serve import Service, start_service, stop  # noqa: E402
+from test_serve import Service, servable, start_service, stop  # noqa: E402
 
 ADAPTER = str(ROOT / "engine" / "adapters" / "openrlhf.py")
 EXAMPLES = ROOT / "examples"
@@ -98,6 +98,7 @@ def module_envs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("orl")
     envs = root / "envs"
     shutil.copytree(ROOT / "tests" / "envs", envs, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    servable(envs)
     add_env(envs, "counted", "plugin", "verify:score")
     (envs / "counted" / "verify.py").write_text(COUNTED)
     (root / "engine.toml").write_text(f'environments = "{envs}"\nallow_unpinned = true\n')

@@ -30,7 +30,7 @@ trl_support.offline()  # before TRL or transformers is imported
 
 import torch  # noqa: E402
 import trl  # noqa: E402
-from test_serve import Service, start_service, stop  # noqa: E402
+from test_serve import Service, servable, start_service, stop  # noqa: E402
 
 import engine  # noqa: E402
 from engine.adapters import close_engines  # noqa: E402
@@ -75,7 +75,7 @@ def rowcode(envs: Path, engine_toml: Path) -> Iterator[Path]:
 @pytest.fixture
 def service(envs: Path, tmp_path: Path, rows_log: Path) -> Iterator[Service]:
     """An ``engine serve`` over this test's environments (``rowcode`` among them), with a token."""
-    add_row_env(envs)
+    add_row_env(servable(envs))
     running = start_service(tmp_path, "", token=TOKEN)
     yield running
     close_engines()
@@ -181,7 +181,7 @@ def test_a_failing_item_ends_training_with_the_error_never_a_number(
     tiny_model: Path, envs: Path, engine_toml: Path, tmp_path: Path, rows_log: Path, through: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    add_row_env(envs)
+    add_row_env(servable(envs))
     running = start_service(tmp_path, "", token=TOKEN) if through == "service" else None
     try:
         source: dict[str, Any] = {"url": running.url, "token": TOKEN} if running else {"config": engine_toml}
@@ -321,7 +321,7 @@ def test_environment_factory_rows_score_without_trls_environments_in_their_tasks
     chat_model: Path, envs: Path, engine_toml: Path, tmp_path: Path, rows_log: Path,
     factory: Any, columns: dict[str, Any], arguments: dict[str, Any], through: str,
 ) -> None:
-    add_row_env(envs)
+    add_row_env(servable(envs))
     running = start_service(tmp_path, "", token=TOKEN) if through == "service" else None
     try:
         source: dict[str, Any] = {"url": running.url, "token": TOKEN} if running else {"config": engine_toml}

@@ -73,10 +73,12 @@ def score(task, trajectory):
 
 
 def workspace(root: Path) -> Path:
-    """``root`` with a copy of tests/envs and the ``sample`` environment, an engine config over them
-    (``engine.toml``, returned), a tiny model and verl's agent loop file."""
+    """``root`` with a copy of tests/envs (those an ``engine serve`` starts with) and the ``sample`` environment, an
+    engine config over them (``engine.toml``, returned), a tiny model and verl's agent loop file."""
+    from test_serve import CANNOT_SCORE
+
     envs = root / "envs"
-    shutil.copytree(TESTS / "envs", envs, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copytree(TESTS / "envs", envs, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", *CANNOT_SCORE))
     (envs / "sample").mkdir()
     (envs / "sample" / "manifest.json").write_text(
         '{"kind": "environment", "verifier": {"kind": "plugin", "ref": "verify:score"}}'
