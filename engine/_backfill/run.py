@@ -6,7 +6,7 @@ A chunk at a time, each scored as one batch and checkpointed: docs/design.md, Cr
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 
 from engine._backfill.checkpoint import hold_lock
+from engine._backfill.columns import Columns
 from engine._backfill.input import Row, RowReader, open_rows
 from engine._backfill.writer import RewardWriter, open_output
 from engine._config import EngineConfig
@@ -50,7 +51,12 @@ class RunSummary:
 
 @contextlib.contextmanager
 def open_run(
-    input_path: str | Path, output: str | Path, *, resume: bool = False, json_columns: Collection[str] = ()
+    input_path: str | Path,
+    output: str | Path,
+    *,
+    resume: bool = False,
+    json_columns: Collection[str] = (),
+    columns: Columns | None = None,
 ) -> Iterator[tuple[RowReader, RewardWriter]]:
     """The rows still to score and the writer of their rewards, checked against each other.
 
@@ -61,7 +67,7 @@ def open_run(
     opened. Both are closed on exit; the run is complete only once the caller has called
     ``writer.finish()``. The run holds ``OUT.lock`` all along: a second run for the same output
     is refused (:class:`OutputError`) while it does. ``json_columns``: Parquet columns holding JSON
-    text (:func:`engine._backfill.input.open_rows`).
+    text; ``columns``: where each field is read from (:func:`engine._backfill.input.open_rows`).
     """
     with contextlib.ExitStack() as stack:
         stack.enter_context(hold_lock(Path(output)))
@@ -70,10 +76,12 @@ def open_run(
             if writer.already_finished:  # only the cleanup is left: the input is neither needed nor read
                 rows = RowReader.done(input_path, writer.rows_written)
             else:
-                rows = stack.enter_context(open_rows(input_path, start=writer.rows_written, json_columns=json_columns))
+                rows = stack.enter_context(
+                    open_rows(input_path, start=writer.rows_written, json_columns=json_columns, columns=columns)
+                )
                 _check_input(writer, rows)
         else:
-            rows = stack.enter_context(open_rows(input_path, json_columns=json_columns))
+            rows = stack.enter_context(open_rows(input_path, json_columns=json_columns, columns=columns))
             writer = stack.enter_context(open_output(output, input_path=input_path, resume=False))
         yield rows, writer
 
@@ -126,8 +134,11 @@ async def score_file(
     progress: Progress | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
     json_columns: Collection[str] = (),
+    columns: Mapping[str, str] | None = None,
 ) -> RunSummary:
     """Score every row of ``input_path`` into ``output``; see the module docstring.
+
+    ``columns``: where each field is read from (``--columns``), replacing the config's ``[input.columns]``.
 
     Raises ``VerificationError`` when a verifier fails (a note names the input line or row),
     ``InputError`` for a bad row, ``OutputError``/``ResumeError`` when the output cannot be
@@ -135,8 +146,9 @@ async def score_file(
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    mapping = Columns.chosen(columns, config.input_columns)
     async with Engine(config, transport=transport) as engine:
-        with open_run(input_path, output, resume=resume, json_columns=json_columns) as (rows, writer):
+        with open_run(input_path, output, resume=resume, json_columns=json_columns, columns=mapping) as (rows, writer):
             resumed_at = writer.rows_written
             totals = _previous_totals(writer) if resume else {}
             if writer.already_finished:

@@ -15,6 +15,7 @@ from rich.text import Text
 
 from engine._backfill.bench import DEFAULT_BATCH_SIZE, bench_file, summarise
 from engine._backfill.checkpoint import Checkpoint, state_path
+from engine._backfill.columns import Columns
 from engine._backfill.files import file_format
 from engine._backfill.input import JSON_TEXT_COLUMNS, count_rows, json_columns
 from engine._backfill.run import DEFAULT_CHUNK_SIZE, RunSummary, score_file
@@ -59,6 +60,25 @@ json_columns_option = click.option(
     callback=_json_columns,
     help="Parquet input: these columns hold JSON text, decoded for the plugin (as are those the file's "
     "engine.json_columns metadata lists, and a text task); any other text reaches it as text.",
+)
+
+
+def _columns(ctx: click.Context, param: click.Parameter, value: str | None) -> dict[str, str] | None:
+    try:
+        return None if value is None else Columns.parse(value).mapping
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+columns_option = click.option(
+    "--columns",
+    "columns",
+    metavar="FIELD=SOURCE,...",
+    default=None,
+    callback=_columns,
+    help="Where each field of a row is read from, replacing [input.columns]: id, environment, trajectory, and task "
+    "or task.KEY entries building it, each from a column or a dotted path into one "
+    "(environment=data_source,task.reference=reward_model.ground_truth); a field not named: its own column.",
 )
 
 
@@ -122,14 +142,15 @@ def cli() -> None:
 @click.option("--url", default=None, help="With --ray: every actor scores through this `engine serve` instead.")
 @click.option("--token-env", metavar="NAME", default=None, help="With --url: variable holding the service's token.")
 @json_columns_option
+@columns_option
 def score(input_path: Path, output: Path, config_path: Path, resume: bool, chunk_size: int | None, on_ray: bool,
           address: str | None, actors: int | None, url: str | None, token_env: str | None,
-          json_text: frozenset[str]) -> None:
+          json_text: frozenset[str], columns: dict[str, str] | None) -> None:
     """Backfill rewards for a file of stored trajectories (JSON Lines or Parquet)."""
     ray_only = {"--address": address, "--actors": actors, "--url": url, "--token-env": token_env}
     if on_ray:
         _score_on_ray(input_path, output, config_path, resume, chunk_size or DEFAULT_BLOCK_ROWS, address, actors, url,
-                      token_env, json_text)
+                      token_env, json_text, columns)
         return
     _refuse_json_columns_for_jsonl(input_path, json_text)
     chunk_size = chunk_size or DEFAULT_CHUNK_SIZE
@@ -156,6 +177,7 @@ def score(input_path: Path, output: Path, config_path: Path, resume: bool, chunk
                     chunk_size=chunk_size,
                     progress=progress,
                     json_columns=json_text,
+                    columns=columns,
                 ),
                 kept=lambda: _kept(output),
             )
@@ -194,7 +216,7 @@ def _token(variable: str | None) -> str | None:
 
 def _score_on_ray(input_path: Path, output: Path, config_path: Path, resume: bool, block_rows: int,
                   address: str | None, actors: int | None, url: str | None, token_env: str | None,
-                  json_text: frozenset[str]) -> None:
+                  json_text: frozenset[str], columns: dict[str, str] | None) -> None:
     """``engine score --ray``: :func:`engine._ray.run.backfill`, with the single-machine command's errors and exits."""
     from engine._ray.run import DEFAULT_ACTORS, backfill  # Ray itself is imported only once a run starts
 
@@ -205,7 +227,7 @@ def _score_on_ray(input_path: Path, output: Path, config_path: Path, resume: boo
         with show_progress(None) as progress:
             summary = backfill(input_path, output, config, resume=resume, actors=actors or DEFAULT_ACTORS, url=url,
                                token=token, address=address, block_rows=block_rows, progress=progress,
-                               json_columns=json_text)
+                               json_columns=json_text, columns=columns)
     except KeyboardInterrupt:
         interrupted(f"; {kept}")
     except WriteError as exc:
@@ -231,15 +253,16 @@ def _score_on_ray(input_path: Path, output: Path, config_path: Path, resume: boo
               help="Rows scored per batch, as a trainer's step would.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON instead of a table.")
 @json_columns_option
+@columns_option
 def bench(input_path: Path, config_path: Path, repeat: int, batch_size: int, as_json: bool,
-          json_text: frozenset[str]) -> None:
+          json_text: frozenset[str], columns: dict[str, str] | None) -> None:
     """Measure each verifier on a file of stored trajectories, writing no rewards."""
     _refuse_json_columns_for_jsonl(input_path, json_text)
     config = load_config(config_path)
     if not input_path.is_file():
         fail(EXIT_BAD_INPUT, f"{input_path}: no such input file")
     runs = run(lambda: bench_file(input_path=input_path, config=config, repeat=repeat, batch_size=batch_size,
-                                   json_columns=json_text))
+                                   json_columns=json_text, columns=columns))
     summary = summarise(runs)
     if as_json:
         click.echo(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
