@@ -381,10 +381,8 @@ def config_from_mapping(data: Mapping[str, Any], *, base_dir: Path, source: Path
     input_table = data.get("input", {})
     if not isinstance(input_table, Mapping):
         raise _fail(source, "input", "must be a table ([input.columns])")
-    for key in input_table:
-        if key not in _INPUT:
-            raise ConfigError(f"unknown key (known: {', '.join(sorted(_INPUT))})", key=key, table="input",
-                              source=source)
+    if (key := first_unknown(input_table, _INPUT)) is not None:
+        raise ConfigError(unknown_key(key, _INPUT), key=key, table="input", source=source)
     return EngineConfig(
         environments=base_dir / environments,
         allow_unpinned=data.get("allow_unpinned", False),

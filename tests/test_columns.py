@@ -167,12 +167,13 @@ def test_a_source_a_row_or_file_lacks_is_an_error_naming_it_never_a_default(
 @pytest.mark.parametrize(
     ("columns", "message"),
     [
-        ("enviroment=data_source", "enviroment: unknown field (known: id, environment, task"),
+        ("enviroment=data_source", "enviroment: unknown key, did you mean 'environment'? (known: environment, id, "
+         "task, task.<key>, trajectory)"),
         ("environment", "'environment' is not field=source"),
         ("id=a..b", "id: must be a source column, dotted into a struct or object"),
         ("id=a,id=b", "id: named twice"),
         ("task=t,task.reference=r", "task: the task is either one column or built of task.<key> entries, not both"),
-        ("task.a.b=c", "task.a.b: unknown field"),
+        ("task.a.b=c", "task.a.b: unknown key"),
     ],
 )
 def test_a_mapping_that_is_not_one_is_a_usage_error_of_every_command(
@@ -191,11 +192,11 @@ def test_a_mapping_that_is_not_one_is_a_usage_error_of_every_command(
 @pytest.mark.parametrize(
     ("text", "key", "said"),
     [
-        ('[input.columns]\nenviroment = "data_source"', "input.columns.enviroment", "unknown field"),
+        ('[input.columns]\nenviroment = "data_source"', "input.columns.enviroment", "did you mean 'environment'?"),
         ('[input.columns]\nid = 5', "input.columns.id", "must be a source column"),
         ('[input.columns]\ntask = "t"\n"task.reference" = "r"', "input.columns.task", "not both"),
-        ('[input.columns.task]\n"a.b" = "c"', "input.columns.task.a.b", "unknown field"),
-        ("[input]\ncolums = {}", "input.colums", "unknown key (known: columns)"),
+        ('[input.columns.task]\n"a.b" = "c"', "input.columns.task.a.b", "unknown key"),
+        ("[input]\ncolums = {}", "input.colums", "unknown key, did you mean 'columns'? (known: columns)"),
         ("[input]\ncolumns = 5", "input.columns", "must be a table"),
         ("input = 5", "input", "must be a table"),
     ],
@@ -220,7 +221,7 @@ def test_the_configs_mapping_is_validated_flat_and_read_only_when_built_in_code(
     assert dict(EngineConfig(input_columns={"id": "id"}).input_columns) == {}  # the default, said outright
     with pytest.raises(TypeError):
         config.input_columns["id"] = "x"  # type: ignore[index]
-    with pytest.raises(ConfigError, match=r"^input.columns.trajectroy: unknown field"):
+    with pytest.raises(ConfigError, match=r"^input.columns.trajectroy: unknown key, did you mean 'trajectory'\?"):
         EngineConfig(input_columns={"trajectroy": "response"})
 
 

@@ -10,11 +10,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from engine._keys import unknown_key
+
 __all__ = ["FIELDS", "TASK_KEY", "Columns"]
 
 FIELDS: tuple[str, ...] = ("id", "environment", "task", "trajectory")
 TASK_KEY = "task."  # a mapping's ``task.<key>`` entry: one key of a task built from several sources
-_KNOWN = "id, environment, task (a whole column) or task.<key> (one key of the task), trajectory"
+_KNOWN = (*FIELDS, f"{TASK_KEY}<key>")  # what a mapping's keys may be (task.<key>: one key of a task built of several)
 
 Fail = Callable[[str, str], Exception]  # the error naming a mapping's key, and what is wrong with it
 
@@ -54,7 +56,7 @@ class Columns:
         chosen: dict[str, str] = {}
         for key, source in flat.items():
             if not isinstance(key, str) or not (key in FIELDS or _task_key(key)):
-                raise fail(str(key), f"unknown field (known: {_KNOWN})")
+                raise fail(str(key), unknown_key(str(key), _KNOWN))
             if not isinstance(source, str) or not all(part.strip() for part in source.split(".")):
                 raise fail(key, f"must be a source column, dotted into a struct or object (a.b), got {source!r}")
             chosen[key] = source
