@@ -135,6 +135,10 @@ class RowDecoder:
         # its value decoded from JSON text, its struct type (checked for null fields), and whether its path goes
         # through struct fields (a null there may be a key the row lacks)
         self._json_reads: tuple[int, ...] = ()
+        # each field its own column, read as it is (no path, no decoding, no struct to check): the common case,
+        # taken without the per-field loop (JSON Lines: unless a row lacks a column)
+        self._direct = all(not slot.keys and slot.column == index for index, slot in enumerate(self._slots))
+        self._plain = self._direct and self.unit == "line"
         count = len(self._slots)
         self._decode: tuple[bool, ...] = (False,) * count
         self._structs: tuple[pa.DataType | None, ...] = (None,) * count
@@ -187,6 +191,7 @@ class RowDecoder:
                 decoded.add(slot.name)
         self._json_reads = tuple(index for index, name in enumerate(self.reads) if name in in_file)
         self._decode, self._structs, self._in_struct = tuple(decode), tuple(structs), tuple(in_struct)
+        self._plain = self._direct and not (self._json_reads or any(decode) or any(structs))
         self.decoded = frozenset(decoded)
 
     def error(self, number: int, reason: str) -> InputError:
@@ -208,7 +213,16 @@ class RowDecoder:
                 raise self.error(number, _invalid_json(raw, number, exc)) from None
             if not isinstance(data, dict):
                 raise self.error(number, f"must be a JSON object, got {type(data).__name__}")
+            if self._plain:
+                try:
+                    plain = [data[name] for name in self.reads]
+                except KeyError:
+                    pass  # said below, with every source the row lacks
+                else:
+                    return self._row(number, plain)
             values = [data.get(name, _MISSING) for name in self.reads]
+        elif self._plain:
+            return self._row(number, list(raw))
         else:
             values = list(raw)
             for index in self._json_reads:
@@ -227,6 +241,10 @@ class RowDecoder:
                 fields.append(value)
         if missing:
             raise self.error(number, f"missing field(s) {self._missing([slot.source for slot in missing])}")
+        return self._row(number, fields)
+
+    def _row(self, number: int, fields: list[Any]) -> Row:
+        """Row ``number`` of the values of its fields, in the mapping's order, checked."""
         row_id, environment, trajectory = fields[0], fields[1], fields[-1]
         if self.columns.whole_task:
             task = fields[2]
