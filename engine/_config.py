@@ -15,6 +15,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from engine._backfill.columns import Columns
 from engine._errors import ConfigError
 from engine._http.headers import check_headers
 from engine._http.network import ca_bundle_problem, credentials_refusal, shown_url, url_problem, without_credentials
@@ -284,6 +285,8 @@ class EngineConfig:
     judge: JudgeConfig | None = None  # None: rubric verifiers fail, saying no judge is configured
     # PEM CA certificates trusted for HTTPS (endpoints and the judge) on top of the default trust
     ca_bundle: Path | None = None
+    # where a backfill's input row keeps each field ([input.columns]): field (or task.<key>) -> source column
+    input_columns: Mapping[str, str] = field(default_factory=dict)
     source: Path | None = None  # the file this came from, for messages
 
     def __post_init__(self) -> None:
@@ -326,6 +329,10 @@ class EngineConfig:
                         )
         COUNT.check(self.max_in_flight, "max_in_flight", source=src)
         COUNT.check(self.threads, "threads", source=src)
+        if not isinstance(self.input_columns, Mapping):
+            raise _fail(src, "input.columns", "must be a table of field = source column")
+        columns = Columns.of(self.input_columns, lambda key, problem: _fail(src, f"input.columns.{key}", problem))
+        object.__setattr__(self, "input_columns", MappingProxyType({} if columns.is_default else columns.mapping))
         object.__setattr__(self, "pins", MappingProxyType(dict(self.pins)))
         object.__setattr__(self, "refs", MappingProxyType(dict(self.refs)))
 
@@ -336,8 +343,9 @@ class EngineConfig:
 
 _TOP_LEVEL = {
     "environments", "allow_unpinned", "pins", "defaults", "refs", "max_in_flight", "threads", "rubrics", "judge",
-    "ca_bundle",
+    "ca_bundle", "input",
 }
+_INPUT = {"columns"}  # the keys of [input]
 
 
 def config_from_mapping(data: Mapping[str, Any], *, base_dir: Path, source: Path | None = None) -> EngineConfig:
@@ -370,6 +378,11 @@ def config_from_mapping(data: Mapping[str, Any], *, base_dir: Path, source: Path
         if _is_endpoint_key(key) and (problem := url_problem(key)) is not None:
             raise _fail(source, f"refs.{shown_url(key)!r}", problem)
     refs = {key: Limits.parse(table, defaults, f"refs.{key!r}", source) for key, table in refs_table.items()}
+    input_table = data.get("input", {})
+    if not isinstance(input_table, Mapping):
+        raise _fail(source, "input", "must be a table ([input.columns])")
+    if (key := first_unknown(input_table, _INPUT)) is not None:
+        raise ConfigError(unknown_key(key, _INPUT), key=key, table="input", source=source)
     return EngineConfig(
         environments=base_dir / environments,
         allow_unpinned=data.get("allow_unpinned", False),
@@ -381,6 +394,7 @@ def config_from_mapping(data: Mapping[str, Any], *, base_dir: Path, source: Path
         rubrics=base_dir / rubrics,
         judge=judge,
         ca_bundle=base_dir / ca_bundle if ca_bundle is not None else None,
+        input_columns=input_table.get("columns", {}),
         source=source,
     )
 

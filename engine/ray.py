@@ -6,9 +6,10 @@ exactly-once commits: docs/design.md, Backfills on Ray.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
+from engine._backfill.columns import Columns
 from engine._backfill.input import json_columns as columns_of_json
 from engine._config import EngineConfig
 from engine._ray.plan import DEFAULT_BLOCK_ROWS
@@ -38,13 +39,14 @@ def score_dataset(
     actor_cpus: float = DEFAULT_ACTOR_CPUS,
     batch_size: int = DEFAULT_BLOCK_ROWS,
     json_columns: Collection[str] = (),
+    columns: Mapping[str, str] | None = None,
     **ray_remote_args: Any,
 ) -> ray.data.Dataset:
     """Score a Ray Dataset of rollouts on a pool of actors, each holding one engine.
 
     Args:
-        dataset: Rows with columns ``id``, ``environment``, ``task``, ``trajectory``, and any others
-            (kept as they are).
+        dataset: Rows with columns ``id``, ``environment``, ``task``, ``trajectory`` (or those ``columns``
+            names), and any others (kept as they are).
         config: The engine's config, its limits split over the actors (``ceil(max_concurrency / N)``,
             ``max_rate / N``); None only with ``url``.
         actors: How many actors score, each with its own engine.
@@ -54,6 +56,9 @@ def score_dataset(
         batch_size: Rows per engine batch.
         json_columns: Columns (``task``, ``trajectory``) holding JSON text, as ``engine score
             --json-columns`` says of a file's (a text ``task`` is decoded anyway).
+        columns: Where each field is read from, as ``engine score --columns`` says (``{"environment":
+            "data_source", "task.reference": "reward_model.ground_truth"}``); None: the config's
+            ``[input.columns]``, if any.
         ray_remote_args: Passed to ``map_batches``.
 
     Returns:
@@ -65,9 +70,9 @@ def score_dataset(
 
     Raises:
         ValueError: ``actors`` is below 1; neither ``config`` nor ``url`` is given; a ``json_columns``
-            name is neither ``task`` nor ``trajectory``; or the dataset's Ray Data options break the
-            guarantees (``max_errored_blocks`` above 0 drops rows; ``actor_task_retry_on_errors``
-            retries verification errors).
+            name is neither ``task`` nor ``trajectory``; ``columns`` is not a column mapping; or the
+            dataset's Ray Data options break the guarantees (``max_errored_blocks`` above 0 drops rows;
+            ``actor_task_retry_on_errors`` retries verification errors).
     """
     import ray.data
 
@@ -79,6 +84,7 @@ def score_dataset(
     if config is None and url is None:
         raise ValueError("a config is needed unless every actor scores through an engine serve (url)")
     listed = sorted(columns_of_json(json_columns))  # ValueError now, not in an actor
+    mapping = Columns.chosen(columns, config.input_columns if config is not None else {})
     check_data_options(dataset.context)  # the dataset's own copy of the driver's DataContext
     per_actor = None if config is None else absolute(split_limits(config, actors) if url is None else config)
     return dataset.map_batches(
@@ -87,6 +93,7 @@ def score_dataset(
         batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(size=actors),
         num_cpus=actor_cpus,
-        fn_constructor_kwargs={"config": per_actor, "url": url, "token": token, "json_columns": listed},
+        fn_constructor_kwargs={"config": per_actor, "url": url, "token": token, "json_columns": listed,
+                               "columns": mapping},
         **ray_remote_args,
     )

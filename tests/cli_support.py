@@ -150,6 +150,35 @@ def row(n: int, environment: str = PLUGIN_ENV, **task: Any) -> dict[str, Any]:
     return {"id": f"row-{n:04d}", "environment": environment, "task": {"n": n, **task}, "trajectory": f"answer {n}"}
 
 
+# verl's own Parquet columns (its examples/data_preprocess/gsm8k.py), plus the rollout's ``response``, read by the
+# ``verl_gsm8k`` environment through this mapping (its ids: extra_info.index)
+VERL_COLUMNS = ("environment=data_source,task.prompt=prompt,task.reference=reward_model.ground_truth,"
+                "id=extra_info.index,trajectory=response")
+
+
+def verl_rows(count: int, first: int = 0) -> list[dict[str, Any]]:
+    """``count`` rows shaped as verl writes them; row ``n``'s response is right (reward 1.0) unless ``n % 3 == 0``."""
+    made = []
+    for n in range(first, first + count):
+        answer = str(7 * n)
+        question = f"What is 7 times {n}?"
+        made.append({
+            "data_source": "verl_gsm8k",
+            "prompt": [{"role": "user", "content": f'{question} Output the final answer after "####".'}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": answer},
+            "extra_info": {"split": "test", "index": 1000 + n, "answer": f"7 * {n} = {answer}\n#### {answer}",
+                           "question": question},
+            "response": f"7 times {n} is {answer}.\n#### {answer if n % 3 else answer + '1'}",
+        })
+    return made
+
+
+def verl_reward(n: int) -> float:
+    """The reward of :func:`verl_rows`' row ``n``."""
+    return 1.0 if n % 3 else 0.0
+
+
 def rows(count: int, *, environment: str = PLUGIN_ENV, poison: Iterable[int] = ()) -> list[dict[str, Any]]:
     """``count`` rows of ``environment``; for the ``backfill`` plugin, those in ``poison`` fail until it is fixed."""
     bad = set(poison)

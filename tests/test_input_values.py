@@ -168,3 +168,22 @@ def test_a_struct_task_whose_rows_differ_in_keys_is_refused_never_given_other_ro
     assert ran.returncode == EXIT_BAD_INPUT, ran.stderr
     assert "row 1: task.hint is null in a struct column" in ran.stderr
     assert "store 'task' as JSON text" in ran.stderr
+
+
+def test_a_resume_with_nothing_checkpointed_yet_reads_json_text_columns_again(space: Workspace) -> None:
+    """--json-columns on Parquet: a run stopped before its first checkpoint resumes (it was refused as changed)."""
+    items = [{"id": n, "environment": "exact_trajectory", "task": _json.dumps({"expected": [n]}).decode(),
+              "trajectory": _json.dumps([n]).decode()} for n in range(6)]
+    items[1]["task"] = "{not json"
+    source = space.root / "in.parquet"
+    pq.write_table(pa.table({key: [item[key] for item in items] for key in items[0]}), source)
+    out = space.root / "out.jsonl"
+
+    failed = space.score(source, out, "--json-columns", "trajectory")
+    assert failed.returncode == EXIT_BAD_INPUT and "row 2: 'task' is text but not valid JSON" in failed.stderr
+    items[1]["task"] = _json.dumps({"expected": [1]}).decode()
+    pq.write_table(pa.table({key: [item[key] for item in items] for key in items[0]}), source)
+    resumed = space.score(source, out, "--json-columns", "trajectory", "--resume")
+
+    assert resumed.returncode == 0, resumed.stderr
+    assert rewards(out) == [1.0] * 6

@@ -32,7 +32,17 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 import ray.data
-from cli_support import Workspace, child_env, copy_env, engine_command, records, write_rows
+from cli_support import (
+    VERL_COLUMNS,
+    Workspace,
+    child_env,
+    copy_env,
+    engine_command,
+    records,
+    verl_reward,
+    verl_rows,
+    write_rows,
+)
 from polling import wait_until
 
 import engine
@@ -41,6 +51,7 @@ from engine._backfill.parquet import JSON_COLUMNS_KEY, read_records
 from engine._ray.actor import split_limits
 from engine._ray.plan import committed, make_plan, resolve_inputs
 from engine._ray.run import NO_PROGRESS_VARIABLE
+from engine.cli import EXIT_BAD_INPUT
 from engine.ray import backfill, engine_error, score_dataset
 
 pytestmark = pytest.mark.timeout(180)  # Ray actors start in seconds, more on a loaded 2-core machine
@@ -325,6 +336,32 @@ def test_wide_integers_and_text_trajectories_reach_the_plugins_exactly_on_ray(sp
     got = by_id(space.root / "out")
     assert len(got) == 900 and {reward for reward, _ in got.values()} == {1.0}
     assert {reward for reward, _ in by_id(space.root / "meta").values()} == {1.0}
+
+
+def test_verls_own_parquet_is_scored_on_ray_through_the_column_mapping(space: Workspace, cluster: str) -> None:
+    """Every actor reads its blocks through the mapping --columns gives (and score_dataset its batches); a run
+    with another mapping is another input; a source the file lacks is refused before Ray is asked for anything."""
+    copy_env("verl_gsm8k", space.envs)
+    source = space.root / "in.parquet"
+    pq.write_table(pa.Table.from_pylist(verl_rows(40)), source, row_group_size=10)
+    outdir = space.root / "out"
+    answers = VERL_COLUMNS.replace("trajectory=response", "trajectory=extra_info.answer")  # every row right
+
+    ran = space.score(source, outdir, "--ray", "--chunk-size", "20", "--columns", VERL_COLUMNS)
+    other = space.score(source, outdir, "--ray", "--chunk-size", "20", "--columns", answers)
+    missing = space.score(source, space.root / "missing", "--ray", "--columns", VERL_COLUMNS.replace("=data", "=x"))
+    mapping = dict(pair.split("=") for pair in answers.split(","))
+    dataset = score_dataset(ray.data.from_arrow(pq.read_table(source)), engine.load_config(space.config), actors=1,
+                            actor_cpus=0.5, batch_size=20, columns=mapping).take_all()
+
+    assert ran.returncode == 0, ran.stderr
+    assert {row_id: reward for row_id, (reward, _) in by_id(outdir).items()} == {
+        1000 + n: verl_reward(n) for n in range(40)}
+    assert other.returncode == EXIT_BAD_INPUT and "holds the complete output of another input" in other.stderr
+    assert missing.returncode == EXIT_BAD_INPUT, missing.stderr
+    assert "missing column(s) 'x_source' (read as environment)" in missing.stderr
+    assert sorted((row["extra_info"]["index"], row["reward"]) for row in dataset) == [
+        (1000 + n, 1.0) for n in range(40)]
 
 
 def test_resume_scores_again_a_part_cut_short_or_overwritten_and_every_part_then_reads(

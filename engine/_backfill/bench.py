@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from time import perf_counter
@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from engine._backfill.columns import Columns
 from engine._backfill.input import Row, open_rows
 from engine._backfill.run import score_chunks
 from engine._check import process_hint
@@ -68,11 +69,14 @@ async def bench_file(
     batch_size: int = DEFAULT_BATCH_SIZE,
     transport: httpx.AsyncBaseTransport | None = None,
     json_columns: Collection[str] = (),
+    columns: Mapping[str, str] | None = None,
 ) -> list[BenchRun]:
     """Score ``input_path`` ``repeat`` times on one engine (imports and connections are kept); ``json_columns``: its
-    Parquet columns holding JSON text (:func:`engine._backfill.input.open_rows`)."""
+    Parquet columns holding JSON text; ``columns``: where each field is read from, replacing the config's
+    (:func:`engine._backfill.input.open_rows`)."""
     if repeat < 1 or batch_size < 1:
         raise ValueError(f"repeat and batch_size must be >= 1, got {repeat} and {batch_size}")
+    mapping = Columns.chosen(columns, config.input_columns)
     runs: list[BenchRun] = []
     samples: dict[str, list[dict[str, Any]]] = {}  # each plugin environment's first rows, for the process hint
 
@@ -91,7 +95,7 @@ async def bench_file(
     async with Engine(config, transport=transport) as engine:
         for _ in range(repeat):
             run, started = BenchRun(0, 0.0, 0.0, {}), perf_counter()
-            with open_rows(input_path, json_columns=json_columns) as rows:
+            with open_rows(input_path, json_columns=json_columns, columns=mapping) as rows:
                 await score_chunks(engine, rows, batch_size, run.verifiers, sampled if not runs else run.add)
             run.seconds = perf_counter() - started
             runs.append(run)

@@ -19,7 +19,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from engine import _json
-from engine._backfill.files import Closing, checksum, file_format, unsupported
+from engine._backfill.columns import FIELDS, TASK_KEY, Columns
+from engine._backfill.files import EMPTY_CHECKSUM, Closing, checksum, file_format, unsupported
 from engine._backfill.parquet import JSON_COLUMNS_KEY
 from engine._errors import InputError, ManifestError
 
@@ -38,7 +39,6 @@ __all__ = [
     "open_rows",
 ]
 
-FIELDS: tuple[str, ...] = ("id", "environment", "task", "trajectory")
 JSON_TEXT_COLUMNS: tuple[str, ...] = ("task", "trajectory")  # what a caller may say a Parquet file holds as JSON text
 BATCH_ROWS = 1024  # Parquet rows decoded at once: small enough to keep memory flat, big enough to be fast
 NAMES_BATCH_ROWS = 1 << 16  # Parquet rows of the environment column alone read at once, for named_environments
@@ -47,6 +47,7 @@ COUNT_BLOCK = 1 << 20  # bytes read at a time to count a JSON Lines file's lines
 Unit = Literal["line", "row"]
 UNITS: dict[str, Unit] = {"jsonl": "line", "parquet": "row"}  # what a row's number counts, per format
 _WIDEST = (-(2**63), 2**64)  # the integers an output can hold (orjson writes them; int64 or JSON text in Parquet)
+_MISSING: Any = object()  # what a JSON object lacking a source's key gives (a null is a value)
 
 
 def json_columns(names: Iterable[str]) -> frozenset[str]:
@@ -85,6 +86,21 @@ class Environments(Protocol):
     def environment(self, name: str) -> object: ...
 
 
+@dataclass(frozen=True, slots=True)
+class _Slot:
+    """One field of a row (or one ``task.<key>`` entry) and where it is read from: ``column``, its source's
+    first part's place among the columns read (:attr:`Columns.reads`), then ``keys``, the rest of its path."""
+
+    name: str
+    source: str
+    column: int
+    keys: tuple[str, ...]
+
+    def prefix(self, depth: int) -> str:
+        """The source's first ``depth`` parts: what the path has reached before its ``depth``-th key."""
+        return ".".join(self.source.split(".")[:depth])
+
+
 class RowDecoder:
     """One input file's rows, checked and decoded as ``engine score`` reads them; its errors name the file and row.
 
@@ -96,49 +112,89 @@ class RowDecoder:
         path: The file, named in errors; its extension says its format (it is never opened here).
         listed: Parquet columns holding JSON text besides those the file's metadata names (:func:`json_columns`);
             JSON Lines values are JSON already and are never decoded.
+        columns: Where each field is read from (``--columns``); None: the column of its own name.
 
     Raises:
         InputError: ``path``'s extension is not an input format's.
         ValueError: a name in ``listed`` is not one of :data:`JSON_TEXT_COLUMNS`.
     """
 
-    def __init__(self, path: Path, listed: Collection[str] = ()) -> None:
+    def __init__(self, path: Path, listed: Collection[str] = (), columns: Columns | None = None) -> None:
         fmt = file_format(path)
         if fmt is None:
             raise InputError(path, unsupported(path))
         self.path = path
         self.unit: Unit = UNITS[fmt]
         self._listed = json_columns(listed)
-        self.decoded: frozenset[str] = frozenset()  # the columns read as JSON text (Parquet: see use_schema)
-        self._structs: dict[str, pa.DataType] = {}  # the columns holding a struct, each with its type
+        self.columns = Columns() if columns is None else columns
+        self.reads = self.columns.reads  # the columns (JSON Lines: the keys) a row is read from, in this order
+        self._slots = tuple(
+            _Slot(name, source, self.reads.index(first), tuple(keys))
+            for name, source in self.columns.sources
+            for first, *keys in [source.split(".")]
+        )
+        self.decoded: frozenset[str] = frozenset()  # the fields read as JSON text (Parquet: see use_schema)
+        # Parquet, per use_schema: the columns read as JSON text (the file's metadata says so), and per slot:
+        # its value decoded from JSON text, its struct type (checked for null fields), and whether its path goes
+        # through struct fields (a null there may be a key the row lacks)
+        self._json_reads: tuple[int, ...] = ()
+        # each field its own column, read as it is (no path, no decoding, no struct to check): the common case,
+        # taken without the per-field loop (JSON Lines: unless a row lacks a column)
+        self._direct = all(not slot.keys and slot.column == index for index, slot in enumerate(self._slots))
+        self._plain = self._direct and self.unit == "line"
+        count = len(self._slots)
+        self._decode: tuple[bool, ...] = (False,) * count
+        self._structs: tuple[pa.DataType | None, ...] = (None,) * count
+        self._in_struct: tuple[bool, ...] = (False,) * count
 
     def use_schema(self, schema: pa.Schema) -> None:
         """Read Parquet rows of ``schema`` from now on: which columns are JSON text, which hold structs.
 
-        A column is JSON text if the schema's metadata (``engine.json_columns``) or ``listed`` names it,
-        or if it is a text ``task`` (a task must be an object: text can only be JSON).
+        A column is JSON text if the schema's metadata (``engine.json_columns``) names it; a field's value is
+        JSON text if ``listed`` names the field, or if it is a text ``task`` (a task must be an object: text
+        can only be JSON). A source dotted past a column (``reward_model.ground_truth``) reaches into a struct,
+        or into a column of JSON text.
 
         Raises:
-            InputError: a column is missing, or one listed as JSON text is not text.
+            InputError: a column or a struct's field is missing, a source dots into a column that is neither
+                a struct nor JSON text, or one listed as JSON text is not text.
         """
-        names = set(schema.names)
-        missing = [name for name in FIELDS if name not in names]
+        present = set(schema.names)
+        missing = [name for name in self.reads if name not in present]
         if missing:
-            raise InputError(self.path, f"missing column(s) {', '.join(map(repr, missing))} (a row needs {FIELDS})")
+            raise InputError(self.path, f"missing column(s) {self._missing(missing)}; the file has {_names(schema)}")
         in_file = set((schema.metadata or {}).get(JSON_COLUMNS_KEY, b"").decode(errors="replace").split(","))
+        for name in self.reads:
+            if name in in_file and not _is_text(kind := schema.field(name).type):
+                raise InputError(
+                    self.path, f"its metadata ({JSON_COLUMNS_KEY.decode()}) lists {name!r} as JSON text, but the "
+                    f"column is {kind}"
+                )
+        if "task" in self._listed and not self.columns.whole_task:
+            raise InputError(self.path, "--json-columns lists 'task', but the column mapping builds the task of "
+                             "task.<key> entries, each read as stored")
+        decode: list[bool] = []
+        structs: list[pa.DataType | None] = []
+        in_struct: list[bool] = []
         decoded: set[str] = set()
-        self._structs = {}
-        for name in FIELDS:
-            kind = schema.field(name).type
-            if name in in_file or name in self._listed:
-                if not _is_text(kind):
-                    whence = f"its metadata ({JSON_COLUMNS_KEY.decode()})" if name in in_file else "--json-columns"
-                    raise InputError(self.path, f"{whence} lists {name!r} as JSON text, but the column is {kind}")
-                decoded.add(name)
-            elif name == "task" and _is_text(kind):
-                decoded.add(name)
-            elif _holds_struct(kind):
-                self._structs[name] = kind
+        for slot in self._slots:
+            through_json = self.reads[slot.column] in in_file
+            kind = schema.field(self.reads[slot.column]).type
+            if not through_json:
+                kind = self._reach(slot, kind)
+            listed = slot.name in self._listed and not through_json
+            if listed and not _is_text(kind):
+                what = "the column" if slot.source == slot.name else repr(slot.source)
+                raise InputError(self.path, f"--json-columns lists {slot.name!r} as JSON text, but {what} is {kind}")
+            text = listed or (slot.name == "task" and not through_json and _is_text(kind))
+            decode.append(text)
+            structs.append(kind if not through_json and not text and _holds_struct(kind) else None)
+            in_struct.append(not through_json and bool(slot.keys))
+            if text or (through_json and not slot.keys):
+                decoded.add(slot.name)
+        self._json_reads = tuple(index for index, name in enumerate(self.reads) if name in in_file)
+        self._decode, self._structs, self._in_struct = tuple(decode), tuple(structs), tuple(in_struct)
+        self._plain = self._direct and not (self._json_reads or any(decode) or any(structs))
         self.decoded = frozenset(decoded)
 
     def error(self, number: int, reason: str) -> InputError:
@@ -146,7 +202,8 @@ class RowDecoder:
         return InputError(self.path, reason, unit=self.unit, number=number)
 
     def decode(self, number: int, raw: Any) -> Row:
-        """Row ``number``, from its line (JSON Lines: bytes) or its four values as stored (Parquet), checked.
+        """Row ``number``, from its line (JSON Lines: bytes) or the values of its columns :attr:`reads` as stored
+        (Parquet), each field read from its source, checked.
 
         Raises:
             InputError: the row is not one (not JSON, a field missing or of the wrong type, an id the output
@@ -159,20 +216,50 @@ class RowDecoder:
                 raise self.error(number, _invalid_json(raw, number, exc)) from None
             if not isinstance(data, dict):
                 raise self.error(number, f"must be a JSON object, got {type(data).__name__}")
-            missing = [name for name in FIELDS if name not in data]
-            if missing:
-                raise self.error(number, f"missing field(s) {', '.join(map(repr, missing))} (a row needs {FIELDS})")
-            row_id, environment, task, trajectory = (data[name] for name in FIELDS)
+            if self._plain:
+                try:
+                    plain = [data[name] for name in self.reads]
+                except KeyError:
+                    pass  # said below, with every source the row lacks
+                else:
+                    return self._row(number, plain)
+            values = [data.get(name, _MISSING) for name in self.reads]
+        elif self._plain:
+            return self._row(number, list(raw))
         else:
-            if self.decoded or self._structs:
-                raw = [self._stored(number, name, value) for name, value in zip(FIELDS, raw, strict=True)]
-            row_id, environment, task, trajectory = raw
+            values = list(raw)
+            for index in self._json_reads:
+                values[index] = self._json_text(number, self.reads[index], values[index])
+        fields: list[Any] = []
+        missing: list[_Slot] = []
+        for index, slot in enumerate(self._slots):
+            value = values[slot.column]
+            if value is not _MISSING and slot.keys:
+                value = self._follow(number, slot, value)
+            if value is _MISSING:
+                missing.append(slot)
+            elif self.unit == "row":
+                fields.append(self._stored(number, index, slot, value))
+            else:
+                fields.append(value)
+        if missing:
+            raise self.error(number, f"missing field(s) {self._missing([slot.source for slot in missing])}")
+        return self._row(number, fields)
+
+    def _row(self, number: int, fields: list[Any]) -> Row:
+        """Row ``number`` of the values of its fields, in the mapping's order, checked."""
+        row_id, environment, trajectory = fields[0], fields[1], fields[-1]
+        if self.columns.whole_task:
+            task = fields[2]
+        else:
+            entries = zip(self._slots[2:-1], fields[2:-1], strict=True)
+            task = {slot.name[len(TASK_KEY):]: value for slot, value in entries}
         if not (row_id is None or isinstance(row_id, str) or (type(row_id) is int and _fits(row_id))):
             self._check_id(number, row_id)
         if not isinstance(environment, str) or not environment:
-            raise self.error(number, f"'environment' must be an environment's name, got {environment!r}")
+            raise self.error(number, f"{self._named('environment')} must be an environment's name, got {environment!r}")
         if not isinstance(task, dict):
-            raise self.error(number, f"'task' must be an object, got {type(task).__name__}")
+            raise self.error(number, f"{self._named('task')} must be an object, got {type(task).__name__}")
         return Row(number=number, id=row_id, environment=environment, task=task, trajectory=trajectory)
 
     def check_environments(self, rows: Iterable[Row], engine: Environments) -> None:
@@ -190,37 +277,98 @@ class RowDecoder:
             except ValueError as exc:
                 raise self.error(row.number, str(exc)) from None
 
-    def _stored(self, number: int, name: str, value: Any) -> Any:
-        """Column ``name``'s ``value`` in a Parquet row: decoded if the column is JSON text, refused if it is a
-        struct (at any depth) with a null field, which may be a key only other rows have."""
-        if name in self.decoded:
-            if value is None:
-                return None
-            try:
-                return _json.loads(value)
-            except _json.JSONDecodeError as exc:
-                raise self.error(number, f"{name!r} is text but not valid JSON: {exc}") from None
-        kind = self._structs.get(name)
-        if kind is not None and (where := _null_field(kind, value, name)) is not None:
-            store = "as JSON text" if name == "task" else f"as JSON text and pass --json-columns {name}"
-            raise self.error(
-                number,
-                f"{where} is null in a struct column: Arrow gives a struct every key any row has, null where a row "
-                f"has none, so a key this row lacks cannot be told from one holding null; store {name!r} {store}",
-            )
+    def _named(self, name: str) -> str:
+        """Field ``name`` as an error names it: with its source, when the mapping reads it from another."""
+        source = self.columns.source_of(name)
+        return f"{name!r}" if source in (None, name) else f"{name!r} (read from {source!r})"
+
+    def _missing(self, sources: list[str]) -> str:
+        """Sources a file or row lacks, each with the field the mapping reads from it; or what a row needs."""
+        if self.columns.is_default:
+            return f"{', '.join(map(repr, dict.fromkeys(sources)))} (a row needs {FIELDS})"
+        read_as = {source: [slot.name for slot in self._slots if source in (slot.source, self.reads[slot.column])]
+                   for source in dict.fromkeys(sources)}
+        return ", ".join(repr(source) if names == [source] else f"{source!r} (read as {', '.join(names)})"
+                         for source, names in read_as.items())
+
+    def _reach(self, slot: _Slot, kind: pa.DataType) -> pa.DataType:
+        """The type ``slot``'s path reaches through struct fields from its column's type ``kind``.
+
+        Raises:
+            InputError: a part of the path is not a struct, or has no such field.
+        """
+        for depth, key in enumerate(slot.keys, 1):
+            where = slot.prefix(depth)
+            if not pa.types.is_struct(kind):
+                raise InputError(self.path, f"{slot.source!r} (read as {slot.name}) cannot be read: {where!r} is "
+                                 f"{kind}, not a struct (nor a column the file's {JSON_COLUMNS_KEY.decode()} "
+                                 "metadata lists as JSON text)")
+            index = kind.get_field_index(key)
+            if index < 0:
+                fields = ", ".join(repr(field.name) for field in kind)
+                raise InputError(self.path, f"missing field {slot.source!r} (read as {slot.name}): {where!r} has "
+                                 f"fields {fields}")
+            kind = kind.field(index).type
+        return kind
+
+    def _follow(self, number: int, slot: _Slot, value: Any) -> Any:
+        """The value ``slot``'s path reaches from its column's ``value``; :data:`_MISSING` where an object lacks
+        a key (a struct never does: its fields are the schema's)."""
+        for depth, key in enumerate(slot.keys, 1):
+            if not isinstance(value, dict):
+                what = "null" if value is None else f"{_json_type(value)}, not an object"
+                raise self.error(number, f"{slot.source!r} (read as {slot.name}) cannot be read: "
+                                 f"{slot.prefix(depth)!r} is {what}")
+            if key not in value:
+                return _MISSING
+            value = value[key]
         return value
+
+    def _json_text(self, number: int, name: str, value: Any) -> Any:
+        """``value``, JSON text in ``name``, decoded (a null stays null)."""
+        if value is None:
+            return None
+        try:
+            return _json.loads(value)
+        except _json.JSONDecodeError as exc:
+            raise self.error(number, f"{name!r} is text but not valid JSON: {exc}") from None
+
+    def _stored(self, number: int, index: int, slot: _Slot, value: Any) -> Any:
+        """The ``value`` Parquet slot ``index`` reached: decoded if it is JSON text, refused if it is a null struct
+        field or a struct (at any depth) with one, which may be a key only other rows have."""
+        if self._decode[index]:
+            return self._json_text(number, slot.source, value)
+        where = slot.source if value is None and self._in_struct[index] else None
+        kind = self._structs[index]
+        if where is None and kind is not None:
+            where = _null_field(kind, value, slot.source)
+        if where is None:
+            return value
+        column = self.reads[slot.column]
+        if slot.name == "task" and not slot.keys:
+            store = "as JSON text"
+        elif slot.name == "trajectory" and not slot.keys:
+            store = f"as JSON text and pass --json-columns {slot.name}"
+        else:
+            store = f"as JSON text, listed in the file's {JSON_COLUMNS_KEY.decode()} metadata"
+        raise self.error(
+            number,
+            f"{where} is null in a struct column: Arrow gives a struct every key any row has, null where a row "
+            f"has none, so a key this row lacks cannot be told from one holding null; store {column!r} {store}",
+        )
 
     def _check_id(self, number: int, row_id: Any) -> None:
         """Refuse an id the output cannot hold as it is: an integer outside 64 bits (in it, at any depth), or one
         nested deeper than orjson writes."""
+        named = self._named("id")
         wide = _wide_integer(row_id)
         if wide is not None:
             what = "an integer id" if wide is row_id else "an integer in an id"  # shown exactly, as it was written
-            raise self.error(number, f"'id' {_id_text(row_id)}: {what} must fit in 64 bits; write it as a string")
+            raise self.error(number, f"{named} {_id_text(row_id)}: {what} must fit in 64 bits; write it as a string")
         try:
             orjson.dumps({"id": row_id})  # as the output's record will hold it
         except orjson.JSONEncodeError as exc:
-            raise self.error(number, f"'id' cannot be written to the output as JSON: {exc}") from None
+            raise self.error(number, f"{named} cannot be written to the output as JSON: {exc}") from None
 
 
 class RowReader(Closing):
@@ -229,16 +377,20 @@ class RowReader(Closing):
     It is also a context manager that closes the file. ``rows_read`` counts the rows consumed so
     far, skipped ones included; :meth:`checksum` covers exactly those rows. ``json_columns``
     (:func:`json_columns`) names Parquet columns holding JSON text besides those the file's
-    metadata names; JSON Lines values are JSON already and are never decoded. Each row is checked
+    metadata names; JSON Lines values are JSON already and are never decoded. ``columns`` says where
+    each field is read from (:class:`Columns`; None: the column of its own name). Each row is checked
     and decoded by its :class:`RowDecoder` (``decoder``).
     """
 
     _raw: Iterator[tuple[int, Any]]
 
-    def __init__(self, path: Path, *, start: int = 0, json_columns: Collection[str] = ()) -> None:
+    def __init__(self, path: Path, *, start: int = 0, json_columns: Collection[str] = (),
+                 columns: Columns | None = None) -> None:
         if isinstance(start, bool) or not isinstance(start, int) or start < 0:
             raise ValueError(f"start must be a whole number >= 0, got {start!r}")
-        self._empty(path, json_columns)
+        self._empty(path, json_columns, columns)
+        if not self.decoder.columns.is_default:  # a resume reading other columns reads other rows
+            self._hash.update(b"columns:" + _json.dumps(self.decoder.columns.sources) + b"\n")
         try:
             self._raw = self._open_jsonl() if self.unit == "line" else self._open_parquet()
             # Skipping happens now, not on the first next(), so checksum() covers the skipped rows
@@ -249,9 +401,9 @@ class RowReader(Closing):
             self.close()
             raise
 
-    def _empty(self, path: Path, listed: Collection[str]) -> None:
+    def _empty(self, path: Path, listed: Collection[str], columns: Columns | None = None) -> None:
         """Set up a reader of ``path`` that has read nothing and opened nothing."""
-        self.decoder = RowDecoder(path, listed)
+        self.decoder = RowDecoder(path, listed, columns)
         self.unit: Unit = self.decoder.unit
         self.path = path
         self.rows_read = 0
@@ -306,11 +458,12 @@ class RowReader(Closing):
         return self._parquet_rows(self._parquet)
 
     def _parquet_rows(self, file: pq.ParquetFile) -> Iterator[tuple[int, Any]]:
-        """``(row number, (id, environment, task, trajectory))`` per row, as stored, hashing each."""
+        """``(row number, the values of the decoder's columns)`` per row, as stored, hashing each."""
         number = 0
+        reads = list(self.decoder.reads)
         try:
-            for batch in file.iter_batches(batch_size=BATCH_ROWS, columns=list(FIELDS)):
-                columns = [batch.column(name).to_pylist() for name in FIELDS]
+            for batch in file.iter_batches(batch_size=BATCH_ROWS, columns=reads):
+                columns = [batch.column(name).to_pylist() for name in reads]
                 for values in zip(*columns, strict=True):
                     number += 1
                     try:
@@ -328,9 +481,13 @@ class RowReader(Closing):
         JSON Lines: the file's bytes up to the end of the last row's line (blank lines before it
         included, after it not: reading on to the end of the file, as the last short chunk does,
         must leave what a resume skipping those rows finds). Parquet, whose bytes depend on the
-        writer: each row's four values as stored (before any decoding), each as a JSON array, after
-        the names of the columns decoded besides ``task``, if any (a resume decoding others is refused).
+        writer: each row's values of the columns read, as stored (before any decoding), each as a JSON
+        array, after the names of the columns decoded besides ``task``, if any (a resume decoding others
+        is refused). Either after the column mapping, unless it is the default (a resume reading other
+        columns is refused). No rows: the checksum of nothing, as a run's state starts with.
         """
+        if self.rows_read == 0:  # nothing scored yet: what a resume then reads with need not match anything
+            return EMPTY_CHECKSUM
         done = self._hash if self._through_last_row is None else self._through_last_row
         return checksum(done)
 
@@ -406,6 +563,19 @@ def _wide_integer(value: Any) -> int | None:
     return None
 
 
+def _names(schema: pa.Schema) -> str:
+    """A schema's column names, for an error: the first twenty."""
+    names = schema.names
+    shown = ", ".join(map(repr, names[:20]))
+    return f"columns {shown}" + (f" and {len(names) - 20} more" if len(names) > 20 else "")
+
+
+def _json_type(value: Any) -> str:
+    """What JSON calls ``value``'s type."""
+    kinds = {str: "a string", bool: "a boolean", int: "a number", float: "a number", list: "an array"}
+    return kinds.get(type(value), type(value).__name__)
+
+
 def _id_text(row_id: Any) -> str:
     text = str(row_id)
     return text if len(text) <= 40 else f"{text[:20]}...{text[-10:]}"
@@ -423,21 +593,25 @@ def _invalid_json(line: bytes, number: int, exc: _json.JSONDecodeError) -> str:
     return f"invalid JSON: {exc}"
 
 
-def open_rows(path: str | Path, *, start: int = 0, json_columns: Collection[str] = ()) -> RowReader:
+def open_rows(
+    path: str | Path, *, start: int = 0, json_columns: Collection[str] = (), columns: Columns | None = None
+) -> RowReader:
     """A :class:`RowReader` over ``path``, after skipping its first ``start`` rows.
 
     Skipped rows are not validated (a resumed run validated them the first time) but are read
     and hashed, so :meth:`RowReader.checksum` covers them. If the file has fewer than ``start``
     rows, ``rows_read`` says how many it had. Raises :class:`InputError` for an unsupported
     extension or an unreadable file, and on iteration for a bad row. ``json_columns``: see
-    :class:`RowReader` (``ValueError`` for a name that is not one of :data:`JSON_TEXT_COLUMNS`).
+    :class:`RowReader` (``ValueError`` for a name that is not one of :data:`JSON_TEXT_COLUMNS`); ``columns``:
+    where each field is read from (:class:`Columns`).
     """
-    return RowReader(Path(path), start=start, json_columns=json_columns)
+    return RowReader(Path(path), start=start, json_columns=json_columns, columns=columns)
 
 
-def named_environments(path: Path, *, start: int = 0) -> dict[str, int]:
+def named_environments(path: Path, *, start: int = 0, source: str = "environment") -> dict[str, int]:
     """The environments the rows of ``path`` after its first ``start`` name, each with the number of the first row
-    that does (its line, or row, as :class:`RowDecoder` numbers them), in the order they first appear.
+    that does (its line, or row, as :class:`RowDecoder` numbers them), in the order they first appear. ``source``:
+    where a row's environment is (a column mapping's: a column, or a dotted path into a struct or an object).
 
     A first pass, cheaper than the run's: a Parquet file's environment column alone, a JSON Lines file's lines
     parsed but nothing decoded or checked (measured on 100,000 rows, a cheap plugin's run: Parquet ~0.3% of it,
@@ -452,13 +626,13 @@ def named_environments(path: Path, *, start: int = 0) -> dict[str, int]:
         raise InputError(path, unsupported(path))
     named: dict[str, int] = {}
     if fmt == "jsonl":
-        _named_in_lines(path, start, named)
+        _named_in_lines(path, start, named, source.split("."))
     else:
-        _named_in_parquet(path, start, named)
+        _named_in_parquet(path, start, named, source.split("."))
     return named
 
 
-def _named_in_lines(path: Path, start: int, named: dict[str, int]) -> None:
+def _named_in_lines(path: Path, start: int, named: dict[str, int], keys: list[str]) -> None:
     rows = 0
     try:
         with path.open("rb") as file:
@@ -475,21 +649,27 @@ def _named_in_lines(path: Path, start: int, named: dict[str, int]) -> None:
                         data = _json.loads(line)
                     except _json.JSONDecodeError:
                         continue
-                name = data.get("environment") if type(data) is dict else None
+                name = data
+                for key in keys:
+                    name = name.get(key) if type(name) is dict else None
                 if type(name) is str and name not in named:
                     named[name] = number
     except OSError as exc:
         raise InputError(path, f"cannot read: {exc}") from exc
 
 
-def _named_in_parquet(path: Path, start: int, named: dict[str, int]) -> None:
+def _named_in_parquet(path: Path, start: int, named: dict[str, int], keys: list[str]) -> None:
     number = 0  # rows before the batch
     try:
         with pq.ParquetFile(path) as file:
-            if "environment" not in file.schema_arrow.names:
+            if keys[0] not in file.schema_arrow.names:
                 return  # the run refuses the file, naming every missing column
-            for batch in file.iter_batches(batch_size=NAMES_BATCH_ROWS, columns=["environment"]):
+            for batch in file.iter_batches(batch_size=NAMES_BATCH_ROWS, columns=[keys[0]]):
                 column = batch.column(0)
+                for key in keys[1:]:  # a struct's field; anything else (JSON text) the run reads where it reaches it
+                    if not pa.types.is_struct(column.type) or column.type.get_field_index(key) < 0:
+                        return
+                    column = pc.struct_field(column, key)
                 skip = min(max(start - number, 0), len(column))
                 part = column.slice(skip)
                 if pa.types.is_dictionary(part.type):  # a data frame's categorical column

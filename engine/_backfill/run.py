@@ -6,7 +6,8 @@ A chunk at a time, each scored as one batch and checkpointed: docs/design.md, Cr
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Collection, Iterator
+import functools
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import httpx
 
 from engine._backfill.checkpoint import Checkpoint, hold_lock, state_path
+from engine._backfill.columns import Columns
 from engine._backfill.input import Row, RowDecoder, RowReader, named_environments, open_rows
 from engine._backfill.writer import RewardWriter, open_output
 from engine._check import check_ready
@@ -52,7 +54,12 @@ class RunSummary:
 
 @contextlib.contextmanager
 def open_run(
-    input_path: str | Path, output: str | Path, *, resume: bool = False, json_columns: Collection[str] = ()
+    input_path: str | Path,
+    output: str | Path,
+    *,
+    resume: bool = False,
+    json_columns: Collection[str] = (),
+    columns: Columns | None = None,
 ) -> Iterator[tuple[RowReader, RewardWriter]]:
     """The rows still to score and the writer of their rewards, checked against each other.
 
@@ -63,7 +70,7 @@ def open_run(
     opened. Both are closed on exit; the run is complete only once the caller has called
     ``writer.finish()``. The run holds ``OUT.lock`` all along: a second run for the same output
     is refused (:class:`OutputError`) while it does. ``json_columns``: Parquet columns holding JSON
-    text (:func:`engine._backfill.input.open_rows`).
+    text; ``columns``: where each field is read from (:func:`engine._backfill.input.open_rows`).
     """
     with contextlib.ExitStack() as stack:
         stack.enter_context(hold_lock(Path(output)))
@@ -72,10 +79,12 @@ def open_run(
             if writer.already_finished:  # only the cleanup is left: the input is neither needed nor read
                 rows = RowReader.done(input_path, writer.rows_written)
             else:
-                rows = stack.enter_context(open_rows(input_path, start=writer.rows_written, json_columns=json_columns))
+                rows = stack.enter_context(
+                    open_rows(input_path, start=writer.rows_written, json_columns=json_columns, columns=columns)
+                )
                 _check_input(writer, rows)
         else:
-            rows = stack.enter_context(open_rows(input_path, json_columns=json_columns))
+            rows = stack.enter_context(open_rows(input_path, json_columns=json_columns, columns=columns))
             writer = stack.enter_context(open_output(output, input_path=input_path, resume=False))
         yield rows, writer
 
@@ -128,11 +137,13 @@ async def score_file(
     progress: Progress | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
     json_columns: Collection[str] = (),
+    columns: Mapping[str, str] | None = None,
 ) -> RunSummary:
     """Score every row of ``input_path`` into ``output``; see the module docstring.
 
     Every environment the rows to score name is checked first (:func:`check_named`): one that cannot score
-    stops the run before it writes anything.
+    stops the run before it writes anything. ``columns``: where each field is read from (``--columns``),
+    replacing the config's ``[input.columns]``.
 
     Raises ``VerificationError`` when a verifier fails (a note names the input line or row),
     ``UnreadyError`` when an environment the rows name cannot score, ``InputError`` for a bad row,
@@ -141,9 +152,11 @@ async def score_file(
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    mapping = Columns.chosen(columns, config.input_columns)
     async with Engine(config, transport=transport) as engine:
-        await check_named(engine, Path(input_path), _rows_left_after(output) if resume else 0)
-        with open_run(input_path, output, resume=resume, json_columns=json_columns) as (rows, writer):
+        await check_named(engine, Path(input_path), _rows_left_after(output) if resume else 0,
+                          source=mapping.source_of("environment") or "environment")
+        with open_run(input_path, output, resume=resume, json_columns=json_columns, columns=mapping) as (rows, writer):
             resumed_at = writer.rows_written
             totals = _previous_totals(writer) if resume else {}
             if writer.already_finished:
@@ -175,9 +188,10 @@ def _rows_left_after(output: Path) -> int | None:
     return None if checkpoint.finished is not None else checkpoint.rows_done
 
 
-async def check_named(engine: Engine, input_path: Path, start: int | None) -> None:
+async def check_named(engine: Engine, input_path: Path, start: int | None, *, source: str = "environment") -> None:
     """Check, before any row is scored, every environment the rows of ``input_path`` after its first ``start``
     name (:func:`engine._check.check_ready`, on the run's own engine: its imports are the run's); None: no row.
+    ``source``: where a row's environment is read from (a column mapping's, a dotted path).
 
     Raises:
         InputError: a row names no environment of ``engine``'s (the first such row, by its line or row).
@@ -188,7 +202,8 @@ async def check_named(engine: Engine, input_path: Path, start: int | None) -> No
         return
     decoder = RowDecoder(input_path)
     # in a thread of its own: a signal stops the run at once, not once a pass over a large file is done
-    named = await wait_future(in_thread(lambda: named_environments(input_path, start=start), "engine-names"))
+    names = functools.partial(named_environments, input_path, start=start, source=source)
+    named = await wait_future(in_thread(names, "engine-names"))
     for name, number in named.items():
         try:
             engine.environment(name)

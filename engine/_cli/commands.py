@@ -14,6 +14,7 @@ from rich.text import Text
 
 from engine._backfill.bench import DEFAULT_BATCH_SIZE, bench_file, summarise
 from engine._backfill.checkpoint import Checkpoint, state_path
+from engine._backfill.columns import Columns
 from engine._backfill.files import file_format
 from engine._backfill.input import JSON_TEXT_COLUMNS, count_rows, json_columns
 from engine._backfill.run import DEFAULT_CHUNK_SIZE, RunSummary, score_file
@@ -79,6 +80,25 @@ traceback_option = click.option(
 )
 
 
+def _columns(ctx: click.Context, param: click.Parameter, value: str | None) -> dict[str, str] | None:
+    try:
+        return None if value is None else Columns.parse(value).mapping
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+columns_option = click.option(
+    "--columns",
+    "columns",
+    metavar="FIELD=SOURCE,...",
+    default=None,
+    callback=_columns,
+    help="Where each field of a row is read from, replacing [input.columns]: id, environment, trajectory, and task "
+    "or task.KEY entries building it, each from a column or a dotted path into one "
+    "(environment=data_source,task.reference=reward_model.ground_truth); a field not named: its own column.",
+)
+
+
 def _refuse_json_columns_for_jsonl(input_path: Path, json_text: frozenset[str]) -> None:
     if json_text and file_format(input_path) == "jsonl":
         fail(EXIT_BAD_INPUT, "--json-columns is for Parquet input: a JSON Lines file's values are JSON already")
@@ -140,14 +160,15 @@ def cli() -> None:
 @click.option("--token-env", metavar="NAME", default=None, help="With --url: variable holding the service's token.")
 @json_columns_option
 @traceback_option
+@columns_option
 def score(input_path: Path, output: Path, config_path: Path, resume: bool, chunk_size: int | None, on_ray: bool,
           address: str | None, actors: int | None, url: str | None, token_env: str | None,
-          json_text: frozenset[str], whole_traceback: bool) -> None:
+          json_text: frozenset[str], whole_traceback: bool, columns: dict[str, str] | None) -> None:
     """Backfill rewards for a file of stored trajectories (JSON Lines or Parquet)."""
     ray_only = {"--address": address, "--actors": actors, "--url": url, "--token-env": token_env}
     if on_ray:
         _score_on_ray(input_path, output, config_path, resume, chunk_size or DEFAULT_BLOCK_ROWS, address, actors, url,
-                      token_env, json_text, whole_traceback)
+                      token_env, json_text, whole_traceback, columns)
         return
     _refuse_json_columns_for_jsonl(input_path, json_text)
     chunk_size = chunk_size or DEFAULT_CHUNK_SIZE
@@ -174,6 +195,7 @@ def score(input_path: Path, output: Path, config_path: Path, resume: bool, chunk
                     chunk_size=chunk_size,
                     progress=progress,
                     json_columns=json_text,
+                    columns=columns,
                 ),
                 kept=lambda: _kept(output),
                 whole=whole_traceback,
@@ -213,7 +235,7 @@ def _token(variable: str | None) -> str | None:
 
 def _score_on_ray(input_path: Path, output: Path, config_path: Path, resume: bool, block_rows: int,
                   address: str | None, actors: int | None, url: str | None, token_env: str | None,
-                  json_text: frozenset[str], whole_traceback: bool) -> None:
+                  json_text: frozenset[str], whole_traceback: bool, columns: dict[str, str] | None) -> None:
     """``engine score --ray``: :func:`engine._ray.run.backfill`, with the single-machine command's errors and exits."""
     from engine._ray.run import DEFAULT_ACTORS, backfill  # Ray itself is imported only once a run starts
 
@@ -224,7 +246,7 @@ def _score_on_ray(input_path: Path, output: Path, config_path: Path, resume: boo
         with show_progress(None) as progress:
             summary = backfill(input_path, output, config, resume=resume, actors=actors or DEFAULT_ACTORS, url=url,
                                token=token, address=address, block_rows=block_rows, progress=progress,
-                               json_columns=json_text)
+                               json_columns=json_text, columns=columns)
     except KeyboardInterrupt:
         interrupted(f"; {kept}")
     except WriteError as exc:
@@ -254,15 +276,16 @@ def _score_on_ray(input_path: Path, output: Path, config_path: Path, resume: boo
 @click.option("--wide", is_flag=True, help="Every column of the table (the default fits 100 columns).")
 @json_columns_option
 @traceback_option
+@columns_option
 def bench(input_path: Path, config_path: Path, repeat: int, batch_size: int, as_json: bool, wide: bool,
-          json_text: frozenset[str], whole_traceback: bool) -> None:
+          json_text: frozenset[str], whole_traceback: bool, columns: dict[str, str] | None) -> None:
     """Measure each verifier on a file of stored trajectories, writing no rewards."""
     _refuse_json_columns_for_jsonl(input_path, json_text)
     config = load_config(config_path)
     if not input_path.is_file():
         fail(EXIT_BAD_INPUT, f"{input_path}: no such input file")
     runs = run(lambda: bench_file(input_path=input_path, config=config, repeat=repeat, batch_size=batch_size,
-                                   json_columns=json_text), whole=whole_traceback)
+                                   json_columns=json_text, columns=columns), whole=whole_traceback)
     summary = summarise(runs)
     if as_json:
         click.echo(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())

@@ -18,8 +18,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from engine import _json
+from engine._backfill.columns import Columns
 from engine._backfill.files import file_format, fsync
-from engine._backfill.input import BATCH_ROWS, FIELDS, Row, RowDecoder
+from engine._backfill.input import BATCH_ROWS, Row, RowDecoder
 from engine._backfill.parquet import PARQUET_BATCH_ROWS, ids_kind, output_batch, output_schema, verifier_problem
 from engine._config import EngineConfig, Limits
 from engine._core.portal import Blocking
@@ -72,10 +73,12 @@ class Carried(Exception):
         return Carried, (self.error,)
 
 
-def _rows_of(path: Path, block: Block, json_columns: Collection[str]) -> tuple[RowDecoder, list[Row]]:
+def _rows_of(
+    path: Path, block: Block, json_columns: Collection[str], columns: Columns
+) -> tuple[RowDecoder, list[Row]]:
     """The rows of ``block`` of file ``path``, read and checked as ``engine score`` reads them (``json_columns``
-    too); the decoder names the file in errors."""
-    decoder = RowDecoder(path, json_columns)
+    and ``columns`` too); the decoder names the file in errors."""
+    decoder = RowDecoder(path, json_columns, columns)
     rows: list[Row] = []
     if file_format(path) == "jsonl":
         try:
@@ -95,9 +98,10 @@ def _rows_of(path: Path, block: Block, json_columns: Collection[str]) -> tuple[R
         try:
             with pq.ParquetFile(path) as file:
                 decoder.use_schema(file.schema_arrow)
-                for batch in file.iter_batches(batch_size=BATCH_ROWS, columns=list(FIELDS), row_groups=groups):
-                    columns = [batch.column(name).to_pylist() for name in FIELDS]
-                    for values in zip(*columns, strict=True):
+                reads = list(decoder.reads)
+                for batch in file.iter_batches(batch_size=BATCH_ROWS, columns=reads, row_groups=groups):
+                    values_of = [batch.column(name).to_pylist() for name in reads]
+                    for values in zip(*values_of, strict=True):
                         rows.append(decoder.decode(number, values))
                         number += 1
         except (OSError, pa.ArrowException) as exc:
@@ -157,10 +161,11 @@ class BlockScorer:
     """
 
     def __init__(self, outdir: str, config: EngineConfig | None, url: str | None, token: str | None,
-                 json_columns: Collection[str] = ()) -> None:
+                 json_columns: Collection[str] = (), columns: Columns | None = None) -> None:
         # small arguments: Ray keeps large ones in its object store, and a restarted actor needs them again
         self._outdir = Path(outdir)
         self._json_columns = tuple(json_columns)
+        self._columns = Columns() if columns is None else columns
         self._local: Engine | None = None
         engine: Engine | RemoteEngine
         if url is not None:
@@ -176,7 +181,7 @@ class BlockScorer:
     def score_block(self, path: Path, block: Block) -> dict[str, Any]:
         """Score ``block`` of input file ``path`` and commit its part; its totals per verifier."""
         try:
-            decoder, rows = _rows_of(path, block, self._json_columns)
+            decoder, rows = _rows_of(path, block, self._json_columns, self._columns)
             if self._local is not None:
                 decoder.check_environments(rows, self._local)
             try:

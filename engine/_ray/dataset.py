@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from engine._backfill.input import FIELDS, RowDecoder
+from engine._backfill.columns import Columns
+from engine._backfill.input import RowDecoder
 from engine._backfill.parquet import VERIFIER_TYPE
 from engine._config import EngineConfig
 from engine._core.portal import Blocking
@@ -25,15 +26,16 @@ class RowScorer:
     """A Ray Data callable class: one engine per actor; each batch of rows is one engine batch.
 
     Rows are read as ``engine score`` reads a Parquet file's (a text ``task``, and the ``json_columns``,
-    are JSON text); a bad row is an ``InputError`` naming its row in the batch. The columns ``reward``
-    (float64) and ``verifier`` (the single-machine output's struct) are added.
+    are JSON text; each field is read from where ``columns`` says); a bad row is an ``InputError`` naming
+    its row in the batch. The columns ``reward`` (float64) and ``verifier`` (the single-machine output's
+    struct) are added.
     """
 
     def __init__(self, config: EngineConfig | None, url: str | None, token: str | None,
-                 json_columns: Collection[str] = ()) -> None:
+                 json_columns: Collection[str] = (), columns: Columns | None = None) -> None:
         engine = Engine.connect(url, token=token) if url is not None else Engine(config)
         self._engine = Blocking(engine).__enter__()  # open for the actor's whole life, on a loop of its own
-        self._decoder = RowDecoder(DATASET_NAME, json_columns)
+        self._decoder = RowDecoder(DATASET_NAME, json_columns, columns)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
@@ -42,7 +44,7 @@ class RowScorer:
     def __call__(self, batch: pa.Table) -> pa.Table:
         try:
             self._decoder.use_schema(batch.schema)  # each batch's own: Ray may type two blocks differently
-            columns = [batch.column(name).to_pylist() for name in FIELDS]
+            columns = [batch.column(name).to_pylist() for name in self._decoder.reads]
             rows = [self._decoder.decode(n, values) for n, values in enumerate(zip(*columns, strict=True), 1)]
             result = self._engine.run([row.as_item() for row in rows])
         except EngineError as exc:

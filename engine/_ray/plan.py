@@ -17,6 +17,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from engine._backfill.columns import Columns
 from engine._backfill.files import file_format, fsync, unsupported
 from engine._backfill.input import RowDecoder
 from engine._backfill.input import json_columns as columns_of_json
@@ -85,6 +86,7 @@ class Plan:
     block_rows: int
     blocks: tuple[Block, ...]
     json_columns: tuple[str, ...] = ()  # --json-columns, sorted: a resume must read the rows alike
+    columns: tuple[tuple[str, str], ...] = ()  # the column mapping's sources (none: the default), likewise
 
     @property
     def rows(self) -> int:
@@ -99,6 +101,8 @@ class Plan:
         }
         if self.json_columns:  # only then: a plan saved before the option was added reads back equal
             data["json_columns"] = list(self.json_columns)
+        if self.columns:
+            data["columns"] = dict(self.columns)
         return data
 
     @classmethod
@@ -109,8 +113,9 @@ class Plan:
         try:
             files = tuple(InputFile(**f) for f in data["files"])
             blocks = tuple(Block(*b) for b in data["blocks"])
-            return cls(files, int(data["block_rows"]), blocks, tuple(map(str, data.get("json_columns", ()))))
-        except (KeyError, TypeError) as exc:
+            columns = tuple((str(name), str(source)) for name, source in dict(data.get("columns", {})).items())
+            return cls(files, int(data["block_rows"]), blocks, tuple(map(str, data.get("json_columns", ()))), columns)
+        except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a plan: {exc}") from None
 
 
@@ -214,16 +219,16 @@ def _jsonl_blocks(index: int, path: Path, first: int, block_rows: int) -> Iterat
 
 
 def _parquet_blocks(
-    index: int, path: Path, first: int, block_rows: int, json_columns: tuple[str, ...]
+    index: int, path: Path, first: int, block_rows: int, json_columns: tuple[str, ...], columns: Columns
 ) -> Iterator[Block]:
     """Blocks of a Parquet file: runs of whole row groups of about ``block_rows`` rows (at least one group); its
-    columns checked first as an actor will read them (``json_columns``: see :meth:`RowDecoder.use_schema`)."""
+    columns checked first as an actor will read them (``json_columns``, ``columns``: see :class:`RowDecoder`)."""
     try:
         meta = pq.ParquetFile(path).metadata
         schema = meta.schema.to_arrow_schema()
     except (OSError, pa.ArrowException) as exc:
         raise InputError(path, f"cannot read as Parquet: {exc}") from exc
-    RowDecoder(path, json_columns).use_schema(schema)  # its columns, checked before any block
+    RowDecoder(path, json_columns, columns).use_schema(schema)  # its columns, checked before any block
     rows = group = 0
     while group < meta.num_row_groups:
         start, count = group, 0
@@ -235,9 +240,12 @@ def _parquet_blocks(
         rows += count
 
 
-def make_plan(inputs: list[Path], block_rows: int = DEFAULT_BLOCK_ROWS, json_columns: Iterable[str] = ()) -> Plan:
-    """Plan the blocks of ``inputs`` (see the module docstring), their Parquet ``json_columns`` read as JSON text;
-    ``InputError`` for an unreadable file, ``ValueError`` for a column that cannot be JSON text."""
+def make_plan(inputs: list[Path], block_rows: int = DEFAULT_BLOCK_ROWS, json_columns: Iterable[str] = (),
+              columns: Columns | None = None) -> Plan:
+    """Plan the blocks of ``inputs`` (see the module docstring), their Parquet ``json_columns`` read as JSON text,
+    each field from where ``columns`` says; ``InputError`` for an unreadable file, ``ValueError`` for a column that
+    cannot be JSON text."""
+    columns = Columns() if columns is None else columns
     if block_rows < 1:
         raise ValueError(f"block_rows must be >= 1, got {block_rows}")
     listed = tuple(sorted(columns_of_json(json_columns)))
@@ -253,14 +261,14 @@ def make_plan(inputs: list[Path], block_rows: int = DEFAULT_BLOCK_ROWS, json_col
             if file_format(path) == "jsonl":
                 found = list(_jsonl_blocks(index, path, first, block_rows))
             else:
-                found = list(_parquet_blocks(index, path, first, block_rows, listed))
+                found = list(_parquet_blocks(index, path, first, block_rows, listed, columns))
         except OSError as exc:
             raise InputError(path, f"cannot read: {exc}") from exc
         rows = sum(b.rows for b in found)
         files.append(InputFile(str(path.resolve()), stat.st_size, stat.st_mtime_ns, rows))
         blocks += found
         first += rows
-    return Plan(tuple(files), block_rows, tuple(blocks), listed)
+    return Plan(tuple(files), block_rows, tuple(blocks), listed, () if columns.is_default else columns.sources)
 
 
 def save_json(path: Path, data: Any) -> None:

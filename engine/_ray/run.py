@@ -11,13 +11,14 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import astuple, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from engine import _json
 from engine._backfill.checkpoint import hold_lock
+from engine._backfill.columns import Columns
 from engine._config import EngineConfig
 from engine._core.report import VerifierTotals
 from engine._errors import ConfigError, EngineError, OutputError, ResumeError
@@ -170,8 +171,8 @@ def _prepare(outdir: Path, plan: Plan, resume: bool) -> bool:
         )
     if not same:
         raise ResumeError(
-            f"the input changed since the run started (its files, sizes, times or rows, or --json-columns, differ "
-            f"from {plan_path(outdir)}): resume with that input, or delete {outdir} to start over"
+            f"the input changed since the run started (its files, sizes, times or rows, --json-columns or the column "
+            f"mapping differ from {plan_path(outdir)}): resume with that input, or delete {outdir} to start over"
         )
     return False
 
@@ -191,11 +192,14 @@ def backfill(
     no_progress_timeout: float | None = None,
     progress: Progress | None = None,
     json_columns: Collection[str] = (),
+    columns: Mapping[str, str] | None = None,
 ) -> RaySummary:
     """Score every row of ``input_spec`` into Parquet parts in ``outdir`` on Ray; see the module docstring.
 
     ``json_columns``: the columns of its Parquet files holding JSON text (``--json-columns``,
-    :func:`engine._backfill.input.open_rows`).
+    :func:`engine._backfill.input.open_rows`). ``columns``: where each field of a row is read from
+    (``--columns``: ``{"environment": "data_source", "task.reference": "reward_model.ground_truth"}``),
+    replacing the config's ``[input.columns]``; ``ValueError`` for a mapping that is not one.
 
     ``config`` is split over the ``actors`` (:func:`engine._ray.actor.split_limits`) unless ``url``
     names an ``engine serve`` every actor scores through. Ray is joined if this process already
@@ -210,7 +214,8 @@ def backfill(
     if config is None and url is None:
         raise ValueError("a config is needed unless every actor scores through an engine serve (url)")
     outdir = Path(outdir)
-    plan = make_plan(resolve_inputs(input_spec), block_rows, json_columns)
+    mapping = Columns.chosen(columns, config.input_columns if config is not None else {})
+    plan = make_plan(resolve_inputs(input_spec), block_rows, json_columns, mapping)
     check_outdir(outdir)
     try:
         outdir.mkdir(parents=True, exist_ok=True)
@@ -234,7 +239,7 @@ def backfill(
         if todo:
             _score_blocks(todo, outdir, config, summary, actors=actors, url=url, token=token, address=address,
                           actor_cpus=actor_cpus, no_progress_timeout=no_progress_timeout, progress=progress,
-                          json_columns=plan.json_columns)
+                          json_columns=plan.json_columns, columns=mapping)
         missing = [part_name(block) for block in plan.blocks if part_name(block) not in committed(outdir)]
         if missing:  # Ray said every block was done: a part missing now is a bug, never a complete output
             raise RuntimeError(f"{len(missing)} part file(s) missing after every block was scored: {missing[:3]}")
@@ -257,6 +262,7 @@ def _score_blocks(
     no_progress_timeout: float | None,
     progress: Progress | None,
     json_columns: tuple[str, ...],
+    columns: Columns,
 ) -> None:
     import ray
     import ray.data
@@ -282,6 +288,7 @@ def _score_blocks(
                 "url": url,
                 "token": token,
                 "json_columns": json_columns,
+                "columns": columns,
             },
         )
         done = summary.resumed_at
