@@ -130,6 +130,11 @@ def with_group_ended(process: subprocess.Popen[bytes]) -> None:
         process.wait()
 
 
+# a page is a reader's whole session: a dozen engine commands, servers started and stopped, on a loaded machine
+PAGE_TIMEOUT = 300.0
+
+
+@pytest.mark.timeout(PAGE_TIMEOUT)
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(DOCS)) for p in PAGES])
 def test_every_block_of_the_page_runs_as_a_reader_follows_it(page: Path, tmp_path: Path) -> None:
     run_page(page, tmp_path)
