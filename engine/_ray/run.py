@@ -72,7 +72,8 @@ class RaySummary:
     ``already_complete``: the output was complete before this run, which did nothing. ``seconds``:
     time to start (or join) Ray, and to score the blocks; ``elapsed``: the whole run's. ``rescored``:
     the part files found not whole (cut short, overwritten) and scored again. ``rewards``: the
-    distribution of the output's rewards, the parts committed before this run included.
+    distribution of the output's rewards, the parts committed before this run included (empty when
+    ``already_complete``: nothing is read then).
     """
 
     output: Path
