@@ -131,7 +131,8 @@ def one_error_line(stderr: str) -> str:
     assert "Traceback" not in stderr, stderr
     errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, stderr
-    others = [line for line in stderr.splitlines() if line and not line.startswith(("error: ", "scored "))]
+    progress = ("scored ", "scoring ", "resuming at row ")  # the progress lines, the first before anything is scored
+    others = [line for line in stderr.splitlines() if line and not line.startswith(("error: ", *progress))]
     assert others == [], stderr
     return errors[0]
 

@@ -215,12 +215,22 @@ def test_a_failing_row_aborts_with_exit_1_naming_its_id_and_resume_finishes(spac
     assert "part-000000001000-000000001500.parquet" not in committed(outdir)  # its block was never committed
     assert "row-01234" not in by_id(outdir)  # never a zero in its place
 
+    before = 500 * len(committed(outdir))
     fixed.touch()
     resumed = space.score(source, outdir, "--ray", "--chunk-size", "500", "--resume")
 
     assert resumed.returncode == 0, resumed.stderr
     assert by_id(outdir) == single(space, source)
     assert (outdir / "_SUCCESS").is_file()
+    # the summary says what a single-machine resume's says: this run's rows, the whole output's rewards
+    rewards = [reward for reward, _ in by_id(outdir).values()]
+    covered = f"the {3_000 - before:,} rows of this run" if before else "all 3,000 rows"  # its verifiers' figures
+    assert f"per verifier, {covered}" in resumed.stdout
+    assert f"rewards of all 3,000 rows: mean {math.fsum(rewards) / 3_000:.4f}, " in resumed.stdout
+    assert f"min {min(rewards):g}, max {max(rewards):g}" in resumed.stdout
+    assert f"\nscored {3_000 - before:,} rows in " in resumed.stdout
+    committed_before = f" (resumed at {before:,} rows committed)" if before else ""
+    assert f"3,000 rewards written to {outdir} in 6 parts{committed_before}\n" in resumed.stdout
 
 
 def test_the_driver_killed_mid_run_then_resume_gives_every_row_exactly_once(space: Workspace, cluster: str) -> None:

@@ -8,34 +8,48 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Collection, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
+from time import perf_counter
 
 import httpx
 
 from engine._backfill.checkpoint import Checkpoint, hold_lock, state_path
 from engine._backfill.columns import Columns
 from engine._backfill.input import Row, RowDecoder, RowReader, named_environments, open_rows
+from engine._backfill.rewards import Rewards
 from engine._backfill.writer import RewardWriter, open_output
 from engine._check import check_ready
 from engine._config import EngineConfig
 from engine._core.report import BatchResult, VerifierTotals, add_reports
+from engine._core.scheduler import completions
 from engine._core.threads import in_thread, wait_future
 from engine._engine import Engine
 from engine._errors import ManifestError, ResumeError, VerificationError
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "RunSummary", "check_named", "open_run", "score_chunks", "score_file"]
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "PROGRESS_EVERY",
+    "RunSummary",
+    "check_named",
+    "open_run",
+    "score_chunks",
+    "score_file",
+]
 
 DEFAULT_CHUNK_SIZE = 1024  # rows per batch and per checkpoint: at most this many are scored again on resume
+PROGRESS_EVERY = 0.25  # seconds: inside a chunk, progress is told at most this often, as the verifiers' calls return
 
-Progress = Callable[[int], None]  # told how many rows are done, after each chunk
+Progress = Callable[[int], None]  # told how many rows are done: as calls return, and after each chunk
 Scored = Callable[[list[Row], BatchResult], None]  # told each chunk and its result, in input order
 
 
 @dataclass
 class RunSummary:
-    """What ``score_file`` did: rows scored (this run and before a resume) and per-verifier totals.
+    """What ``score_file`` did: rows in the output (``rows``; ``resumed_at`` of them scored before a resume) and
+    per-verifier totals over all of them, the seconds this run took, and the distribution of the output's rewards
+    (``rewards``: of fewer rows than ``rows`` only when resuming the state of an older version, which had none).
 
     ``repeated_ids`` counts the rows whose ``id`` an earlier row already had (null ids aside) and
     ``ids_repeated`` the distinct ids that occur more than once, over the whole output; both are
@@ -50,6 +64,8 @@ class RunSummary:
     repeated_ids: int | None = None
     ids_repeated: int | None = None
     already_finished: bool = False
+    elapsed: float = 0.0
+    rewards: Rewards = field(default_factory=Rewards)
 
 
 @contextlib.contextmanager
@@ -106,9 +122,15 @@ def _check_input(writer: RewardWriter, rows: RowReader) -> None:
 
 
 async def score_chunks(
-    engine: Engine, rows: RowReader, size: int, totals: dict[str, VerifierTotals], scored: Scored
+    engine: Engine,
+    rows: RowReader,
+    size: int,
+    totals: dict[str, VerifierTotals],
+    scored: Scored,
+    progress: Progress | None = None,
 ) -> None:
-    """Score ``rows`` ``size`` at a time, adding each result to ``totals``, then telling ``scored``.
+    """Score ``rows`` ``size`` at a time, adding each result to ``totals``, then telling ``scored``; ``progress``
+    is told the rows done inside a chunk as its calls return (at most every :data:`PROGRESS_EVERY` seconds).
 
     A chunk naming an unknown environment is refused (:class:`InputError`, by its line) before any
     of it is scored. A :class:`VerificationError` is located in the input: its ``index`` counts from
@@ -118,13 +140,21 @@ async def score_chunks(
         rows.decoder.check_environments(chunk, engine)
         first = rows.rows_read - len(chunk)  # the chunk's first row's place in the input (0-based)
         try:
-            result = await engine.run([row.as_item() for row in chunk], first_index=first)
+            with _told(progress, first):
+                result = await engine.run([row.as_item() for row in chunk], first_index=first)
         except VerificationError as exc:
             if exc.index is not None:  # it names the input's row: say where that row is
                 exc.add_note(f"input: {rows.path}, {rows.unit} {chunk[exc.index - first].number}")
             raise
         add_reports(totals, result)
         scored(chunk, result)
+
+
+def _told(progress: Progress | None, first: int) -> contextlib.AbstractContextManager[object]:
+    """The rows done so far, ``first`` and the chunk's items whose calls returned, told to ``progress``."""
+    if progress is None:
+        return contextlib.nullcontext()
+    return completions(lambda items: progress(first + items), PROGRESS_EVERY)
 
 
 async def score_file(
@@ -153,29 +183,33 @@ async def score_file(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     mapping = Columns.chosen(columns, config.input_columns)
+    began = perf_counter()
     async with Engine(config, transport=transport) as engine:
         await check_named(engine, Path(input_path), _rows_left_after(output) if resume else 0,
                           source=mapping.source_of("environment") or "environment")
         with open_run(input_path, output, resume=resume, json_columns=json_columns, columns=mapping) as (rows, writer):
             resumed_at = writer.rows_written
             totals = _previous_totals(writer) if resume else {}
+            rewards = _previous_rewards(writer) if resume else Rewards()
             if writer.already_finished:
                 writer.finish()
-                return _summary(output, resumed_at, resumed_at, totals, writer, already_finished=True)
+                return _summary(output, resumed_at, resumed_at, totals, rewards, writer, began, already_finished=True)
             if progress is not None:
                 progress(resumed_at)
 
             def scored(chunk: list[Row], result: BatchResult) -> None:
                 for position, (row, reward) in enumerate(zip(chunk, result.rewards, strict=True)):
                     writer.write(row.id, reward, {**result.provenance(position), "environment": row.environment})
-                meta = {"verifiers": {key: total.to_json() for key, total in totals.items()}}
+                rewards.add(result.rewards)
+                verifiers = {key: total.to_json() for key, total in totals.items()}
+                meta = {"verifiers": verifiers, "rewards": rewards.to_json()}
                 writer.checkpoint(rows.rows_read, rows.checksum(), meta=meta)
                 if progress is not None:
                     progress(rows.rows_read)
 
-            await score_chunks(engine, rows, chunk_size, totals, scored)
+            await score_chunks(engine, rows, chunk_size, totals, scored, progress)
             writer.finish()
-            return _summary(output, rows.rows_read, resumed_at, totals, writer)
+            return _summary(output, rows.rows_read, resumed_at, totals, rewards, writer, began)
 
 
 def _rows_left_after(output: Path) -> int | None:
@@ -231,12 +265,28 @@ def _previous_totals(writer: RewardWriter) -> dict[str, VerifierTotals]:
         ) from None
 
 
+def _previous_rewards(writer: RewardWriter) -> Rewards:
+    """The distribution of the rewards a resumed run's checkpoint carries: empty if it has none (a state an older
+    version wrote, whose rows the summary then leaves out); ``ResumeError`` if it is not what a run writes."""
+    previous = writer.last_checkpoint.meta.get("rewards")
+    if previous is None:
+        return Rewards()
+    try:
+        return Rewards.from_json(previous)
+    except ValueError as exc:
+        raise ResumeError(
+            f"{writer.state}: unusable state file: field 'meta.rewards' is {exc}; delete it to start over"
+        ) from None
+
+
 def _summary(
     output: Path,
     rows: int,
     resumed_at: int,
     totals: dict[str, VerifierTotals],
+    rewards: Rewards,
     writer: RewardWriter,
+    began: float,
     *,
     already_finished: bool = False,
 ) -> RunSummary:
@@ -249,4 +299,6 @@ def _summary(
         repeated_ids=None if finished is None else finished.repeated_ids,
         ids_repeated=None if finished is None else finished.ids_repeated,
         already_finished=already_finished,
+        elapsed=perf_counter() - began,
+        rewards=rewards,
     )

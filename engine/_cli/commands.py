@@ -17,7 +17,7 @@ from engine._backfill.checkpoint import Checkpoint, state_path
 from engine._backfill.columns import Columns
 from engine._backfill.files import file_format
 from engine._backfill.input import JSON_TEXT_COLUMNS, count_rows, json_columns
-from engine._backfill.run import DEFAULT_CHUNK_SIZE, RunSummary, score_file
+from engine._backfill.run import DEFAULT_CHUNK_SIZE, score_file
 from engine._check import check_environments
 from engine._cli.lifecycle import (
     EXIT_BAD_INPUT,
@@ -29,7 +29,16 @@ from engine._cli.lifecycle import (
     outcome,
     run,
 )
-from engine._cli.render import bench_table, failure_details, show_progress, stdout, summary_table
+from engine._cli.render import (
+    bench_table,
+    failure_details,
+    plural,
+    rewards_summary,
+    session_line,
+    show_progress,
+    stdout,
+    summary_table,
+)
 from engine._config import load_config
 from engine._environments.digest import digest_directory
 from engine._environments.manifest import RUBRIC_REF
@@ -206,7 +215,9 @@ def score(input_path: Path, output: Path, config_path: Path, resume: bool, chunk
         stdout.print(
             f"the run had already finished: {summary.output} was complete; removed what it had left", soft_wrap=True
         )
-    stdout.print(summary_table(summary))
+    stdout.print(summary_table(summary.verifiers, f"all {plural(summary.rows, 'row')}"))
+    for part in rewards_summary(summary.rewards, summary.rows):
+        stdout.print(part, soft_wrap=True, markup=False)
     if summary.repeated_ids is None:
         stdout.print("repeated ids: not counted (the run was finished by an older version)")
     elif summary.repeated_ids:
@@ -217,8 +228,10 @@ def score(input_path: Path, output: Path, config_path: Path, resume: bool, chunk
         )
     else:
         stdout.print("repeated ids: none")
+    stdout.print(session_line(summary.rows - summary.resumed_at, summary.rows, summary.elapsed), soft_wrap=True)
     resumed = f" (resumed at row {summary.resumed_at:,})" if summary.resumed_at and not summary.already_finished else ""
-    stdout.print(f"{summary.rows:,} rewards written to {summary.output}{resumed}", soft_wrap=True)
+    stdout.print(f"{plural(summary.rows, 'reward')} written to {summary.output}{resumed}", soft_wrap=True,
+                 markup=False)
 
 
 def _token(variable: str | None) -> str | None:
@@ -254,16 +267,24 @@ def _score_on_ray(input_path: Path, output: Path, config_path: Path, resume: boo
     except VerificationError as exc:  # said as the single-machine run's is: what is kept, --resume, --traceback
         fail(*(outcome(exc, lambda: f"; {kept}", whole=whole_traceback) or (EXIT_VERIFICATION, str(exc))))
     if summary.already_complete:
-        stdout.print(f"{output} is already complete ({summary.rows:,} rows): nothing to do", soft_wrap=True)
+        stdout.print(f"{output} is already complete ({plural(summary.rows, 'row')}): nothing to do", soft_wrap=True,
+                     markup=False)
         return
     if summary.rescored:
         count = len(summary.rescored)
         shown = ", ".join(summary.rescored[:5]) + (f" and {count - 5:,} more" if count > 5 else "")
         stdout.print(f"re-scored {count:,} part{'s' if count > 1 else ''} that {'were' if count > 1 else 'was'} "
                      f"not whole (cut short or overwritten since committed): {shown}", soft_wrap=True)
-    stdout.print(summary_table(RunSummary(output, summary.rows, summary.resumed_at, summary.verifiers)))
+    scored = summary.rows - summary.resumed_at
+    # the parts committed before this run kept no figures of their verifiers: the table covers this run's rows
+    covered = f"all {plural(scored, 'row')}" if scored == summary.rows else f"the {plural(scored, 'row')} of this run"
+    stdout.print(summary_table(summary.verifiers, covered))
+    for part in rewards_summary(summary.rewards, summary.rows):
+        stdout.print(part, soft_wrap=True, markup=False)
+    stdout.print(session_line(scored, summary.rows, summary.elapsed), soft_wrap=True)
     resumed = f" (resumed at {summary.resumed_at:,} rows committed)" if summary.resumed_at else ""
-    stdout.print(f"{summary.rows:,} rewards written to {output} in {summary.blocks:,} parts{resumed}", soft_wrap=True)
+    stdout.print(f"{plural(summary.rows, 'reward')} written to {output} in {plural(summary.blocks, 'part')}{resumed}",
+                 soft_wrap=True, markup=False)
 
 
 @cli.command()

@@ -20,7 +20,7 @@ import anyio
 import click
 from rich.text import Text
 
-from engine._cli.render import cause_line, failure_details, stderr
+from engine._cli.render import cause_line, close_progress, failure_details, stderr
 from engine._errors import EngineError, UnreadyError, VerificationError, WriteError
 
 __all__ = [
@@ -56,7 +56,8 @@ T = TypeVar("T")
 
 
 def fail(code: int, message: str) -> NoReturn:
-    """Say ``message`` in one ``error:`` line on stderr, and exit with ``code``."""
+    """Say ``message`` in one ``error:`` line on stderr (below the progress bar's last redraw); exit with ``code``."""
+    close_progress()
     stderr.print(Text("error: ", style="bold red") + Text(message), soft_wrap=True)
     sys.exit(code)
 
@@ -203,6 +204,7 @@ def outcome(
 
 def _internal(exc: Exception) -> NoReturn:
     """Report a bug: the traceback, then one ``error:`` line that says it is one; exit 70."""
+    close_progress()
     sys.stderr.write("".join(traceback.format_exception(exc)))
     sys.stderr.flush()
     fail(EXIT_INTERNAL, f"internal error (a bug in engine, not in your input): {type(exc).__name__}: {exc}")

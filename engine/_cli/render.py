@@ -1,4 +1,5 @@
-"""What the ``engine`` command prints: its two consoles, the progress of a run, and the tables of its figures."""
+"""What the ``engine`` command prints: its two consoles, the progress of a run, a backfill's summary, and the tables
+of its figures."""
 
 from __future__ import annotations
 
@@ -8,19 +9,32 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal, TextIO
 
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 from rich.table import Table
 from rich.text import Text
 
-from engine._backfill.run import RunSummary
+from engine._backfill.rewards import BINS, Rewards
+from engine._core.report import VerifierTotals
 from engine._errors import VerificationError
 from engine._verifiers.plugin.worker_client import PluginError
 
-__all__ = ["bench_table", "cause_line", "failure_details", "show_progress", "stderr", "stdout", "summary_table"]
+__all__ = [
+    "bench_table",
+    "cause_line",
+    "close_progress",
+    "failure_details",
+    "plural",
+    "rewards_summary",
+    "session_line",
+    "show_progress",
+    "stderr",
+    "stdout",
+    "summary_table",
+]
 
 PLAIN_PROGRESS_EVERY = 10.0  # seconds between progress lines when stderr is not a terminal
 LOG_WIDTH = 200
@@ -37,9 +51,35 @@ stdout = Console(highlight=False, width=_width(sys.stdout))
 stderr = Console(stderr=True, highlight=False, width=_width(sys.stderr))
 
 
+_bars: list[Progress] = []  # the bar drawn now, if any: closed before an error is said (close_progress)
+
+
+def close_progress() -> None:
+    """Stop the progress bar, if one is drawn, after its last redraw: what is printed next comes below it."""
+    while _bars:
+        _bars.pop().stop()
+
+
+def plural(count: int, noun: str) -> str:
+    """``count`` and ``noun``, plural unless one: ``1 reward``, ``2,048 rewards``."""
+    return f"{count:,} {noun}{'' if count == 1 else 's'}"
+
+
+def _start(done: int, total: int | None) -> str:
+    """What a run is about to do, said before anything is scored (never "scored 0 rows")."""
+    if total is None:
+        return f"resuming: {plural(done, 'row')} scored before" if done else "scoring"
+    if done:
+        return f"resuming at row {done:,}: {total - done:,} of {plural(total, 'row')} to score"
+    return f"scoring {plural(total, 'row')}"
+
+
 @contextlib.contextmanager
 def show_progress(total: int | None) -> Iterator[Callable[[int], None]]:
-    """A progress callback: a bar with rate and ETA on a terminal, plain periodic lines otherwise."""
+    """A progress callback: a bar with rate and ETA on a terminal, plain periodic lines otherwise.
+
+    It is told the rows done, first before anything is scored (a resume's rows done before), then as they are.
+    """
     if stderr.is_terminal:
         columns = (
             TextColumn("scoring"),
@@ -50,6 +90,7 @@ def show_progress(total: int | None) -> Iterator[Callable[[int], None]]:
             TimeRemainingColumn(),
         )
         with Progress(*columns, console=stderr) as bar:
+            _bars.append(bar)
             task = bar.add_task("score", total=total, rate="")
             started, first = time.monotonic(), None
 
@@ -59,23 +100,27 @@ def show_progress(total: int | None) -> Iterator[Callable[[int], None]]:
                 rate = (done - first) / max(time.monotonic() - started, 1e-9)
                 bar.update(task, completed=done, rate=f"{rate:,.0f} rows/s" if done > first else "")
 
-            yield update
+            try:
+                yield update
+            finally:
+                with contextlib.suppress(ValueError):
+                    _bars.remove(bar)
         return
     began, last = time.monotonic(), 0.0
     start: int | None = None
 
     def line(done: int) -> None:
         nonlocal last, start
-        start = done if start is None else start
         now = time.monotonic()
-        if now - last < PLAIN_PROGRESS_EVERY and done != total:
+        if start is None:  # the first call: before anything is scored, say what is about to be
+            start, last = done, now
+            stderr.print(_start(done, total), soft_wrap=True, markup=False)
+            return
+        if done == start or (now - last < PLAIN_PROGRESS_EVERY and done != total):
             return
         last = now
         rate = (done - start) / max(now - began, 1e-9)
         of = f"/{total}" if total is not None else ""
-        if done == start:  # nothing scored yet in this run: there is no rate to show
-            stderr.print(f"scored {done}{of} rows", soft_wrap=True)
-            return
         eta = f", ETA {(total - done) / rate:,.0f} s" if total is not None and rate > 0 and done < total else ""
         stderr.print(f"scored {done}{of} rows, {rate:,.0f} rows/s{eta}", soft_wrap=True)
 
@@ -109,12 +154,12 @@ def failure_details(exc: VerificationError, whole: bool) -> list[str]:
     ]
 
 
-def summary_table(summary: RunSummary) -> Table:
-    """``engine score``'s figures: a row per verifier."""
-    table = Table(title="per verifier", title_justify="left")
+def summary_table(verifiers: Mapping[str, VerifierTotals], rows: str) -> Table:
+    """``engine score``'s figures: a row per verifier, titled by the ``rows`` they cover."""
+    table = Table(title=f"per verifier, {rows}", title_justify="left")
     for name in ("kind", "verifier", "items", "mean reward", "p50 ms", "p99 ms", "retries"):
         table.add_column(name, justify="left" if name in ("kind", "verifier") else "right", overflow="fold")
-    for key, totals in summary.verifiers.items():
+    for key, totals in verifiers.items():
         table.add_row(
             Text(totals.kind),
             Text(key if totals.kind == "plugin" else totals.ref),  # a plugin's ref alone is ambiguous
@@ -135,6 +180,64 @@ def _seconds(seconds: float | None) -> str:
         if seconds * scale < 1000:
             return f"{_figures(seconds * scale)} {unit}"
     return f"{_figures(seconds)} s" if seconds < 1000 else f"{seconds:,.0f} s"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.2f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes} min {secs:02d} s" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min"
+
+
+def session_line(scored: int, rows: int, seconds: float) -> str:
+    """What this run scored (``scored`` of the output's ``rows``) and how long it took."""
+    took = _duration(seconds)
+    if scored:
+        return f"scored {plural(scored, 'row')} in {took} ({scored / max(seconds, 1e-9):,.0f} rows/s)"
+    if rows:
+        return f"scored no rows in {took}: all {rows:,} were scored before"
+    return f"scored no rows in {took}: the input has none"
+
+
+def _share(count: int, of: int) -> str:
+    return f"{count:,} ({count / of:.1%})"
+
+
+def rewards_summary(rewards: Rewards, rows: int) -> list[RenderableType]:
+    """The distribution of the output's ``rows`` rewards: a line of figures, then a histogram over [0, 1] (left
+    out when every reward is exactly 0.0 or 1.0: the line says it all)."""
+    count = rewards.count
+    if not count:
+        return [f"rewards of {plural(rows, 'row')}: none recorded" if rows else "rewards: none (no rows)"]
+    if count == rows:
+        which = f"all {plural(rows, 'row')}" if rows > 1 else "the 1 row"
+    else:  # a resume of a state an older version wrote: the rows it scored had no distribution kept
+        which = f"{count:,} of the {plural(rows, 'row')} (those an older version scored before the resume not known)"
+    line = (
+        f"rewards of {which}: mean {rewards.mean:.4f}, exactly 0.0: {_share(rewards.zeros, count)}, exactly 1.0: "
+        f"{_share(rewards.ones, count)}, min {rewards.low:g}, max {rewards.high:g}"
+    )
+    if rewards.zeros + rewards.ones == count:
+        return [line]
+    labels = [f"[{k / BINS:.1f}, {(k + 1) / BINS:.1f}{']' if k == BINS - 1 else ')'}" for k in range(BINS)]
+    filled = [k for k, n in enumerate(rewards.bins) if n]
+    bars = [("< 0", rewards.below)] if rewards.below else []
+    if filled:  # the lowest bin with rewards to the highest, those between shown empty (the shape shows its gaps)
+        bars += [(labels[k], rewards.bins[k]) for k in range(filled[0], filled[-1] + 1)]
+    bars += [("> 1", rewards.above)] if rewards.above else []
+    table = Table(box=None, show_header=False, pad_edge=False)
+    table.add_column(justify="right")
+    table.add_column()
+    table.add_column(justify="right")
+    most = max(n for _, n in bars)
+    for label, n in bars:
+        table.add_row(Text(label), Text("█" * max(1 if n else 0, round(HISTOGRAM_BAR * n / most)), style="cyan"),
+                      f"{n:,} ({n / count:.0%})")
+    return [line, table]
+
+
+def _number(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None or math.isnan(value) else format(value, spec)
 
 
 def _figures(value: float) -> str:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import logging
 import math
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from itertools import chain, compress, repeat
 from operator import eq, itemgetter
@@ -29,10 +29,10 @@ from engine._core.report import BatchResult, VerifierReport
 from engine._errors import ConfigError, Failure, VerificationError
 from engine._reasons import describe, is_timeout
 
-__all__ = ["Resolve", "aborts_unlogged", "log_abort", "score_batch", "total"]
+__all__ = ["Completions", "Resolve", "aborts_unlogged", "completions", "log_abort", "score_batch", "total"]
 
 logger = logging.getLogger("engine")
-_LOG_ABORTS = contextvars.ContextVar("engine_log_aborts", default=True)  # aborts_unlogged() sets it False
+_LOG_ABORTS = ContextVar("engine_log_aborts", default=True)  # aborts_unlogged() sets it False
 
 GROUP_SLICE = 1 << 14  # items grouped between two yields to the event loop (~2 ms of work)
 _FEW = 8  # environments in a slice picked out one pass each; more are grouped item by item
@@ -60,6 +60,63 @@ def aborts_unlogged() -> Iterator[None]:
         yield
     finally:
         _LOG_ABORTS.reset(token)
+
+
+class Completions:
+    """The items of the batches a task scores under :func:`completions` whose calls have returned, told to
+    ``tell`` as calls return: at most once every ``every`` seconds, and never later than that after a call
+    returned (a backfill's progress inside a batch: a stall after a burst still shows the burst)."""
+
+    __slots__ = ("_due", "_every", "_later", "items", "tell")
+
+    def __init__(self, tell: Callable[[int], None], every: float) -> None:
+        self.items = 0
+        self.tell = tell
+        self._every = every
+        self._due = 0.0  # when telling is allowed again (perf_counter): the first call to return is told at once
+        self._later: asyncio.TimerHandle | None = None  # a tell put off until then
+
+    def add(self, items: int) -> None:
+        """A call returned the rewards of ``items`` items (once a call: a chunk's are added at once)."""
+        self.items += items
+        if self._later is not None:  # a tell is due already: it will say these too
+            return
+        now = perf_counter()
+        if now >= self._due:
+            self._told(now)
+        else:
+            self._later = asyncio.get_running_loop().call_later(self._due - now, self._told_later)
+
+    def _told(self, now: float) -> None:
+        self._due = now + self._every
+        self.tell(self.items)
+
+    def _told_later(self) -> None:
+        self._later = None
+        self._told(perf_counter())
+
+    def close(self) -> None:
+        """Tell nothing more (the batches are over: their caller says what follows)."""
+        if self._later is not None:
+            self._later.cancel()
+            self._later = None
+
+
+# Set by the caller around Engine.run, read once per batch: a public argument would be one more for every
+# caller of Engine.run, and a callback per item would cost a cheap plugin's items a call each.
+_COMPLETIONS: ContextVar[Completions | None] = ContextVar("engine_completions", default=None)
+
+
+@contextlib.contextmanager
+def completions(tell: Callable[[int], None], every: float) -> Iterator[Completions]:
+    """Count the items of every batch the current task scores in the block (:class:`Completions`)."""
+    counter = Completions(tell, every)
+    token = _COMPLETIONS.set(counter)
+    try:
+        yield counter
+    finally:
+        _COMPLETIONS.reset(token)
+        counter.close()
 
 
 @dataclass(eq=False)
@@ -192,6 +249,7 @@ class _Batch:
         self.retries_before: dict[Verifier, int] = {}
         self.rewards = [math.nan] * len(items)
         self.loop_calls = loop_calls(asyncio.get_running_loop())
+        self.completions = _COMPLETIONS.get()
 
     def _resolved(self, index: int) -> tuple[Verifier, Meter]:
         """The verifier and meter of item ``index``'s environment; errors name the item."""
@@ -300,7 +358,7 @@ class _Batch:
         whose lanes start at once and are appended to ``lanes``.
         """
         failure: Exception | None = None
-        results, lanes, in_flight = self.rewards, self.lanes, self.in_flight
+        results, lanes, in_flight, completions = self.rewards, self.lanes, self.in_flight, self.completions
         call_one, call_chunk = self.call_one, self.call_chunk
 
         async def worker(lane: Lane, cursor: _Cursor) -> None:
@@ -325,6 +383,8 @@ class _Batch:
                         lanes.append(more)
                         start(more)
                 _put(results, chunk, rewards)
+                if completions is not None:
+                    completions.add(len(rewards))
 
         async def guarded(lane: Lane, cursor: _Cursor) -> None:
             nonlocal failure

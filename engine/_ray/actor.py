@@ -22,6 +22,7 @@ from engine._backfill.columns import Columns
 from engine._backfill.files import file_format, fsync
 from engine._backfill.input import BATCH_ROWS, Row, RowDecoder
 from engine._backfill.parquet import PARQUET_BATCH_ROWS, ids_kind, output_batch, output_schema, verifier_problem
+from engine._backfill.rewards import Rewards
 from engine._config import EngineConfig, Limits
 from engine._core.portal import Blocking
 from engine._core.report import BatchResult, VerifierTotals, add_reports
@@ -156,8 +157,8 @@ class BlockScorer:
 
     Called with a batch of block descriptions (one, as the driver asks: its file's path and the
     :class:`Block` fields), it scores and commits each and returns, per block, its first row, its
-    rows, and its verifiers' totals as JSON. An engine error (a verification error, a bad row) is
-    raised as :class:`Carried`: Ray does not retry it.
+    rows, and its verifiers' totals and its rewards' distribution as JSON. An engine error (a
+    verification error, a bad row) is raised as :class:`Carried`: Ray does not retry it.
     """
 
     def __init__(self, outdir: str, config: EngineConfig | None, url: str | None, token: str | None,
@@ -179,7 +180,8 @@ class BlockScorer:
             self._engine.__exit__(None, None, None)
 
     def score_block(self, path: Path, block: Block) -> dict[str, Any]:
-        """Score ``block`` of input file ``path`` and commit its part; its totals per verifier."""
+        """Score ``block`` of input file ``path`` and commit its part; its totals per verifier, and its rewards'
+        distribution (under ``"rewards"``)."""
         try:
             decoder, rows = _rows_of(path, block, self._json_columns, self._columns)
             if self._local is not None:
@@ -195,7 +197,9 @@ class BlockScorer:
             raise Carried(exc) from None
         totals: dict[str, VerifierTotals] = {}
         add_reports(totals, result)
-        return {key: total.to_json() for key, total in totals.items()}
+        rewards = Rewards()
+        rewards.add(result.rewards)
+        return {"verifiers": {key: total.to_json() for key, total in totals.items()}, "rewards": rewards.to_json()}
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         starts, counts, totals = [], [], []

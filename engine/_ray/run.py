@@ -14,11 +14,15 @@ import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import astuple, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
+
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from engine import _json
 from engine._backfill.checkpoint import hold_lock
 from engine._backfill.columns import Columns
+from engine._backfill.rewards import Rewards
 from engine._config import EngineConfig
 from engine._core.report import VerifierTotals
 from engine._errors import ConfigError, EngineError, OutputError, ResumeError
@@ -67,8 +71,10 @@ class RaySummary:
     """What :func:`backfill` did: rows in the output, rows committed before this run, this run's verifier totals.
 
     ``already_complete``: the output was complete before this run, which did nothing. ``seconds``:
-    time to start (or join) Ray, and to score the blocks. ``rescored``: the part files found not
-    whole (cut short, overwritten) and scored again.
+    time to start (or join) Ray, and to score the blocks; ``elapsed``: the whole run's. ``rescored``:
+    the part files found not whole (cut short, overwritten) and scored again. ``rewards``: the
+    distribution of the output's rewards, the parts committed before this run included (empty when
+    ``already_complete``: nothing is read then).
     """
 
     output: Path
@@ -79,6 +85,8 @@ class RaySummary:
     already_complete: bool = False
     seconds: dict[str, float] = field(default_factory=dict)
     rescored: list[str] = field(default_factory=list)
+    elapsed: float = 0.0
+    rewards: Rewards = field(default_factory=Rewards)
 
 
 def no_progress_timeout() -> float:
@@ -140,10 +148,25 @@ def engine_error(exc: BaseException) -> EngineError | None:
     return None
 
 
-def _merge(totals: dict[str, VerifierTotals], more: dict[str, Any]) -> None:
-    for key, data in more.items():
+def _merge(summary: RaySummary, block: dict[str, Any]) -> None:
+    """Add a block's figures (``BlockScorer.score_block``'s) to ``summary``."""
+    totals = summary.verifiers
+    for key, data in block["verifiers"].items():
         add = VerifierTotals.from_json(data)
         totals.setdefault(key, VerifierTotals(add.kind, add.ref)).merge(add)
+    summary.rewards.merge(Rewards.from_json(block["rewards"]))
+
+
+def _committed_rewards(outdir: Path, parts: Collection[str]) -> Rewards:
+    """The distribution of the rewards in whole parts committed before this run (their reward column only)."""
+    rewards = Rewards()
+    for name in sorted(parts):
+        try:
+            column = pq.read_table(outdir / name, columns=["reward"]).column("reward")
+        except (OSError, pa.ArrowException) as exc:
+            raise OutputError(f"cannot read the rewards of {outdir / name}: {exc}") from exc
+        rewards.add(cast("list[float]", column.to_pylist()))  # a part's reward column is float64, never null
+    return rewards
 
 
 def _prepare(outdir: Path, plan: Plan, resume: bool) -> bool:
@@ -213,6 +236,7 @@ def backfill(
         raise ValueError(f"actors must be >= 1, got {actors}")
     if config is None and url is None:
         raise ValueError("a config is needed unless every actor scores through an engine serve (url)")
+    began = time.monotonic()
     outdir = Path(outdir)
     mapping = Columns.chosen(columns, config.input_columns if config is not None else {})
     plan = make_plan(resolve_inputs(input_spec), block_rows, json_columns, mapping)
@@ -226,14 +250,16 @@ def backfill(
         whole, broken = whole_parts(outdir, plan)
         if complete:
             if len(whole) == len(plan.blocks):
-                return RaySummary(outdir, plan.rows, plan.rows, len(plan.blocks), {}, already_complete=True)
+                return RaySummary(outdir, plan.rows, plan.rows, len(plan.blocks), {}, already_complete=True,
+                                  elapsed=time.monotonic() - began)
             success_path(outdir).unlink()  # a part was cut short, overwritten or removed since: no longer complete
         shutil.rmtree(tmp_dir(outdir), ignore_errors=True)  # parts a stopped run was writing
         for name in broken:  # never left beside the whole ones: the directory is read as one table
             (outdir / name).unlink(missing_ok=True)
         todo = list(blocks_to_do(plan, whole))
         done = plan.rows - sum(block.rows for _, block in todo)
-        summary = RaySummary(outdir, plan.rows, done, len(plan.blocks), {}, rescored=broken)
+        summary = RaySummary(outdir, plan.rows, done, len(plan.blocks), {}, rescored=broken,
+                             rewards=_committed_rewards(outdir, whole))
         if progress is not None:
             progress(done)
         if todo:
@@ -245,6 +271,7 @@ def backfill(
             raise RuntimeError(f"{len(missing)} part file(s) missing after every block was scored: {missing[:3]}")
         shutil.rmtree(tmp_dir(outdir), ignore_errors=True)
         save_json(success_path(outdir), {"format": SUCCESS_FORMAT, "rows": plan.rows, "parts": len(plan.blocks)})
+        summary.elapsed = time.monotonic() - began
         return summary
 
 
@@ -295,7 +322,7 @@ def _score_blocks(
         scoring = time.monotonic()
         try:
             for row in dataset.iter_rows():
-                _merge(summary.verifiers, _json.loads(row["totals"]))
+                _merge(summary, _json.loads(row["totals"]))
                 done += int(row["rows"])
                 if progress is not None:
                     progress(done)
