@@ -1,4 +1,4 @@
-"""The documentation site's pages run as a reader follows them: every block, in order, in a fresh directory.
+"""The site's pages, and the README, run as a reader follows them: every block, in order, in a fresh directory.
 
 A page's fenced blocks are its script (docs/design.md, "The documentation site"): a block with a
 ``title="path"`` is a file the reader writes; an ``sh`` block's lines are commands, each expected to
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 BIN = Path(sys.executable).parent
 # the trainer pages are the trainers suite's (their blocks need each trainer's venv)
-PAGES = sorted(p for p in DOCS.rglob("*.md") if p.parent.name != "trainers")
+PAGES = [ROOT / "README.md", *sorted(p for p in DOCS.rglob("*.md") if p.parent.name != "trainers")]
 
 FENCE = re.compile(r"^(?P<indent> *)```(?P<info>[^`\n]*)\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.M | re.S)
 SKIP = re.compile(r"<!--\s*not run:\s*(?P<why>[^>]*?)\s*-->\s*$")
@@ -134,8 +134,11 @@ def with_group_ended(process: subprocess.Popen[bytes]) -> None:
 PAGE_TIMEOUT = 300.0
 
 
+PAGE_IDS = [str(p.relative_to(DOCS if p.is_relative_to(DOCS) else ROOT)) for p in PAGES]
+
+
 @pytest.mark.timeout(PAGE_TIMEOUT)
-@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(DOCS)) for p in PAGES])
+@pytest.mark.parametrize("page", PAGES, ids=PAGE_IDS)
 def test_every_block_of_the_page_runs_as_a_reader_follows_it(page: Path, tmp_path: Path) -> None:
     run_page(page, tmp_path)
 
