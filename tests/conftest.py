@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +30,11 @@ collect_ignore = [] if os.environ.get("ENGINE_TRAINER") else ["trainers"]
 # Ray started by a test (here, or in a subprocess, which inherits this) listens on 127.0.0.1 only: it takes a
 # 127.0.0.1 given as its node's address for the machine's own interface, unless told it is a one-machine cluster
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+# A suite started in the background (nohup, a script's `&`) inherits SIGINT ignored, and so would every engine
+# it starts: its Ctrl-C tests are a foreground user's, so the children start with the default (an ignored SIGINT
+# stays ignored across exec; a handled one is reset). Two fresh clones run that way failed only those tests.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 # seconds, per test, unless a test says otherwise: it catches a hang, and is sized so that a test of a few
 # seconds' work still passes on a loaded 2-core machine (CI may run while the machine is busy)
 TEST_TIMEOUT = 30.0
