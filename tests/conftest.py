@@ -38,14 +38,21 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 # seconds, per test, unless a test says otherwise: it catches a hang, and is sized so that a test of a few
 # seconds' work still passes on a loaded 2-core machine (CI may run while the machine is busy)
 TEST_TIMEOUT = 30.0
-# a plugin of ~1 ms of pure Python a call: the GIL held throughout (CPU-bound, for the process-executor hint)
-SPIN = """\
+
+
+def spinner(iterations: int) -> str:
+    """A plugin of pure Python, the GIL held throughout (CPU-bound, for the process-executor hint): ~50 ns an
+    iteration."""
+    return f"""\
 def score(task, trajectory):
     total = 0
-    for i in range(20_000):
+    for i in range({iterations:_}):
         total += i * i % 7
     return 1.0
 """
+
+
+SPIN = spinner(20_000)  # ~1 ms a call
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 import pytest
 from cli_support import Workspace, make_workspace, write_rows
-from conftest import add_env
+from conftest import add_env, spinner
 from test_cli import check_row, squeezed
 
 from engine._verifiers.plugin.in_threads import PROCESS_ITEM_COST, hint_from, process_gain
@@ -44,14 +44,7 @@ def score(task, trajectory):
             total += i * i % 7
     return 1.0 if json.loads(trajectory)["answer"] == task["expected"] else 0.0
 """
-# ~5 ms of pure Python a call: the GIL held throughout
-SPIN5 = """\
-def score(task, trajectory):
-    total = 0
-    for i in range(100_000):
-        total += i * i % 7
-    return 1.0
-"""
+SPIN5 = spinner(100_000)  # ~5 ms of pure Python a call
 # ~1 ms of pure Python a call, and from its fourth call on it raises: it scores an item once, not again
 FLAKY = """\
 _calls = 0
