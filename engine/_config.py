@@ -15,7 +15,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from engine._backfill.columns import Columns
+from engine._columns import Columns
 from engine._errors import ConfigError
 from engine._http.headers import check_headers
 from engine._http.network import ca_bundle_problem, credentials_refusal, shown_url, url_problem, without_credentials

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
-from engine._backfill.columns import Columns
 from engine._backfill.input import json_columns as columns_of_json
+from engine._columns import Columns
 from engine._config import EngineConfig
 from engine._ray.plan import DEFAULT_BLOCK_ROWS
 from engine._ray.run import DEFAULT_ACTOR_CPUS, DEFAULT_ACTORS, RaySummary, backfill, check_data_options, engine_error

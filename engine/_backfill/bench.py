@@ -16,10 +16,10 @@ from typing import Any
 
 import httpx
 
-from engine._backfill.columns import Columns
 from engine._backfill.input import Row, open_rows
 from engine._backfill.run import score_chunks
 from engine._check import process_hint
+from engine._columns import Columns
 from engine._config import EngineConfig
 from engine._core.contract import ProcessHint
 from engine._core.report import BatchResult, VerifierTotals

@@ -19,9 +19,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from engine import _json
-from engine._backfill.columns import FIELDS, TASK_KEY, Columns
 from engine._backfill.files import EMPTY_CHECKSUM, Closing, checksum, file_format, unsupported
 from engine._backfill.parquet import JSON_COLUMNS_KEY
+from engine._columns import FIELDS, TASK_KEY, Columns
 from engine._errors import InputError, ManifestError
 
 __all__ = [

@@ -16,11 +16,11 @@ from time import perf_counter
 import httpx
 
 from engine._backfill.checkpoint import Checkpoint, hold_lock, state_path
-from engine._backfill.columns import Columns
 from engine._backfill.input import Row, RowDecoder, RowReader, named_environments, open_rows
 from engine._backfill.rewards import Rewards
 from engine._backfill.writer import RewardWriter, open_output
 from engine._check import check_ready
+from engine._columns import Columns
 from engine._config import EngineConfig
 from engine._core.report import BatchResult, VerifierTotals, add_reports
 from engine._core.scheduler import completions

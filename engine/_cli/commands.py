@@ -14,7 +14,6 @@ from rich.text import Text
 
 from engine._backfill.bench import DEFAULT_BATCH_SIZE, bench_file, summarise
 from engine._backfill.checkpoint import Checkpoint, state_path
-from engine._backfill.columns import Columns
 from engine._backfill.files import file_format
 from engine._backfill.input import JSON_TEXT_COLUMNS, count_rows, json_columns
 from engine._backfill.run import DEFAULT_CHUNK_SIZE, score_file
@@ -39,6 +38,7 @@ from engine._cli.render import (
     stdout,
     summary_table,
 )
+from engine._columns import Columns
 from engine._config import load_config
 from engine._environments.digest import digest_directory
 from engine._environments.manifest import RUBRIC_REF

@@ -18,11 +18,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from engine import _json
-from engine._backfill.columns import Columns
 from engine._backfill.files import file_format, fsync
 from engine._backfill.input import BATCH_ROWS, Row, RowDecoder
 from engine._backfill.parquet import PARQUET_BATCH_ROWS, ids_kind, output_batch, output_schema, verifier_problem
 from engine._backfill.rewards import Rewards
+from engine._columns import Columns
 from engine._config import EngineConfig, Limits
 from engine._core.portal import Blocking
 from engine._core.report import BatchResult, VerifierTotals, add_reports

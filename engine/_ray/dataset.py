@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from engine._backfill.columns import Columns
 from engine._backfill.input import RowDecoder
 from engine._backfill.parquet import VERIFIER_TYPE
+from engine._columns import Columns
 from engine._config import EngineConfig
 from engine._core.portal import Blocking
 from engine._engine import Engine

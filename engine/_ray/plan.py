@@ -17,11 +17,11 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engine._backfill.columns import Columns
 from engine._backfill.files import file_format, fsync, unsupported
 from engine._backfill.input import RowDecoder
 from engine._backfill.input import json_columns as columns_of_json
 from engine._backfill.parquet import output_schema
+from engine._columns import Columns
 from engine._errors import InputError, OutputError, ResumeError
 
 __all__ = [

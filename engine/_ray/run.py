@@ -21,8 +21,8 @@ import pyarrow.parquet as pq
 
 from engine import _json
 from engine._backfill.checkpoint import hold_lock
-from engine._backfill.columns import Columns
 from engine._backfill.rewards import Rewards
+from engine._columns import Columns
 from engine._config import EngineConfig
 from engine._core.report import VerifierTotals
 from engine._errors import ConfigError, EngineError, OutputError, ResumeError
