@@ -125,6 +125,7 @@ async def process_hint(engine: Engine, environment: str, items: Sequence[Mapping
             environment=environment,
             item_id=item_id,
             timed_out=exc.timed_out,
+            plugin_frames=exc.frames,
         ) from exc.__cause__
 
 
@@ -167,6 +168,8 @@ async def _example_verdict(
         return "ok", None, None
     if not isinstance(example, Mapping) or not {"task", "trajectory"} <= set(example):
         return f"manifest field '{EXAMPLE_FIELD}' must be an object with 'task' and 'trajectory'", None, None
+    if not isinstance(example["task"], Mapping):  # the item would be the caller's TypeError, not a verdict
+        return f"manifest field '{EXAMPLE_FIELD}': its 'task' must be an object", None, None
     item = {"environment": env.name, "task": example["task"], "trajectory": example["trajectory"]}
     try:
         with aborts_unlogged():  # its failure is this verdict, not a run's batch aborted

@@ -260,7 +260,8 @@ class UnreadyError(Exception):
         self.broken = broken
         self.checked = checked
         lines = "".join(f"\n  {name}: {why}" for name, why in broken)
-        super().__init__(f"{len(broken)} of {checked} environments {which} cannot score{then}:{lines}")
+        environments = "environment" if checked == 1 else "environments"
+        super().__init__(f"{len(broken)} of {checked} {environments} {which} cannot score{then}:{lines}")
 
 
 class Failure(Exception):

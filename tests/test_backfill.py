@@ -380,6 +380,18 @@ def broken_environments(space: Workspace) -> None:
     example.write_bytes(orjson.dumps({**manifest, "example": {"task": {"n": -1, "poison": True}, "trajectory": ""}}))
 
 
+def test_an_example_whose_task_is_not_an_object_is_a_broken_environment_not_an_internal_error(tmp_path: Path) -> None:
+    space = make_workspace(tmp_path)
+    manifest = copy_env(PLUGIN_ENV, space.envs) / "manifest.json"
+    manifest.write_bytes(orjson.dumps({**orjson.loads(manifest.read_bytes()),
+                                       "example": {"task": "what is 2 + 2", "trajectory": "4"}}))
+    failed = space.score(write_rows(space.root / "in.jsonl", rows(3)), space.root / "rewards.jsonl")
+    assert failed.returncode == 1 and "internal error" not in failed.stderr, failed.stderr
+    assert f"  {PLUGIN_ENV}: plugin 'verify:score'; verifier: manifest field 'example': its 'task' must be an object" \
+        in failed.stderr.splitlines(), failed.stderr
+    assert "error: 1 of 1 environment the input names cannot score" in failed.stderr, failed.stderr
+
+
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
 def test_broken_environments_after_thousands_of_good_rows_stop_the_run_before_any_row(
     tmp_path: Path, fmt: str
@@ -441,7 +453,7 @@ def test_a_resume_checks_the_environments_of_the_rows_still_to_score_only(space:
     shutil.copytree(ENVS / "broken_import", space.envs / PLUGIN_ENV, dirs_exist_ok=True)  # what is left breaks
     failed = space.score(inp, out, *chunk_args(), "--resume", env=knobs(space.root / "second.log", fixed))
     assert failed.returncode == 1, failed.stderr
-    assert ("error: 1 of 1 environments the rows still to score name cannot score, checked before scoring any row:"
+    assert ("error: 1 of 1 environment the rows still to score name cannot score, checked before scoring any row:"
             in failed.stderr.splitlines()), failed.stderr
     assert f"  {SMALL + 100:,} rows are checkpointed: run the same command with --resume to continue" \
         in failed.stderr.splitlines()

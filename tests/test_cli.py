@@ -667,7 +667,7 @@ def test_check_exits_when_a_plugin_call_hangs_in_a_thread(tmp_path: Path) -> Non
     code, out, err = exited(space.start("check", "--config", space.config))
     assert code == EXIT_VERIFICATION, out + err
     assert squeezed("its example fails: timed out after 1 s") in squeezed(check_row(out, "hang")[5]), out
-    assert err == "error: 1 of 1 environments cannot score: hang\n"  # nothing from the interpreter's shutdown
+    assert err == "error: 1 of 1 environment cannot score: hang\n"  # nothing from the interpreter's shutdown
 
 
 @pytest.mark.timeout(150)  # a new interpreter: its exit is the point

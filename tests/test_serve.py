@@ -756,6 +756,7 @@ def test_a_service_with_a_broken_environment_refuses_to_start_naming_each(tmp_pa
         copy_env(name, envs)
     (envs / "garbled").mkdir()
     (envs / "garbled" / "manifest.json").write_text("{not json")
+    (envs / "_shared").mkdir()  # no manifest (a helpers' folder): no environment, so not checked
     (tmp_path / "engine.toml").write_text('environments = "envs"\nallow_unpinned = true\n')
     port = free_port()
     done = subprocess.run(engine_command("serve", "--config", tmp_path / "engine.toml", "--port", str(port)),

@@ -340,8 +340,10 @@ def check(config_path: Path, whole_traceback: bool) -> None:
         stdout.print("digests to pin under [pins], after vetting:\n" + "\n".join(pins), markup=False, soft_wrap=True)
     failed = [row.environment for row in checks if not row.ok]
     if failed:
-        fail(EXIT_VERIFICATION, f"{len(failed)} of {len(checks)} environments cannot score: {', '.join(failed)}")
-    stdout.print(f"all {len(checks)} environments can score")
+        fail(EXIT_VERIFICATION, f"{len(failed)} of {plural(len(checks), 'environment')} cannot score: "
+             f"{', '.join(failed)}")
+    stdout.print(f"all {plural(len(checks), 'environment')} can score" if len(checks) != 1
+                 else "the 1 environment can score")
 
 
 @cli.command()

@@ -19,6 +19,7 @@ import uvicorn.logging
 
 from engine._check import check_ready, environment_dirs
 from engine._config import EngineConfig
+from engine._core.contract import ENV_NAME
 from engine._engine import Engine
 from engine._serve.app import App
 from engine._serve.connections import Guard
@@ -80,7 +81,11 @@ async def serve(engine_config: EngineConfig, config: ServeConfig) -> list[int]:
     root = engine_config.environments
     logger.info("engine serve: config %s, environments under %s", engine_config.source or "(the defaults)", root)
     async with Engine(engine_config) as engine:
-        checks = await check_ready(engine, environment_dirs(root), which=f"under {root}",
+        # a directory without a manifest (shared helpers) or whose name no row could give is no environment
+        served = [p for p in environment_dirs(root) if ENV_NAME.fullmatch(p.name) and (p / "manifest.json").exists()]
+        if skipped := sorted({p.name for p in environment_dirs(root)} - {p.name for p in served}):
+            logger.info("engine serve: not environments (no manifest.json, or not a name): %s", ", ".join(skipped))
+        checks = await check_ready(engine, served, which=f"under {root}",
                                    then=", so the service does not start (engine check says more)")
         kinds = ", ".join(f"{check.environment} ({check.kind})" for check in checks)
         count = f"{len(checks)} environment{'' if len(checks) == 1 else 's'}"
