@@ -82,8 +82,9 @@ async def serve(engine_config: EngineConfig, config: ServeConfig) -> list[int]:
     logger.info("engine serve: config %s, environments under %s", engine_config.source or "(the defaults)", root)
     async with Engine(engine_config) as engine:
         # a directory without a manifest (shared helpers) or whose name no row could give is no environment
-        served = [p for p in environment_dirs(root) if ENV_NAME.fullmatch(p.name) and (p / "manifest.json").exists()]
-        if skipped := sorted({p.name for p in environment_dirs(root)} - {p.name for p in served}):
+        dirs = environment_dirs(root)
+        served = [p for p in dirs if ENV_NAME.fullmatch(p.name) and (p / "manifest.json").exists()]
+        if skipped := [p.name for p in dirs if p not in served]:
             logger.info("engine serve: not environments (no manifest.json, or not a name): %s", ", ".join(skipped))
         checks = await check_ready(engine, served, which=f"under {root}",
                                    then=", so the service does not start (engine check says more)")
