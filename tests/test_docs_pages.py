@@ -9,10 +9,12 @@ block after ``<!-- not run: reason -->`` is skipped. The trainer pages are run b
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -65,11 +67,26 @@ def commands(body: str) -> list[str]:
     return [line for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
+PORT = re.compile(r"\b18\d{3}\b")  # the pages' ports: fixed for the reader, free ones for each run here
+
+
+def free_ports(text: str) -> dict[str, str]:
+    """A free port for each of the page's: two copies of the suite side by side must not meet on one."""
+    ports = {}
+    for port in sorted(set(PORT.findall(text))):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            ports[port] = str(probe.getsockname()[1])
+    return ports
+
+
 def run_page(page: Path, workspace: Path) -> None:
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "COLUMNS": "120", "NO_COLOR": "1"}
     started: list[subprocess.Popen[bytes]] = []  # an sh line ending in & : a server the page starts
+    ports = free_ports(page.read_text())
     try:
-        for block in blocks(page):
+        for found in blocks(page):
+            block = dataclasses.replace(found, body=PORT.sub(lambda m: ports[m[0]], found.body))
             where = f"{page.name}:{block.line}"
             if block.skipped is not None:
                 assert block.skipped, f"{where}: a block not run says why"
