@@ -179,6 +179,20 @@ def test_a_directory_scored_on_ray_equals_the_single_machine_output_row_for_row(
     assert pq.read_table(outdir).num_rows == 4_000  # the directory reads as one table: no stray file in it
 
 
+def test_fewer_blocks_than_actors_start_one_actor_per_block(space: Workspace, cluster: str) -> None:
+    # as a resume with one block left does: an actor with no block would never start its work, and Ray Data
+    # warns about the pool's minimum as the input ends (the warning once ended such a run with exit 70)
+    source = write_rows(space.root / "in.jsonl", rows(300))
+    outdir = space.root / "out"
+
+    ran = space.score(source, outdir, "--ray", "--actors", "4", "--chunk-size", "500")
+
+    assert ran.returncode == 0, ran.stderr
+    assert "minimum number of concurrent actors" not in ran.stderr
+    assert by_id(outdir) == single(space, source)
+    assert len(committed(outdir)) == 1
+
+
 def test_a_second_run_after_success_changes_nothing(space: Workspace, cluster: str) -> None:
     log = space.root / "calls.log"
     source = write_rows(space.root / "in.jsonl", rows(2_000, log=str(log)))

@@ -300,8 +300,11 @@ def _score_blocks(
         ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
     try:
         summary.seconds["ray_start"] = time.monotonic() - began
-        per_actor = None if config is None else absolute(split_limits(config, actors) if url is None else config)
         items = [{"block": _json.dumps([path, astuple(block)]).decode()} for path, block in todo]
+        # no more actors than blocks: a resume with one block left would start an actor that never gets one,
+        # and Ray Data warns about it (and each actor's share of the limits would be smaller than it needs)
+        actors = min(actors, len(items))
+        per_actor = None if config is None else absolute(split_limits(config, actors) if url is None else config)
         blocks = ray.data.from_items(items, override_num_blocks=len(items))
         set_data_options(blocks.context, no_progress_timeout)  # shared by the map below, and by nothing else
         dataset = blocks.map_batches(
