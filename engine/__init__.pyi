@@ -3,6 +3,7 @@
 from engine._backfill.writer import RewardRecord as RewardRecord
 from engine._backfill.writer import read_rewards as read_rewards
 from engine._blocking import BlockingEngine as BlockingEngine
+from engine._config import CacheConfig as CacheConfig
 from engine._config import EngineConfig as EngineConfig
 from engine._config import JudgeConfig as JudgeConfig
 from engine._config import Limits as Limits
@@ -17,6 +18,8 @@ from engine._environments.manifest import KINDS as KINDS
 from engine._environments.manifest import Environment as Environment
 from engine._environments.manifest import VerifierSpec as VerifierSpec
 from engine._environments.manifest import load_environment as load_environment
+from engine._errors import BudgetError as BudgetError
+from engine._errors import CacheError as CacheError
 from engine._errors import ConfigError as ConfigError
 from engine._errors import DigestError as DigestError
 from engine._errors import EngineError as EngineError

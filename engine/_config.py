@@ -23,11 +23,14 @@ from engine._keys import first_unknown, unknown_key
 
 __all__ = [
     "COUNT",
+    "DEFAULT_CACHE_BUSY_TIMEOUT",
+    "DEFAULT_CACHE_MAX_ENTRIES",
     "DEFAULT_JUDGE_MAX_ATTEMPTS",
     "DEFAULT_JUDGE_MAX_BODY",
     "DEFAULT_JUDGE_MAX_CONCURRENCY",
     "DEFAULT_JUDGE_MAX_RATE",
     "DEFAULT_JUDGE_MAX_TOKENS",
+    "DEFAULT_JUDGE_PRICE",
     "DEFAULT_JUDGE_RETRY_DEADLINE",
     "DEFAULT_JUDGE_TEMPERATURE",
     "DEFAULT_JUDGE_TIMEOUT",
@@ -36,10 +39,13 @@ __all__ = [
     "DEFAULT_MAX_CONCURRENCY",
     "DEFAULT_MAX_IN_FLIGHT",
     "DEFAULT_RETRY_DEADLINE",
+    "DEFAULT_SPEND_BUDGET",
     "DEFAULT_THREADS",
     "DEFAULT_TIMEOUT",
+    "DEFAULT_TOKEN_BUDGET",
     "RATE",
     "SECONDS",
+    "CacheConfig",
     "EngineConfig",
     "JudgeConfig",
     "Limits",
@@ -55,6 +61,9 @@ DEFAULT_MAX_IN_FLIGHT = 1024  # items in flight at once over all verifiers, howe
 DEFAULT_THREADS = 64  # worker threads shared by all sync plugins
 DEFAULT_MAX_BODY = 1 << 20  # bytes: an endpoint's response body may be at most 1 MiB
 DEFAULT_MAX_ABANDONED = 8  # a thread plugin's timed-out calls still running, beyond which it starts no more
+# a judge's spend budgets, per engine ([judge] for all rubrics, a rubric's [refs."owner/name"] for its own)
+DEFAULT_TOKEN_BUDGET: int | None = None  # tokens (the replies' usage.total_tokens); None means no budget
+DEFAULT_SPEND_BUDGET: float | None = None  # in the currency of the judge's prices; None means no budget
 DEFAULT_ENVIRONMENTS = "envs"
 DEFAULT_RUBRICS = "rubrics"
 
@@ -67,9 +76,15 @@ DEFAULT_JUDGE_MAX_RATE: float | None = None  # requests per second; None means u
 DEFAULT_JUDGE_MAX_ATTEMPTS = 5  # first try plus retries
 DEFAULT_JUDGE_RETRY_DEADLINE = 300.0  # seconds from the first try; rate-limit waits can be long
 DEFAULT_JUDGE_MAX_BODY = 1 << 20  # bytes of reply: far more than max_tokens of JSON, far less than a flood
+DEFAULT_JUDGE_PRICE: float | None = None  # per million input (or output) tokens; None: judging has no price
+
+# the verdict cache's ([cache] table)
+DEFAULT_CACHE_MAX_ENTRIES = 1_000_000  # verdicts kept; past it the least recently used go (~150 MB of SQLite)
+DEFAULT_CACHE_BUSY_TIMEOUT = 5.0  # seconds a write waits for another process's lock before it is skipped
 
 DIGEST_PATTERN = re.compile(r"sha256:[0-9a-f]{64}")
 _JUDGE_CALL_KEYS = ("timeout", "max_attempts", "retry_deadline", "max_body")
+_BUDGET_KEYS = ("token_budget", "spend_budget")  # a rubric's refs table (and [judge]) only
 
 def _is_endpoint_key(key: str) -> bool:
     return key[:8].lower().startswith(("http://", "https://"))
@@ -120,6 +135,9 @@ class Number:
 COUNT = Number(whole=True, least=1)  # a whole number >= 1
 SECONDS = Number(whole=False, least=0, above=True)  # a number > 0 (of seconds, of calls a second)
 RATE = Number(whole=False, least=0, above=True, optional=True)  # calls a second, or None: unlimited
+TOKEN_BUDGET = Number(whole=True, least=1, optional=True)  # tokens, or None: no budget
+SPEND_BUDGET = Number(whole=False, least=0, above=True, optional=True)  # an amount of money, or None: no budget
+PRICE = Number(whole=False, least=0, optional=True)  # per million tokens (0: free), or None: no price
 
 # each number of a Limits, and what it must be
 _LIMITS = {
@@ -130,6 +148,8 @@ _LIMITS = {
     "retry_deadline": SECONDS,
     "max_body": COUNT,
     "max_abandoned": Number(whole=True, least=0),
+    "token_budget": TOKEN_BUDGET,
+    "spend_budget": SPEND_BUDGET,
 }
 
 
@@ -146,6 +166,9 @@ class Limits:
     # a thread-executor plugin: how many of its abandoned calls (timed out, or cut short by an abort)
     # may still run in threads; past that it fails new calls at once instead of exhausting the pool
     max_abandoned: int = DEFAULT_MAX_ABANDONED
+    # a rubric's budgets over the engine's life, on top of the judge's (refused for other kinds, and in [defaults])
+    token_budget: int | None = DEFAULT_TOKEN_BUDGET
+    spend_budget: float | None = DEFAULT_SPEND_BUDGET
     # an endpoint's extra request headers (see the module docstring); not hashed, a mapping is not hashable
     headers: Mapping[str, str] = field(default_factory=dict, hash=False)
 
@@ -186,10 +209,18 @@ _JUDGE = {
     "retry_deadline": SECONDS,
     "max_rate": RATE,
     "temperature": Number(whole=False, least=0),
+    "token_budget": TOKEN_BUDGET,
+    "spend_budget": SPEND_BUDGET,
+    "price_per_million_input": PRICE,
+    "price_per_million_output": PRICE,
 }
 
 
 _ENV_VAR = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_UNPRICED = (
+    "a spend budget needs the judge's prices: set price_per_million_input and price_per_million_output "
+    "under [judge] (in the budget's currency), or set a token_budget instead"
+)
 
 
 @dataclass(frozen=True)
@@ -208,6 +239,13 @@ class JudgeConfig:
     retry_deadline: float = DEFAULT_JUDGE_RETRY_DEADLINE
     max_body: int = DEFAULT_JUDGE_MAX_BODY
     response_format: bool = True  # send response_format={"type": "json_object"}
+    # budgets over the engine's life, for every rubric together; a spend budget prices tokens with both prices
+    token_budget: int | None = DEFAULT_TOKEN_BUDGET
+    spend_budget: float | None = DEFAULT_SPEND_BUDGET
+    price_per_million_input: float | None = DEFAULT_JUDGE_PRICE
+    price_per_million_output: float | None = DEFAULT_JUDGE_PRICE
+    # identical items of a batch judged once, and verdicts kept in the [cache] if there is one
+    dedupe: bool = True
     # extra headers whose values name environment variables (``engine._http.headers``), for a judge behind
     # a gateway that wants more than a Bearer key; not hashed, a mapping is not hashable
     headers: Mapping[str, str] = field(default_factory=dict, hash=False)
@@ -240,12 +278,23 @@ class JudgeConfig:
             )
         for key, rule in _JUDGE.items():
             object.__setattr__(self, key, rule.check(getattr(self, key), key, "judge", src))
-        if not isinstance(self.response_format, bool):
-            raise _judge_fail(src, "response_format", f"must be true or false, got {self.response_format!r}")
+        for name in ("response_format", "dedupe"):
+            if not isinstance(getattr(self, name), bool):
+                raise _judge_fail(src, name, f"must be true or false, got {getattr(self, name)!r}")
+        if (self.price_per_million_input is None) != (self.price_per_million_output is None):
+            missing = "price_per_million_output" if self.price_per_million_output is None else "price_per_million_input"
+            raise _judge_fail(src, missing, "is needed too: tokens are priced by both prices, or by none")
+        if self.spend_budget is not None and not self.priced:
+            raise _judge_fail(src, "spend_budget", _UNPRICED)
         headers = check_headers(self.headers, lambda subkey, message: _judge_fail(src, f"headers{subkey}", message))
         if self.api_key_env is not None and any(name.lower() == "authorization" for name in headers):
             raise _judge_fail(src, "headers.Authorization", "api_key_env sends it already: set one or the other")
         object.__setattr__(self, "headers", headers)
+
+    @property
+    def priced(self) -> bool:
+        """Whether its tokens have prices (both are set, or neither)."""
+        return self.price_per_million_input is not None
 
     @property
     def url(self) -> str:
@@ -270,6 +319,42 @@ class JudgeConfig:
         return cls(**dict(table), source=source)
 
 
+_CACHE = {"max_entries": COUNT, "busy_timeout": SECONDS}
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The ``[cache]`` table: where the judge's verdicts are kept across batches and processes; validated."""
+
+    path: Path
+    max_entries: int = DEFAULT_CACHE_MAX_ENTRIES
+    busy_timeout: float = DEFAULT_CACHE_BUSY_TIMEOUT
+    source: Path | None = None  # the file this came from, for messages
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str | Path) or not str(self.path):
+            raise ConfigError(f"must be the cache file's path, got {self.path!r}", key="path", table="cache",
+                              source=self.source)
+        object.__setattr__(self, "path", Path(self.path))
+        for key, rule in _CACHE.items():
+            object.__setattr__(self, key, rule.check(getattr(self, key), key, "cache", self.source))
+
+    @classmethod
+    def from_table(cls, table: Any, base_dir: Path, source: Path | None = None) -> CacheConfig:
+        """A config from the parsed ``[cache]`` TOML table, its path relative to ``base_dir``."""
+        if not isinstance(table, Mapping):
+            raise _fail(source, "cache", "must be a table")
+        known = [f.name for f in fields(cls) if f.name != "source"]
+        if (key := first_unknown(table, known)) is not None:
+            raise ConfigError(unknown_key(key, known), key=key, table="cache", source=source)
+        if "path" not in table:
+            raise ConfigError("is required", key="path", table="cache", source=source)
+        path = table["path"]
+        if not isinstance(path, str) or not path:
+            raise ConfigError(f"must be the cache file's path, got {path!r}", key="path", table="cache", source=source)
+        return cls(**{**table, "path": base_dir / path}, source=source)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to know. Build it directly or with :func:`load_config`."""
@@ -283,6 +368,7 @@ class EngineConfig:
     threads: int = DEFAULT_THREADS
     rubrics: Path = Path(DEFAULT_RUBRICS)  # the rubric registry: <rubrics>/<owner>/<name>/<N>.md
     judge: JudgeConfig | None = None  # None: rubric verifiers fail, saying no judge is configured
+    cache: CacheConfig | None = None  # None: no verdicts kept between batches (a batch still dedupes)
     # PEM CA certificates trusted for HTTPS (endpoints and the judge) on top of the default trust
     ca_bundle: Path | None = None
     # where a backfill's input row keeps each field ([input.columns]): field (or task.<key>) -> source column
@@ -300,6 +386,8 @@ class EngineConfig:
                 raise _fail(src, "ca_bundle", problem)
         if self.judge is not None and not isinstance(self.judge, JudgeConfig):
             raise _fail(src, "judge", f"must be a JudgeConfig, got {type(self.judge).__name__}")
+        if self.cache is not None and not isinstance(self.cache, CacheConfig):
+            raise _fail(src, "cache", f"must be a CacheConfig, got {type(self.cache).__name__}")
         if not isinstance(self.allow_unpinned, bool):
             raise _fail(src, "allow_unpinned", f"must be true or false, got {self.allow_unpinned!r}")
         if not isinstance(self.pins, Mapping):
@@ -313,11 +401,23 @@ class EngineConfig:
                 raise _fail(src, f"pins.{name}", f"must look like 'sha256:<64 hex digits>', got {digest!r}")
         if self.defaults.headers:
             raise _fail(src, "defaults.headers", 'headers go under one endpoint\'s [refs."<url>"], not [defaults]')
+        for name in _BUDGET_KEYS:
+            if getattr(self.defaults, name) is not None:
+                raise _fail(src, f"defaults.{name}",
+                            'a budget is one rubric\'s (under its [refs."owner/name"]) or every rubric\'s '
+                            "(under [judge]), not [defaults]")
         for key, limits in self.refs.items():
             if not isinstance(limits, Limits):
                 raise _fail(src, f"refs.{key!r}", "must be a Limits")
             if limits.headers and not _is_endpoint_key(key):
                 raise _fail(src, f"refs.{key!r}.headers", "only an endpoint (a refs key that is its URL) sends headers")
+            for name in _BUDGET_KEYS:
+                if getattr(limits, name) is not None and not _is_rubric_key(key):
+                    raise _fail(src, f"refs.{key!r}.{name}",
+                                "only a rubric (a refs key that is its owner/name) or the judge has a budget: "
+                                "plugins and endpoints spend nothing the engine can count")
+            if limits.spend_budget is not None and (self.judge is None or not self.judge.priced):
+                raise _fail(src, f"refs.{key!r}.spend_budget", _UNPRICED)
             if _is_rubric_key(key):
                 for name in _JUDGE_CALL_KEYS:
                     if getattr(limits, name) != getattr(self.defaults, name):
@@ -343,7 +443,7 @@ class EngineConfig:
 
 _TOP_LEVEL = {
     "environments", "allow_unpinned", "pins", "defaults", "refs", "max_in_flight", "threads", "rubrics", "judge",
-    "ca_bundle", "input",
+    "ca_bundle", "input", "cache",
 }
 _INPUT = {"columns"}  # the keys of [input]
 
@@ -365,6 +465,7 @@ def config_from_mapping(data: Mapping[str, Any], *, base_dir: Path, source: Path
     if judge_table is not None and not isinstance(judge_table, Mapping):
         raise _fail(source, "judge", "must be a table")
     judge = JudgeConfig.from_table(judge_table, source) if judge_table is not None else None
+    cache = CacheConfig.from_table(data["cache"], base_dir, source) if "cache" in data else None
     pins = data.get("pins", {})
     if not isinstance(pins, Mapping):
         raise _fail(source, "pins", "must be a table of environment name = digest")
@@ -393,6 +494,7 @@ def config_from_mapping(data: Mapping[str, Any], *, base_dir: Path, source: Path
         threads=data.get("threads", DEFAULT_THREADS),
         rubrics=base_dir / rubrics,
         judge=judge,
+        cache=cache,
         ca_bundle=base_dir / ca_bundle if ca_bundle is not None else None,
         input_columns=input_table.get("columns", {}),
         source=source,

@@ -16,6 +16,7 @@ from typing import Any, Self
 import anyio
 import httpx
 
+from engine._cache.store import VerdictStore
 from engine._config import EngineConfig, load_config
 from engine._core import meters
 from engine._core.contract import Verifier, check_first_index
@@ -68,6 +69,7 @@ class Engine:
     Raises:
         ConfigError: On entering its ``async with`` block: a ``refs`` key names no verifier, a ``pins``
             entry no environment, or the environment names a proxy httpx cannot use.
+        CacheError: On entering its ``async with`` block: the ``[cache]`` file is not a verdict cache.
         RuntimeError: On entering its ``async with`` block: the engine is open already.
     """
 
@@ -87,6 +89,7 @@ class Engine:
         self._sleep = sleep
         self._client: httpx.AsyncClient | None = None
         self._owner: Owner | None = None  # the process that opened it
+        self._cache: VerdictStore | None = None
         self._in_flight = meters.slots(self.config.max_in_flight)
         self._registry = Registry(self.config, sleep=sleep)
         self.rubrics = self._registry.rubrics
@@ -150,6 +153,9 @@ class Engine:
         # own; an injected transport takes every request, as it would in httpx. (A proxy httpx cannot
         # use is a ConfigError here, before the engine holds anything.)
         proxies = Proxies.from_environment() if self._injected_transport is None else Proxies({})
+        # a file that is not a cache fails the open, before any judge call (CacheError), as a bad config does;
+        # last of what can fail here: the transport made above holds no connection yet
+        cache = await VerdictStore.open(self.config.cache) if self.config.cache is not None else None
         self._routes = Routes(transport, proxies, tls=tls, max_connections=size)
         self._batch_scope = _batch_scope(transport)
         judge = self.config.judge
@@ -160,8 +166,16 @@ class Engine:
             follow_redirects=False,
         )
         threads = meters.threads(self.config.threads)
-        graded_by = Judge(judge, self._client, sleep=self._sleep) if judge is not None else None
-        self._registry.open(Shared(self._routes, threads, graded_by))
+        # the budget is this opening's: spent from nothing each time the engine opens (one engine serve: one job)
+        graded_by = (
+            Judge(judge, self._client, sleep=self._sleep, refs=self.config.refs)
+            if judge is not None
+            else None
+        )
+        self._cache = cache if graded_by is not None and graded_by.config.dedupe else None
+        if cache is not None and self._cache is None:
+            await cache.aclose()  # no judge keeps verdicts: the file was checked, and is not held
+        self._registry.open(Shared(self._routes, threads, graded_by, self._cache))
         self._owner = Owner()
         return self
 
@@ -178,6 +192,7 @@ class Engine:
         self._owner = None
         client, self._client, self._batch_scope = self._client, None, contextlib.nullcontext
         routes, self._routes = self._routes, None
+        cache, self._cache = self._cache, None
         try:
             await self._registry.aclose()  # plugins with worker processes stop them
         finally:
@@ -185,6 +200,8 @@ class Engine:
                 await client.aclose()
             if routes is not None:
                 await routes.aclose()
+            if cache is not None:
+                await cache.aclose()  # the batches' verdicts written behind them are written first
 
     def environment(self, name: str) -> Environment:
         """An environment of the configured directory, its manifest loaded once for the engine's life.
@@ -283,8 +300,8 @@ class Engine:
         Returns:
             Keys ``engine/<verifier>/<figure>``, ``<verifier>`` the verifier's key (as in ``[refs."..."]``),
             figures ``items``, ``reward_mean``, ``errors`` (aborted batches), ``retries``, ``timeouts``,
-            ``latency_p50_s``, ``latency_p99_s`` and ``judge_tokens``. Across ranks the counts sum (items,
-            errors, retries, timeouts, judge_tokens) and ``reward_mean`` averages weighted by items; the
-            percentiles do not average.
+            ``latency_p50_s``, ``latency_p99_s``, ``judge_tokens`` and ``judge_spend`` (at ``[judge]``'s prices).
+            Across ranks the counts sum (items, errors, retries, timeouts, judge_tokens, judge_spend) and
+            ``reward_mean`` averages weighted by items; the percentiles do not average.
         """
         return self._stats.snapshot(reset)

@@ -33,6 +33,8 @@ from typing import Any, Literal
 from engine._numpy import python_scalar
 
 __all__ = [
+    "BudgetError",
+    "CacheError",
     "ConfigError",
     "DigestError",
     "EngineError",
@@ -40,6 +42,7 @@ __all__ = [
     "InputError",
     "ManifestError",
     "OutputError",
+    "Overspent",
     "ResumeError",
     "RubricError",
     "ServiceError",
@@ -195,6 +198,32 @@ class RubricError(VerificationError):
         super().__init__("rubric", ref, reason, **{"cannot_load": True, **fields})
 
 
+class BudgetError(VerificationError):
+    """A judge's budget is spent: the reply that crossed it failed its item, and no request is sent for it again
+    while the engine is open (every later batch of the rubrics it covers fails at once). Never a zero.
+
+    Its fields are a :class:`VerificationError`'s (``kind`` is ``rubric``, ``key`` the rubric's ``owner/name``), and:
+
+    Attributes:
+        budget: Whose budget: ``"judge"`` (``[judge]``'s, over every rubric) or the rubric's ``owner/name``
+            (its ``[refs."owner/name"]``).
+        measure: What it counts: ``"tokens"`` (``token_budget``) or ``"spend"`` (``spend_budget``, in the
+            currency of the judge's prices).
+        limit: The budget, as configured.
+        spent: What the engine had spent of it when this item failed (tokens, or money).
+    """
+
+    def __init__(
+        self, kind: str, ref: str, reason: str, *, budget: str, measure: str, limit: float, spent: float,
+        **fields: Any,
+    ) -> None:
+        super().__init__(kind, ref, reason, **fields)
+        self.budget = budget
+        self.measure = measure
+        self.limit = limit
+        self.spent = spent
+
+
 class InputError(EngineError, ValueError):
     """The input file is unreadable or holds a bad row.
 
@@ -233,6 +262,24 @@ class WriteError(EngineError):
         self.path = path
         self.rows_done = rows_done
         super().__init__(f"cannot write {path}: {exc.strerror or exc}")
+
+
+class CacheError(EngineError):
+    """The verdict cache's file (``[cache] path``) is not a cache the engine can use: raised when the engine
+    opens, before any judge call.
+
+    ``path`` is the file; ``reason`` says what is wrong (not SQLite, another program's tables, a schema
+    of another version). ``ours`` is True only for a cache this engine made (another schema version):
+    ``engine cache clear`` makes that one anew, and refuses to delete any other file, which may be someone's data.
+    """
+
+    def __init__(self, path: Path, reason: str, *, ours: bool = False) -> None:
+        self.path = path
+        self.reason = reason
+        self.ours = ours
+        mend = ("'engine cache clear' makes it anew (the verdicts in it are lost)" if ours else
+                "if it is the cache, delete it; else point [cache] path at another file")
+        super().__init__(f"{path}: not a verdict cache the engine can use: {reason}; {mend}")
 
 
 class ServiceError(EngineError):
@@ -292,3 +339,19 @@ class Failure(Exception):
         self.of_environment = of_environment
         self.frames = tuple(frames)
         super().__init__(reason)
+
+
+class Overspent(Failure):
+    """Internal: a judge's budget is spent (what a :class:`BudgetError` says, before the scheduler names the
+    item); ``budget``, ``measure``, ``limit`` and ``spent`` are its fields."""
+
+    def __init__(self, reason: str, *, budget: str, measure: str, limit: float, spent: float) -> None:
+        super().__init__(reason)
+        self.budget = budget
+        self.measure = measure
+        self.limit = limit
+        self.spent = spent
+
+    def fields(self) -> dict[str, Any]:
+        """The fields a :class:`BudgetError` takes from it."""
+        return {"budget": self.budget, "measure": self.measure, "limit": self.limit, "spent": self.spent}

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import anyio
 
+from engine._cache.store import VerdictStore
 from engine._config import EngineConfig
 from engine._core.contract import ENV_NAME, Verifier
 from engine._core.meters import Meter
@@ -31,11 +32,13 @@ logger = logging.getLogger("engine")
 
 @dataclass(frozen=True)
 class Shared:
-    """What an open engine lends its verifiers: the routes to every URL, the threads of sync plugins, the judge."""
+    """What an open engine lends its verifiers: the routes to every URL, the threads of sync plugins, the judge
+    and the verdict cache."""
 
     routes: Routes
     threads: anyio.CapacityLimiter
     judge: Judge | None
+    cache: VerdictStore | None = None
 
 
 class Registry:
@@ -156,7 +159,9 @@ class Registry:
                 if shared.judge is None:
                     raise VerificationError("rubric", spec.ref, "no [judge] is configured to grade rubrics",
                                             key=env.verifier_key, cannot_load=True)
-                verifier = rubrics[spec.ref] = RubricVerifier(self.rubrics.resolve(spec.ref), shared.judge)
+                verifier = rubrics[spec.ref] = RubricVerifier(
+                    self.rubrics.resolve(spec.ref), shared.judge, shared.cache
+                )
             return verifier
         key = env.verifier_key
         verifier = self._verifiers.get(key)

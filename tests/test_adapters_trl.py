@@ -167,7 +167,9 @@ def test_a_rubrics_judge_tokens_and_retries_are_logged_per_item(envs: Path, tmp_
         reward = EngineReward(config, environment="graded")
         metrics = Metrics()
         try:
-            rewards = trl_call(reward, ["6 * 7?"] * 3, ["42"] * 3, reference=["42"] * 3, log_metric=metrics)
+            # three distinct items: repeats of one would be judged once (the judge's in-batch dedup)
+            rewards = trl_call(reward, ["6 * 7?", "7 * 6?", "2 * 21?"], ["42"] * 3, reference=["42"] * 3,
+                               log_metric=metrics)
         finally:
             close_engines()
     assert rewards == [1.0, 1.0, 1.0]

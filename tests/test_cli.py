@@ -56,6 +56,7 @@ from engine._backfill.writer import partial_path
 from engine._cli.lifecycle import Commands, outcome
 from engine._errors import UnreadyError
 from engine._verifiers.plugin.launcher import default_workers
+from engine._verifiers.rubric.prompt import PROMPT_VERSION
 from engine.cli import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_IO, EXIT_OK, EXIT_VERIFICATION, cli
 
 JUDGE_SCORE = 4  # what the test judge answers for every item
@@ -114,6 +115,7 @@ class Mixed:
 
     space: Workspace
     url: str
+    judge: engine.JudgeConfig
 
     def items(self, count: int) -> list[dict[str, Any]]:
         kinds = [PLUGIN_ENV, "remote", "helpful"]
@@ -129,7 +131,7 @@ def mixed(tmp_path: Path) -> Iterator[Mixed]:
         url = f"{server.url}/score"
         add_endpoint_env(space.envs, "remote", url)
         add_rubric_env(space.envs, "helpful", HELPFUL)
-        yield Mixed(space, url)
+        yield Mixed(space, url, engine.JudgeConfig(base_url=judge.base_url, model="judge-test"))
 
 
 def expected_record(mixed: Mixed, item: dict[str, Any]) -> tuple[Any, float, dict[str, Any]]:
@@ -150,6 +152,10 @@ def expected_record(mixed: Mixed, item: dict[str, Any]) -> tuple[Any, float, dic
         reward = (JUDGE_SCORE - lo) / (hi - lo)
         digest = f"sha256:{hashlib.sha256(path.read_bytes()).hexdigest()}"
         verifier = {"kind": "rubric", "ref": f"{HELPFUL}@{version}", "version": version, "digest": digest}
+        judge = mixed.judge  # what graded it: the judge prompt's version and the judge's call parameters
+        verifier |= {"prompt": PROMPT_VERSION, "model": judge.model,
+                     "judge": {"model": judge.model, "base_url": judge.base_url, "temperature": judge.temperature,
+                               "max_tokens": judge.max_tokens, "response_format": judge.response_format}}
         verifier["environment"] = "helpful"  # what the backfill adds to every verifier's provenance
     return item["id"], reward, verifier
 
@@ -170,7 +176,7 @@ def test_round_trip(mixed: Mixed, source: str, target: str) -> None:
     if target == "parquet":  # each kind's real provenance in the struct's own fields, the others null
         verifier = pq.read_table(out).column("verifier").combine_chunks()
         expected = [expected_record(mixed, item)[2] for item in items]
-        for name in ("kind", "ref", "environment", "digest", "version"):
+        for name in ("kind", "ref", "environment", "digest", "version", "prompt", "model"):
             assert verifier.field(name).to_pylist() == [v.get(name) for v in expected], name
     assert f"60 rewards written to {out}" in result.stdout
     assert sorted(p.name for p in out.parent.iterdir()) == [out.name]  # no partial, state or temporary file left

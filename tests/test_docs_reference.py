@@ -21,10 +21,12 @@ import pytest
 from test_docs_pages import blocks
 
 from engine._config import (
+    _CACHE,
     _JUDGE,
     _LIMITS,
     _TOP_LEVEL,
     COUNT,
+    CacheConfig,
     EngineConfig,
     JudgeConfig,
     Limits,
@@ -51,19 +53,32 @@ EACH = "each key's default"  # a table's: every key of it at its own default
 # a valid value for each key, other than its default (a value equal to the default may pass where the key does not)
 LIMIT_SAMPLES: dict[str, Any] = {
     "max_concurrency": 3, "max_rate": 2.5, "timeout": 7.0, "max_attempts": 2, "retry_deadline": 9.0,
-    "max_body": 4096, "max_abandoned": 1, "headers": {"X-Token": "${TOKEN}"},
+    "max_body": 4096, "max_abandoned": 1, "headers": {"X-Token": "${TOKEN}"}, "token_budget": 5, "spend_budget": 0.5,
 }
 JUDGE_BASE = {"base_url": "http://127.0.0.1:9/v1", "model": "judge"}
 JUDGE_SAMPLES: dict[str, Any] = {
     "base_url": "http://127.0.0.1:10/v1", "model": "other", "api_key_env": "JUDGE_KEY", "max_concurrency": 3,
     "max_rate": 2.5, "temperature": 0.5, "max_tokens": 64, "timeout": 7.0, "max_attempts": 2, "retry_deadline": 9.0,
     "max_body": 4096, "response_format": False, "headers": {"X-Team": "${TEAM}"}, "source": "engine.toml",
+    "token_budget": 5, "spend_budget": 0.5, "price_per_million_input": 0.25, "price_per_million_output": 1.25,
+    "dedupe": False,
 }
+# what a judge's key needs beside it to be valid: a spend budget the prices, a price the other
+JUDGE_PRICES = {"price_per_million_input": 0.25, "price_per_million_output": 1.25}
+JUDGE_NEEDS: dict[str, dict[str, Any]] = {
+    "spend_budget": JUDGE_PRICES, "price_per_million_input": JUDGE_PRICES, "price_per_million_output": JUDGE_PRICES,
+}
+# what a refs table's key needs elsewhere in the file: a spend budget, the judge's prices
+REFS_NEEDS: dict[str, dict[str, Any]] = {"spend_budget": {"judge": {**JUDGE_BASE, **JUDGE_PRICES}}}
+CACHE_BASE = {"path": "verdicts.sqlite"}
+CACHE_SAMPLES: dict[str, Any] = {"path": "elsewhere.sqlite", "max_entries": 10, "busy_timeout": 0.5,
+                                 "source": "engine.toml"}
 TOP_SAMPLES: dict[str, Any] = {
     "environments": "elsewhere", "rubrics": "graded", "allow_unpinned": True, "max_in_flight": 8, "threads": 8,
     "ca_bundle": certifi.where(), "pins": {"exact": "sha256:" + "0" * 64}, "defaults": {"timeout": 7.0},
     "refs": {"exact/verify:score": {"timeout": 7.0}}, "judge": JUDGE_BASE, "source": "engine.toml",
     "input": {"columns": {"environment": "data_source"}}, "input_columns": {"environment": "data_source"},
+    "cache": CACHE_BASE,
 }
 # each kind's refs key, as the page's complete example names them
 REF_KEYS = {"plugin": "exact/verify:score", "endpoint": "http://127.0.0.1:18731/score", "rubric": "acme/helpfulness"}
@@ -201,7 +216,7 @@ def test_the_config_page_says_what_each_kinds_refs_table_takes() -> None:
     page = keys(table)
     taken = {
         kind: {key for key in candidates(Limits, page, LIMIT_SAMPLES)
-               if loads({"refs": {ref: {key: sample(LIMIT_SAMPLES, Limits, key)}}})}
+               if loads({"refs": {ref: {key: sample(LIMIT_SAMPLES, Limits, key)}}, **REFS_NEEDS.get(key, {})})}
         for kind, ref in REF_KEYS.items()
     }
     assert sorted(page) == sorted(set().union(*taken.values()))
@@ -217,13 +232,26 @@ def test_the_config_page_lists_exactly_the_judges_keys_with_their_defaults() -> 
     (table,) = config_tables()["[judge]"]
     page = keys(table)
     taken = {key for key in candidates(JudgeConfig, page, JUDGE_SAMPLES)
-             if loads({"judge": {**JUDGE_BASE, key: sample(JUDGE_SAMPLES, JudgeConfig, key)}})}
+             if loads({"judge": {**JUDGE_BASE, **JUDGE_NEEDS.get(key, {}),
+                                 key: sample(JUDGE_SAMPLES, JudgeConfig, key)}})}
     assert sorted(page) == sorted(taken)
     required = {key_of(row["key"]) for row in table if row["default"].startswith(REQUIRED)}
     assert required == {key for key in JUDGE_BASE if not loads({"judge": {k: v for k, v in JUDGE_BASE.items()
                                                                            if k != key}})}
     check_defaults(table, JudgeConfig)
     check_types(table, _JUDGE)
+
+
+def test_the_config_page_lists_exactly_the_caches_keys_with_their_defaults() -> None:
+    (table,) = config_tables()["[cache]"]
+    page = keys(table)
+    taken = {key for key in candidates(CacheConfig, page, CACHE_SAMPLES)
+             if loads({"cache": {**CACHE_BASE, key: sample(CACHE_SAMPLES, CacheConfig, key)}})}
+    assert sorted(page) == sorted(taken)
+    required = {key_of(row["key"]) for row in table if row["default"].startswith(REQUIRED)}
+    assert required == {"path"} and not loads({"cache": {}})
+    check_defaults(table, CacheConfig)
+    check_types(table, _CACHE)
 
 
 def test_the_config_page_keys_pins_by_environment() -> None:
@@ -247,6 +275,7 @@ def test_the_complete_example_uses_every_key_of_every_table() -> None:
     covers(set(data["defaults"]), found["[defaults]"][0])
     covers(set().union(*data["refs"].values()), found['[refs."<verifier>"]'][0])
     covers(set(data["judge"]), found["[judge]"][0])
+    covers(set(data["cache"]), found["[cache]"][0])
     columns = found["[input.columns]"][0]
     assert {key if "." not in key or key.split(".")[0] != "task" else "task.<key>" for key in data["input"]["columns"]
             } <= set(keys(columns))

@@ -17,7 +17,8 @@ from servers import Request, Response, Server, score
 
 from engine import BlockingEngine, Engine, EngineConfig, JudgeConfig, Limits, VerificationError
 
-FIGURES = ["items", "reward_mean", "errors", "retries", "timeouts", "latency_p50_s", "latency_p99_s", "judge_tokens"]
+FIGURES = ["items", "reward_mean", "errors", "retries", "timeouts", "latency_p50_s", "latency_p99_s", "judge_tokens",
+           "judge_spend", "cache_hits", "cache_hit_rate", "deduped"]
 RUBRICS = Path(__file__).parent / "rubrics"
 
 
@@ -109,7 +110,9 @@ async def test_a_rubric_counts_its_judges_tokens_under_owner_and_name(envs: Path
         async with Engine(config) as eng:
             await eng.score([item("graded", "42", prompt="6 * 7?", reference="42")] * 3)
             stats = figures(eng.stats(), "alice/arithmetic-correctness")  # the key drops the version pin
-    assert (stats["items"], stats["reward_mean"], stats["judge_tokens"]) == (3, 1.0, 315)
+    # three identical items: one judge call, two deduped
+    assert (stats["items"], stats["reward_mean"], stats["judge_tokens"], stats["deduped"]) == (3, 1.0, 105, 2)
+    assert (stats["cache_hits"], stats["cache_hit_rate"]) == (0, 0.0)
 
 
 def test_the_blocking_engine_gives_the_same_figures(config: EngineConfig) -> None:

@@ -25,6 +25,7 @@ from engine._config import (
 from engine._errors import Failure
 from engine._http.retry import TransientStatus
 from engine._verifiers.rubric.judge import Judge, Usage
+from engine._verifiers.rubric.prompt import PROMPT_VERSION
 from engine._verifiers.rubric.registry import Rubric, RubricRegistry
 from engine._verifiers.rubric.verifier import RubricVerifier
 
@@ -233,7 +234,10 @@ async def test_latest_and_pinned_rubrics_send_their_own_text(
     assert (latest.kind, latest.ref, latest.key) == ("rubric", f"{ARITH}@2", ARITH)
     assert (pinned.ref, pinned.key) == (f"{ARITH}@1", ARITH)
     assert latest.provenance() == {
-        "kind": "rubric", "ref": f"{ARITH}@2", "version": 2, "digest": registry.resolve(ARITH).digest
+        "kind": "rubric", "ref": f"{ARITH}@2", "version": 2, "digest": registry.resolve(ARITH).digest,
+        "prompt": PROMPT_VERSION, "model": "judge-test",
+        "judge": {"model": "judge-test", "base_url": server.base_url, "temperature": 0.0, "max_tokens": 512,
+                  "response_format": True},
     }
 
 

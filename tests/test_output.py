@@ -129,8 +129,14 @@ def test_round_trip(tmp_path: Path, fmt: str, ids: list[Any]) -> None:
 # The verifier column's type, as the README documents it: one struct for every kind, every field nullable.
 VERIFIER_STRUCT = pa.struct(
     [("kind", pa.string()), ("ref", pa.string()), ("environment", pa.string()), ("digest", pa.string()),
-     ("version", pa.int64())]
+     ("version", pa.int64()), ("prompt", pa.int64()), ("model", pa.string()),
+     ("judge", pa.struct([("model", pa.string()), ("base_url", pa.string()), ("temperature", pa.float64()),
+                          ("max_tokens", pa.int64()), ("response_format", pa.bool_())])),
+     ("cached", pa.float64())]
 )  # fmt: skip
+
+
+RUBRIC_ONLY = {"prompt": None, "model": None, "judge": None, "cached": None}  # a rubric's fields, null for the rest
 
 
 @pytest.mark.parametrize(
@@ -156,7 +162,7 @@ def test_parquet_columns(tmp_path: Path, ids: list[Any], id_type: pa.DataType, j
     assert schema.field("verifier").type == VERIFIER_STRUCT
     assert all(field.nullable for field in VERIFIER_STRUCT) and not schema.field("verifier").nullable
     assert schema.metadata[b"engine.json_columns"] == json_columns
-    assert pq.read_table(out).column("verifier")[0].as_py() == {**VERIFIER, "version": None}
+    assert pq.read_table(out).column("verifier")[0].as_py() == {**VERIFIER, "version": None, **RUBRIC_ONLY}
 
 
 def test_parquet_verifier_is_a_struct_for_every_kind(tmp_path: Path) -> None:

@@ -564,8 +564,11 @@ async def test_metrics_parse_and_count_what_was_scored(service: Service) -> None
     assert grew("engine_http_request_seconds_count", route="/v1/score") == 2
     rubric = {"kind": "rubric", "verifier": "bob/helpfulness"}
     assert grew("engine_verifier_items_total", **rubric) == 3
-    assert grew("engine_verifier_spent_total", what="total_tokens", **rubric) == 36  # the judge's tokens
-    assert grew("engine_verifier_spent_total", what="requests", **rubric) == 3
+    # three identical items: judged once, two deduped
+    assert grew("engine_verifier_spent_total", what="total_tokens", **rubric) == 12  # the judge's tokens
+    assert grew("engine_verifier_spent_total", what="requests", **rubric) == 1
+    assert grew("engine_verifier_deduped_total", **rubric) == 2
+    assert grew("engine_verifier_cache_hits_total", **rubric) == 0
     assert after[("engine_items_admitted", ())] == 0
     assert ("engine_verifier_retries_total", tuple(sorted(cheap.items()))) in after
     assert ("engine_verifier_peak_in_flight", tuple(sorted(cheap.items()))) in after

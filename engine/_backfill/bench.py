@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import Counter
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,7 @@ from engine._check import process_hint
 from engine._columns import Columns
 from engine._config import EngineConfig
 from engine._core.contract import ProcessHint
-from engine._core.report import BatchResult, VerifierTotals
+from engine._core.report import BatchResult, VerifierTotals, add_amounts
 from engine._engine import Engine
 
 __all__ = ["DEFAULT_BATCH_SIZE", "MIN_SPAN_ITEMS", "MIN_SPAN_S", "BenchRun", "bench_file", "summarise"]
@@ -175,10 +174,10 @@ def summarise(runs: list[BenchRun]) -> dict[str, Any]:
     """
     keys = list(dict.fromkeys(key for run in runs for key in run.verifiers))
     rates = [run.items / run.seconds for run in runs]
-    usage: Counter[str] = Counter()
+    usage: dict[str, float] = {}
     for run in runs:
         for totals in run.verifiers.values():
-            usage.update(totals.spent)
+            add_amounts(usage, totals.spent)
     verifiers = [_verifier(key, runs) for key in keys]
     scoring = math.fsum(run.scoring for run in runs)
     return {

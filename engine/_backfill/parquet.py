@@ -38,9 +38,29 @@ VERIFIER_TYPE = pa.struct(
         pa.field("environment", pa.string()),
         pa.field("digest", pa.string()),  # plugin: the environment's sha256; rubric: its file's; endpoint: null
         pa.field("version", pa.int64()),  # rubric: its version; others: null
+        pa.field("prompt", pa.int64()),  # rubric: the judge prompt's version (PROMPT_VERSION); others: null
+        pa.field("model", pa.string()),  # rubric: the judge's model; others: null
+        pa.field("judge", pa.struct([  # rubric: the judge's call parameters; others: null
+            pa.field("model", pa.string()),
+            pa.field("base_url", pa.string()),
+            pa.field("temperature", pa.float64()),
+            pa.field("max_tokens", pa.int64()),
+            pa.field("response_format", pa.bool_()),
+        ])),
+        pa.field("cached", pa.float64()),  # rubric, served from the verdict cache: its judge call's unix time
     ]
 )
-_FIELD_TYPES: dict[str, type] = {field.name: int if pa.types.is_integer(field.type) else str for field in VERIFIER_TYPE}
+
+
+def _python_type(kind: pa.DataType) -> type:
+    if pa.types.is_integer(kind):
+        return int
+    if pa.types.is_floating(kind):
+        return float
+    return dict if pa.types.is_struct(kind) else str
+
+
+_FIELD_TYPES: dict[str, type] = {field.name: _python_type(field.type) for field in VERIFIER_TYPE}
 
 IdKind = Literal["null", "int", "str", "json"]
 
@@ -60,6 +80,12 @@ def verifier_problem(verifier: Mapping[str, Any]) -> str | None:
         if kind is int:
             if isinstance(value, bool) or not isinstance(value, int) or not -(2**63) <= value < 2**63:
                 return f"its {key!r} must be a 64-bit integer or null, got {value!r}"
+        elif kind is float:
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                return f"its {key!r} must be a number or null, got {value!r}"
+        elif kind is dict:
+            if not isinstance(value, Mapping):  # the judge's parameters, as the rubric verifier gives them
+                return f"its {key!r} must be an object or null, got {value!r}"
         elif not isinstance(value, str):
             return f"its {key!r} must be a string or null, got {value!r}"
     return None

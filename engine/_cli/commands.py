@@ -17,6 +17,7 @@ from engine._backfill.checkpoint import Checkpoint, state_path
 from engine._backfill.files import file_format
 from engine._backfill.input import JSON_TEXT_COLUMNS, count_rows, json_columns
 from engine._backfill.run import DEFAULT_CHUNK_SIZE, score_file
+from engine._cache.store import Database, remove
 from engine._check import check_environments
 from engine._cli.lifecycle import (
     EXIT_BAD_INPUT,
@@ -42,7 +43,7 @@ from engine._columns import Columns
 from engine._config import load_config
 from engine._environments.digest import digest_directory
 from engine._environments.manifest import RUBRIC_REF
-from engine._errors import ResumeError, RubricError, VerificationError, WriteError
+from engine._errors import CacheError, ResumeError, RubricError, VerificationError, WriteError
 from engine._http.headers import token_problem
 from engine._ray.plan import DEFAULT_BLOCK_ROWS
 from engine._serve import limits as _limits
@@ -387,6 +388,62 @@ def rubrics_show(group_config: Path, ref: str, config_path: Path | None) -> None
     lo, hi = rubric.scale
     stdout.print(f"# {rubric.ref}  scale [{lo:g}, {hi:g}]  {rubric.digest}", markup=False)
     stdout.print(rubric.text, markup=False)
+
+
+@cli.group()
+def cache() -> None:
+    """The judge's verdict cache ([cache] in the config): what it holds, and clearing it."""
+
+
+def _cache_database(config_path: Path) -> Database:
+    """The config's cache file, opened; exit 2 if the config has no [cache] (``CacheError`` if it is not one)."""
+    config = load_config(config_path)
+    if config.cache is None:
+        fail(EXIT_BAD_INPUT, f"{config_path}: has no [cache] table, so no verdicts are kept (add [cache] path = ...)")
+    return Database(config.cache.path, busy_timeout=config.cache.busy_timeout)
+
+
+@cache.command("stats")
+@config_option
+def cache_stats(config_path: Path) -> None:
+    """Entries, bytes, and per verifier key the entries and the hits served from them."""
+    database = _cache_database(config_path)
+    try:
+        stats = database.stats()
+    finally:
+        database.close()
+    stdout.print(f"{stats.path}: {plural(stats.entries, 'verdict')}, {stats.bytes:,} bytes", markup=False)
+    for key, (entries, hits) in stats.verifiers.items():
+        stdout.print(f"  {key}  {plural(entries, 'verdict')}, {plural(hits, 'hit')}", markup=False)
+
+
+@cache.command("clear")
+@config_option
+@click.option("--verifier", "verifier_key", metavar="KEY", default=None,
+              help="Only this verifier's verdicts (a rubric's owner/name) [default: every verdict].")
+def cache_clear(config_path: Path, verifier_key: str | None) -> None:
+    """Delete the cache's verdicts (all, or one verifier's); a cache of another schema version is made anew."""
+    config = load_config(config_path)
+    try:
+        database = _cache_database(config_path)
+    except CacheError as exc:
+        # a file the engine did not make may be someone's data: never deleted; one verifier's verdicts cannot
+        # be told apart in a cache of another version
+        if not exc.ours or verifier_key is not None:
+            raise
+        assert config.cache is not None  # _cache_database refused a config without one
+        remove(config.cache.path)
+        database = _cache_database(config_path)
+        stdout.print(f"{config.cache.path}: was a verdict cache of another version ({exc.reason}): made anew",
+                     markup=False)
+        database.close()
+        return
+    try:
+        deleted = database.clear(verifier_key)
+    finally:
+        database.close()
+    which = "" if verifier_key is None else f" of {verifier_key}"
+    stdout.print(f"{database.path}: {plural(deleted, 'verdict')}{which} deleted", markup=False)
 
 
 @cli.command()

@@ -157,9 +157,15 @@ def failure_details(exc: VerificationError, whole: bool) -> list[str]:
 def summary_table(verifiers: Mapping[str, VerifierTotals], rows: str) -> Table:
     """``engine score``'s figures: a row per verifier, titled by the ``rows`` they cover."""
     table = Table(title=f"per verifier, {rows}", title_justify="left")
-    for name in ("kind", "verifier", "items", "mean reward", "p50 ms", "p99 ms", "retries"):
+    # a judge's columns only when one spent: a run without rubrics reads as it always did
+    tokens = any("total_tokens" in totals.spent for totals in verifiers.values())
+    spend = any("spend" in totals.spent for totals in verifiers.values())
+    names = ("kind", "verifier", "items", "mean reward", "p50 ms", "p99 ms", "retries")
+    for name in (*names, *(["judge tokens"] if tokens else []), *(["spend"] if spend else [])):
         table.add_column(name, justify="left" if name in ("kind", "verifier") else "right", overflow="fold")
     for key, totals in verifiers.items():
+        judged = [f"{totals.spent.get('total_tokens', 0):,.0f}"] if tokens else []
+        judged += [f"{totals.spent.get('spend', 0):.6g}"] if spend else []
         table.add_row(
             Text(totals.kind),
             Text(key if totals.kind == "plugin" else totals.ref),  # a plugin's ref alone is ambiguous
@@ -168,6 +174,7 @@ def summary_table(verifiers: Mapping[str, VerifierTotals], rows: str) -> Table:
             f"{totals.latency.percentile(50) * 1e3:.2f}",
             f"{totals.latency.percentile(99) * 1e3:.2f}",
             f"{totals.retries:,}",
+            *judged,
         )
     return table
 

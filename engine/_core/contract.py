@@ -12,7 +12,7 @@ import math
 import numbers
 import re
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from decimal import Decimal
 from gc import is_tracked
 from typing import Any, Protocol, overload, runtime_checkable
@@ -30,6 +30,8 @@ __all__ = [
     "Items",
     "MalformedItem",
     "ProcessHint",
+    "Sifted",
+    "SiftingVerifier",
     "Verifier",
     "VerifyFn",
     "as_rewards",
@@ -77,8 +79,9 @@ class Verifier(Protocol):
         """What scores the items: kind, ref, and the environment digest or rubric version."""
         ...
 
-    def spent(self) -> Mapping[str, int]:
-        """What its calls have cost so far, by name (judge requests and tokens); empty for kinds that spend none.
+    def spent(self) -> Mapping[str, float]:
+        """What its calls have cost so far, by name (judge requests and tokens, and ``spend`` at the judge's prices);
+        empty for kinds that spend none.
 
         A rubric's verifier is built for one batch, so what it spent is that batch's.
         """
@@ -130,6 +133,36 @@ class Chunker(Protocol):
         A failure raises :class:`~engine._errors.Failure` whose ``position`` is the failing item's
         place in ``items``, or :class:`MalformedItem` for an item without a task or trajectory.
         """
+        ...
+
+
+@dataclass
+class Sifted:
+    """A lane's items sifted before any call (a rubric's): those to call, those whose reward the cache holds, and
+    those identical to an earlier item of the batch (each with that item's index, whose reward it shares)."""
+
+    call: list[int]
+    hits: list[int] = field(default_factory=list)
+    hit_rewards: list[float] = field(default_factory=list)
+    hit_times: list[float] = field(default_factory=list)  # unix time of the judge call each hit's verdict came from
+    copies: list[int] = field(default_factory=list)
+    originals: list[int] = field(default_factory=list)
+
+
+@runtime_checkable
+class SiftingVerifier(Verifier, Protocol):
+    """A verifier whose identical items are scored once a batch and whose verdicts may be kept (a rubric's)."""
+
+    async def sift(self, items: Sequence[Mapping[str, Any]], indices: Sequence[int], first: int) -> Sifted | None:
+        """``indices`` of ``items`` sifted (:class:`Sifted`); None if it calls every item. ``first``: the batch's
+        first item's place, which ``task_of`` errors name items by.
+
+        Raises :class:`~engine._errors.Failure` for an item that cannot be put to it (``position``: its in ``indices``).
+        """
+        ...
+
+    def finish(self) -> None:
+        """The batch is over, scored or aborted: keep what its calls returned (written behind, not waited for)."""
         ...
 
 

@@ -21,6 +21,7 @@ __all__ = [
     "LatencyHistogram",
     "VerifierReport",
     "VerifierTotals",
+    "add_amounts",
     "add_reports",
     "percentile",
 ]
@@ -62,7 +63,8 @@ class VerifierReport:
     the seconds it spent so: not in ``busy``; nor is the call in ``latencies`` (the rest of it is
     start-up's too: the calls an import releases at once, each a thread's first), so its items are
     in ``items`` alone. ``spent`` is what its calls cost (a judge's requests and tokens; empty for
-    other kinds).
+    other kinds). ``cache_hits`` counts its items served from the verdict cache, ``deduped`` those that
+    shared the reward of an identical item of the batch (a rubric's; both are among ``items``, with no call).
     """
 
     kind: str
@@ -79,7 +81,9 @@ class VerifierReport:
     retries: int = 0
     active: float = 0.0
     startup: list[float] = field(default_factory=list)
-    spent: Mapping[str, int] = field(default_factory=dict)
+    spent: Mapping[str, float] = field(default_factory=dict)
+    cache_hits: int = 0
+    deduped: int = 0
 
     @property
     def mean_reward(self) -> float:
@@ -113,11 +117,17 @@ class BatchResult:
     verifiers: list[VerifierReport]
     elapsed: float
     verifier_of: list[int] = field(repr=False)  # item index -> position in ``verifiers``
-    usage: Mapping[str, int] = field(default_factory=dict)  # judge tokens spent on this batch
+    usage: Mapping[str, float] = field(default_factory=dict)  # judge tokens (and spend) spent on this batch
+    # item index -> unix time of the judge call whose cached verdict it was served (only items served so)
+    cached: Mapping[int, float] = field(default_factory=dict, repr=False)
 
     def provenance(self, index: int) -> Mapping[str, Any]:
-        """What scored item ``index``."""
-        return self.verifiers[self.verifier_of[index]].provenance
+        """What scored item ``index``; with ``cached``, the unix time of the judge call, if its verdict came from the
+        verdict cache."""
+        provenance = self.verifiers[self.verifier_of[index]].provenance
+        if self.cached and (when := self.cached.get(index)) is not None:
+            return {**provenance, "cached": when}
+        return provenance
 
 
 class LatencyHistogram:
@@ -220,9 +230,16 @@ class VerifierTotals:
     startup_calls: int = 0
     startup_seconds: float = 0.0
     startup_longest: float = 0.0
-    spent: Counter[str] = field(default_factory=Counter)
+    spent: dict[str, float] = field(default_factory=dict)  # counts, and "spend" (money: not whole)
     errors: Counter[str] = field(default_factory=Counter)
     timeouts: int = 0
+    cache_hits: int = 0
+    deduped: int = 0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        """Of its items, the share served from the verdict cache; NaN with none."""
+        return self.cache_hits / self.items if self.items else math.nan
 
     @property
     def mean_reward(self) -> float:
@@ -242,7 +259,9 @@ class VerifierTotals:
             self.startup_calls += len(report.startup)
             self.startup_seconds += sum(report.startup)
             self.startup_longest = max(self.startup_longest, *report.startup)
-        self.spent.update(report.spent)
+        add_amounts(self.spent, report.spent)
+        self.cache_hits += report.cache_hits
+        self.deduped += report.deduped
         self.latency.extend(*report.latency_sample())
 
     def failed(self, error: VerificationError) -> None:
@@ -264,9 +283,11 @@ class VerifierTotals:
         self.startup_calls += other.startup_calls
         self.startup_seconds += other.startup_seconds
         self.startup_longest = max(self.startup_longest, other.startup_longest)
-        self.spent.update(other.spent)
+        add_amounts(self.spent, other.spent)
         self.errors.update(other.errors)
         self.timeouts += other.timeouts
+        self.cache_hits += other.cache_hits
+        self.deduped += other.deduped
         self.latency.merge(other.latency)
 
     def to_json(self) -> dict[str, Any]:
@@ -281,14 +302,25 @@ class VerifierTotals:
             "busy": self.busy,
             "peak_in_flight": self.peak_in_flight,
             "latency": {str(bucket): count for bucket, count in self.latency.counts.items()},
+            "spent": dict(self.spent),
+            "cache_hits": self.cache_hits,
+            "deduped": self.deduped,
         }
 
     @classmethod
     def from_json(cls, data: Any) -> VerifierTotals:
         """The totals :meth:`to_json` wrote; ``ValueError`` for anything else (they come back from a file
         a user can edit: a wrong shape must be refused here, not fail later with a traceback)."""
-        if not isinstance(data, dict) or set(data) != set(_JSON_FIELDS):
+        # "spent" and _JSON_ADDED are optional: a state written before they were kept has none
+        if not isinstance(data, dict) or set(data) - {"spent", *_JSON_ADDED} != set(_JSON_FIELDS) - set(_JSON_ADDED):
             raise ValueError("not a verifier's totals: its fields differ")
+        data = {**dict.fromkeys(_JSON_ADDED, 0), **data}  # a state written before they were counted: none
+        spent = data.get("spent", {})
+        if not isinstance(spent, dict) or not all(
+            isinstance(name, str) and type(amount) in (int, float) and math.isfinite(amount) and amount >= 0
+            for name, amount in spent.items()
+        ):
+            raise ValueError("not a verifier's totals: its spent is not amounts >= 0 by name")
         if any(isinstance(data[key], bool) or not isinstance(data[key], kind) for key, kind in _JSON_FIELDS.items()):
             raise ValueError("not a verifier's totals: a field has the wrong type")
         latency = data["latency"]
@@ -298,8 +330,9 @@ class VerifierTotals:
         ):
             raise ValueError("not a verifier's totals: its latency histogram is not one")
         histogram = LatencyHistogram({int(bucket): count for bucket, count in latency.items()})
-        fields = {key: data[key] for key in ("items", "reward_sum", "retries", "waited", "busy", "peak_in_flight")}
-        return cls(data["kind"], data["ref"], latency=histogram, **fields)
+        fields = {key: data[key] for key in ("items", "reward_sum", "retries", "waited", "busy", "peak_in_flight",
+                                             *_JSON_ADDED)}
+        return cls(data["kind"], data["ref"], latency=histogram, spent=dict(spent), **fields)
 
 
 # what VerifierTotals.to_json writes: each field and its JSON type(s); a histogram bucket's key
@@ -313,8 +346,17 @@ _JSON_FIELDS: dict[str, type | tuple[type, ...]] = {
     "busy": (int, float),
     "peak_in_flight": int,
     "latency": dict,
+    "cache_hits": int,
+    "deduped": int,
 }
+_JSON_ADDED = ("cache_hits", "deduped")  # fields a state written by an older engine lacks
 _BUCKET = re.compile(r"-?[0-9]{1,6}")
+
+
+def add_amounts(into: dict[str, float], amounts: Mapping[str, float]) -> None:
+    """Add ``amounts`` (what was spent, by name) into ``into``: a Counter's update, for amounts not all whole."""
+    for name, amount in amounts.items():
+        into[name] = into.get(name, 0) + amount
 
 
 def add_reports(totals: dict[str, VerifierTotals], result: BatchResult) -> None:

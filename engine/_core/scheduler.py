@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections import Counter, defaultdict, deque
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -23,10 +23,19 @@ import anyio
 import anyio.lowlevel
 
 from engine._core.book import Book, Call, total
-from engine._core.contract import Chunker, Items, MalformedItem, Verifier, check_item, item_label, task_of
+from engine._core.contract import (
+    Chunker,
+    Items,
+    MalformedItem,
+    SiftingVerifier,
+    Verifier,
+    check_item,
+    item_label,
+    task_of,
+)
 from engine._core.meters import Meter, ledger, loop_calls
-from engine._core.report import BatchResult, VerifierReport
-from engine._errors import ConfigError, Failure, VerificationError
+from engine._core.report import BatchResult, VerifierReport, add_amounts
+from engine._errors import BudgetError, ConfigError, Failure, Overspent, VerificationError
 from engine._reasons import describe, is_timeout
 
 __all__ = ["Completions", "Resolve", "aborts_unlogged", "completions", "log_abort", "score_batch", "total"]
@@ -131,6 +140,11 @@ class Lane:
     environment: str | None = None  # set when the lane is a guess: items not of it are given back
     given_back: list[int] = field(default_factory=list)  # its indices it left to other lanes
     book: Book = field(default_factory=Book)
+    # items served without a call of their own (a rubric's: from the cache, or copies of an identical item's)
+    served: list[int] = field(default_factory=list)
+    served_sum: float = 0.0
+    hits: int = 0
+    deduped: int = 0
 
     def chunk_size(self, share: int) -> int:
         """Items its next call takes (``share``: its items left per worker); more than one go to its chunker."""
@@ -143,10 +157,12 @@ def _failed(verifier: Verifier, exc: Exception, index: int, item: Mapping[str, A
     A verifier raises :class:`Failure` (its reason in words) or anything else (described by
     ``engine._reasons``); it never knows where its item sits in the batch, and the scheduler does.
     """
-    error = VerificationError(
+    # a judge's spent budget is its own type, keyed on by callers (its fields say whose, and how much)
+    error = (BudgetError if isinstance(exc, Overspent) else VerificationError)(
         verifier.kind,
         verifier.ref,
         describe(exc),  # a Failure's own reason
+        **(exc.fields() if isinstance(exc, Overspent) else {}),
         key=verifier.key,
         environment=item["environment"],
         index=index,
@@ -250,6 +266,9 @@ class _Batch:
         self.rewards = [math.nan] * len(items)
         self.loop_calls = loop_calls(asyncio.get_running_loop())
         self.completions = _COMPLETIONS.get()
+        self.cached: dict[int, float] = {}  # index of an item served from the cache -> its verdict's call time
+        self.copies: list[tuple[Lane, list[int], list[int]]] = []  # per lane, items sharing an earlier item's reward
+        self.sifting: list[SiftingVerifier] = []  # verifiers told when the batch is over
 
     def _resolved(self, index: int) -> tuple[Verifier, Meter]:
         """The verifier and meter of item ``index``'s environment; errors name the item."""
@@ -286,11 +305,52 @@ class _Batch:
         if guess is not None and self._resolved(0)[0].chunker is not None:
             self.lanes = self._lanes({guess: range(len(items))}, guess=True)
         else:
-            self.lanes = self._lanes(await _group(items, range(len(items)), self.first))
+            self.lanes = await self._sift(self._lanes(await _group(items, range(len(items)), self.first)))
 
     async def regroup(self, left: list[int]) -> list[Lane]:
         """Lanes for items a guessed lane gave back (the batch was not all one environment's)."""
-        return self._lanes(await _group(self.items, left, self.first))
+        return await self._sift(self._lanes(await _group(self.items, left, self.first)))
+
+    async def _sift(self, lanes: list[Lane]) -> list[Lane]:
+        """``lanes``, each of a sifting verifier (a rubric's) left with the items it must call: the cache's hits
+        are put in place now, and items identical to an earlier one take its reward once the batch is scored."""
+        for lane in lanes:
+            verifier = lane.verifier
+            if not isinstance(verifier, SiftingVerifier):
+                continue
+            try:
+                sifted = await verifier.sift(self.items, lane.indices, self.first)
+            except Failure as exc:
+                index = lane.indices[exc.position or 0]
+                raise _failed(verifier, exc, self.first + index, self.items[index]) from exc.__cause__
+            if sifted is None:
+                continue
+            if verifier not in self.sifting:
+                self.sifting.append(verifier)
+            lane.indices = sifted.call
+            if sifted.hits:
+                _put(self.rewards, sifted.hits, sifted.hit_rewards)
+                self.cached.update(zip(sifted.hits, sifted.hit_times, strict=True))
+                lane.served += sifted.hits
+                lane.served_sum += total(sifted.hit_rewards)
+                lane.hits += len(sifted.hits)
+                if self.completions is not None:
+                    self.completions.add(len(sifted.hits))
+            if sifted.copies:
+                self.copies.append((lane, sifted.copies, sifted.originals))
+        return lanes
+
+    def _copy(self) -> None:
+        """Each copy's reward from its original's, now that every call has returned."""
+        rewards = self.rewards
+        for lane, copies, originals in self.copies:
+            values = list(map(rewards.__getitem__, originals))
+            _put(rewards, copies, values)
+            lane.served += copies
+            lane.served_sum += total(values)
+            lane.deduped += len(copies)
+            if self.completions is not None:
+                self.completions.add(len(copies))
 
     def _first_of(self, lane: Lane) -> int:
         """The position of the batch's first item of ``lane``'s environment(s), in input order: what an
@@ -402,10 +462,16 @@ class _Batch:
             for _ in range(min(lane.width, chunks, in_flight.max_value or 1)):  # no more workers than work
                 tg.start_soon(guarded, lane, cursor)
 
-        async with anyio.create_task_group() as tg:
-            for lane in list(lanes):
-                start(lane)
-        if failure is not None:
+        try:
+            async with anyio.create_task_group() as tg:
+                for lane in list(lanes):
+                    start(lane)
+        finally:
+            for verifier in self.sifting:  # scored or aborted: what its calls returned is kept
+                verifier.finish()
+        if failure is None:
+            self._copy()
+        else:
             if _LOG_ABORTS.get():
                 log_abort(failure)
             raise failure
@@ -420,13 +486,14 @@ class _Batch:
             by_verifier.setdefault(lane.verifier, []).append(lane)
         verifier_of = [0] * len(self.rewards)
         reports = []
-        usage: Counter[str] = Counter()
+        usage: dict[str, float] = {}
         for position, (v, its) in enumerate(by_verifier.items()):
             spent = dict(v.spent())  # a rubric's verifier is this batch's: so is what it spent
-            usage.update(spent)
+            add_amounts(usage, spent)
             if position:
                 for lane in its:
                     _put(verifier_of, lane.indices, [position] * len(lane.indices))
+                    _put(verifier_of, lane.served, [position] * len(lane.served))
             books = [lane.book for lane in its]
             reports.append(
                 VerifierReport(
@@ -434,8 +501,8 @@ class _Batch:
                     ref=v.ref,
                     key=v.key,
                     provenance=v.provenance(),
-                    items=sum(len(lane.indices) for lane in its),
-                    reward_sum=total([book.reward_sum for book in books]),
+                    items=sum(len(lane.indices) + len(lane.served) for lane in its),
+                    reward_sum=total([book.reward_sum for book in books] + [lane.served_sum for lane in its]),
                     latencies=list(chain.from_iterable(book.latencies for book in books)),  # one a call: joined in C
                     latency_items=list(chain.from_iterable(book.latency_items for book in books)),
                     waited=sum(book.waited for book in books),
@@ -445,9 +512,12 @@ class _Batch:
                     active=max(0.0, max(book.last_end for book in books) - min(book.first_start for book in books)),
                     startup=[seconds for book in books for seconds in book.startup],
                     spent=spent,
+                    cache_hits=sum(lane.hits for lane in its),
+                    deduped=sum(lane.deduped for lane in its),
                 )
             )
-        return BatchResult(self.rewards, reports, elapsed, verifier_of=verifier_of, usage=dict(usage))
+        return BatchResult(self.rewards, reports, elapsed, verifier_of=verifier_of, usage=dict(usage),
+                           cached=self.cached)
 
 
 async def score_batch(

@@ -24,10 +24,14 @@ FIGURES = (
     "latency_p50_s",
     "latency_p99_s",
     "judge_tokens",
+    "judge_spend",
+    "cache_hits",
+    "cache_hit_rate",
+    "deduped",
 )
 # the figures that add up across ranks (a sum of counts); reward_mean averages weighted by items, and
-# the percentiles do not average at all
-SUMMED = frozenset({"items", "errors", "retries", "timeouts", "judge_tokens"})
+# the percentiles and the hit rate do not average at all
+SUMMED = frozenset({"items", "errors", "retries", "timeouts", "judge_tokens", "judge_spend", "cache_hits", "deduped"})
 
 
 def _figures(totals: VerifierTotals) -> dict[str, float]:
@@ -40,6 +44,10 @@ def _figures(totals: VerifierTotals) -> dict[str, float]:
         "latency_p50_s": totals.latency.percentile(50),
         "latency_p99_s": totals.latency.percentile(99),
         "judge_tokens": float(totals.spent.get("total_tokens", 0)),
+        "judge_spend": float(totals.spent.get("spend", 0)),  # at the judge's prices; 0 without them
+        "cache_hits": float(totals.cache_hits),
+        "cache_hit_rate": totals.cache_hit_rate,
+        "deduped": float(totals.deduped),
     }
 
 

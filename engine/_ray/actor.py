@@ -115,8 +115,12 @@ def _rows_of(
 def _verifiers(rows: list[Row], result: BatchResult) -> list[Mapping[str, Any]]:
     """Each row's ``verifier`` record, as ``engine score`` writes it, checked once per verifier and environment."""
     made: dict[tuple[int, str], Mapping[str, Any]] = {}
-    verifiers = []
+    verifiers: list[Mapping[str, Any]] = []
+    cached = result.cached
     for position, (row, verifier_of) in enumerate(zip(rows, result.verifier_of, strict=True)):
+        if cached and position in cached:  # its own: the time of the judge call its verdict came from
+            verifiers.append({**result.provenance(position), "environment": row.environment})
+            continue
         verifier = made.get((verifier_of, row.environment))
         if verifier is None:
             verifier = {**result.provenance(position), "environment": row.environment}

@@ -14,7 +14,7 @@ import orjson
 
 from engine import _json as json
 from engine._core.report import BatchResult, VerifierReport
-from engine._errors import RubricError, ServiceError, VerificationError
+from engine._errors import BudgetError, RubricError, ServiceError, VerificationError
 from engine._reasons import a_or_an, excerpt
 
 __all__ = [
@@ -32,16 +32,19 @@ JSON = "application/json"
 INTERNAL = "InternalError"  # the type of an error the service did not mean: a bug, answered 500
 _REPORT_FIELDS = frozenset(f.name for f in dataclasses.fields(VerifierReport))
 _RESULT_FIELDS = frozenset(f.name for f in dataclasses.fields(BatchResult))
+# fields a service of an older engine does not send: read as none
+_OPTIONAL_REPORT = frozenset({"cache_hits", "deduped"})
+_OPTIONAL_RESULT = frozenset({"cached"})
 Scrub = Callable[[str], str]  # removes secrets from a text before a message quotes it
 # HTTP status per error type: a verifier's failure is not the request's fault, but the request cannot
 # be answered as asked either (422); malformed items are the caller's (400)
-_STATUS = {"VerificationError": 422, "RubricError": 422, "ValueError": 400, "TypeError": 400}
+_STATUS = {"VerificationError": 422, "RubricError": 422, "BudgetError": 422, "ValueError": 400, "TypeError": 400}
 
 
 def dump_result(result: BatchResult) -> bytes:
     """``result`` as JSON: the dataclasses' fields as they are, written by orjson (a third of the time a
     dict built per report took, on a one-item answer: the service writes one per request)."""
-    return orjson.dumps(result, default=_plain)
+    return orjson.dumps(result, default=_plain, option=orjson.OPT_NON_STR_KEYS)  # cached: keyed by item index
 
 
 def _plain(value: Any) -> dict[Any, Any]:
@@ -86,7 +89,7 @@ class _Malformed(Exception):
 def _result(data: Any) -> BatchResult:
     if not isinstance(data, dict):
         raise _Malformed(f"{a_or_an(type(data).__name__)}, not an object")
-    _same_keys("the answer", data, _RESULT_FIELDS)
+    _same_keys("the answer", data, _RESULT_FIELDS, _OPTIONAL_RESULT)
     rewards, verifier_of, reports = data["rewards"], data["verifier_of"], data["verifiers"]
     if not isinstance(rewards, list):
         raise _Malformed(f"its rewards are {a_or_an(type(rewards).__name__)}, not a list")
@@ -114,7 +117,15 @@ def _result(data: Any) -> BatchResult:
     if type(elapsed) is not float or elapsed < 0:
         raise _Malformed(f"its elapsed is {_shown(elapsed)}, not a finite float >= 0")
     _counts("its usage", usage)
-    return BatchResult(rewards, decoded, elapsed, verifier_of, usage)
+    cached = data.get("cached", {})
+    if not isinstance(cached, dict):
+        raise _Malformed(f"its cached is {_shown(cached)}, not an object")
+    served: dict[int, float] = {}
+    for index, when in cached.items():
+        if not (index.isascii() and index.isdigit() and int(index) < len(rewards)) or not _number(when):
+            raise _Malformed("its cached is not an object of item indices to the times of the calls they were served")
+        served[int(index)] = float(when)
+    return BatchResult(rewards, decoded, elapsed, verifier_of, usage, cached=served)
 
 
 def _report(position: int, fields: Any) -> VerifierReport:
@@ -122,13 +133,13 @@ def _report(position: int, fields: Any) -> VerifierReport:
     where = f"verifier report {position}"
     if not isinstance(fields, dict):
         raise _Malformed(f"{where} is {a_or_an(type(fields).__name__)}, not an object")
-    _same_keys(where, fields, _REPORT_FIELDS)
+    _same_keys(where, fields, _REPORT_FIELDS, _OPTIONAL_REPORT)
     for name in ("kind", "ref", "key"):
         if not isinstance(fields[name], str):
             raise _Malformed(f"{where}'s {name} is {_shown(fields[name])}, not a string")
     if not isinstance(fields["provenance"], dict):
         raise _Malformed(f"{where}'s provenance is {_shown(fields['provenance'])}, not an object")
-    for name in ("items", "peak_in_flight", "retries"):
+    for name in ("items", "peak_in_flight", "retries", *(_OPTIONAL_REPORT & fields.keys())):
         if not _count(fields[name]):
             raise _Malformed(f"{where}'s {name} is {_shown(fields[name])}, not a whole number >= 0")
     if fields["reward_sum"] is None:  # a sum of finite rewards that overflowed, which orjson writes as null
@@ -147,8 +158,8 @@ def _report(position: int, fields: Any) -> VerifierReport:
     return VerifierReport(**fields)
 
 
-def _same_keys(where: str, data: dict[str, Any], expected: frozenset[str]) -> None:
-    missing, unknown = sorted(expected - data.keys()), sorted(data.keys() - expected)
+def _same_keys(where: str, data: dict[str, Any], expected: frozenset[str], optional: frozenset[str]) -> None:
+    missing, unknown = sorted(expected - optional - data.keys()), sorted(data.keys() - expected)
     if missing or unknown:
         said = [f"lacks {', '.join(missing)}"] if missing else []
         said += [f"has unknown {', '.join(map(repr, unknown))}"] if unknown else []
@@ -156,8 +167,11 @@ def _same_keys(where: str, data: dict[str, Any], expected: frozenset[str]) -> No
 
 
 def _counts(where: str, value: Any) -> None:
-    if not isinstance(value, dict) or not all(_count(count) for count in value.values()):
-        raise _Malformed(f"{where} is not an object of whole numbers >= 0")
+    """Counts by name, whole numbers >= 0; but ``spend``, money at the judge's prices: a number >= 0."""
+    if not isinstance(value, dict) or not all(
+        _number(count) and count >= 0 if name == "spend" else _count(count) for name, count in value.items()
+    ):
+        raise _Malformed(f"{where} is not an object of whole numbers >= 0 (and a spend, a number >= 0)")
 
 
 def _count(value: Any) -> bool:
@@ -181,6 +195,8 @@ def error_status(exc: BaseException) -> int:
 
 
 def _type_of(exc: BaseException) -> str:
+    if isinstance(exc, BudgetError):
+        return "BudgetError"
     if isinstance(exc, RubricError):
         return "RubricError"
     if isinstance(exc, VerificationError):
@@ -204,6 +220,8 @@ def encode_error(exc: BaseException, *, kind: str | None = None, message: str | 
         fields.update(kind=exc.kind, ref=exc.ref, key=exc.key, environment=exc.environment, index=exc.index,
                       item_id=exc.item_id, timed_out=exc.timed_out, cannot_load=exc.cannot_load,
                       message=exc.reason)
+    if isinstance(exc, BudgetError):
+        fields.update(budget=exc.budget, measure=exc.measure, limit=exc.limit, spent=exc.spent)
     return {"error": fields}
 
 
@@ -221,10 +239,13 @@ def decode_error(status: int, body: bytes, url: str) -> Exception:
         kind, message = error["type"], error["message"]
         if not isinstance(kind, str) or not isinstance(message, str):
             raise TypeError("not an error")
-        if kind in ("VerificationError", "RubricError"):
+        if kind in ("VerificationError", "RubricError", "BudgetError"):
             ref = _text(error, "ref")
             if kind == "RubricError":
                 return RubricError(ref, message, **_verification_fields(error))
+            if kind == "BudgetError":
+                return BudgetError(_text(error, "kind"), ref, message, **_budget_fields(error),
+                                      **_verification_fields(error))
             verifier_kind = _text(error, "kind")  # read first: a body without one is not an error (its text quoted)
             return VerificationError(verifier_kind, ref, message, **_verification_fields(error))
     except (json.JSONDecodeError, KeyError, TypeError):
@@ -265,6 +286,26 @@ def _verification_fields(error: dict[str, Any]) -> dict[str, Any]:
         value = error[name]
         if type(value) not in types or (name == "index" and value is not None and value < 0):
             raise _Malformed(f"{name} is {_shown(value)}, not {what}")
+        fields[name] = value
+    return fields
+
+
+_MEASURES = frozenset({"tokens", "spend"})
+
+
+def _budget_fields(error: dict[str, Any]) -> dict[str, Any]:
+    """A budget error's own fields, each checked (``_Malformed`` naming one that is missing or of the wrong type)."""
+    fields: dict[str, Any] = {}
+    for name in ("budget", "measure", "limit", "spent"):
+        if name not in error:
+            raise _Malformed(f"{name} is missing")
+        value = error[name]
+        if name in ("budget", "measure"):
+            what = '"tokens" or "spend"' if name == "measure" else "a string"
+            if not isinstance(value, str) or (name == "measure" and value not in _MEASURES):
+                raise _Malformed(f"{name} is {_shown(value)}, not {what}")
+        elif not _number(value) or value < 0:
+            raise _Malformed(f"{name} is {_shown(value)}, not a number >= 0")
         fields[name] = value
     return fields
 

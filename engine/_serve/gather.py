@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -320,10 +321,13 @@ class _Parts:
         result = self.result
         rewards = result.rewards[start:start + count]
         usage = result.usage if first else {}
+        # its items served from the verdict cache (none, at no cost, in a batch without hits)
+        cached = {i - start: when for i, when in result.cached.items() if start <= i < start + count} \
+            if result.cached else {}
         # reward sums as the engine makes them (``total``: exact), so a request's are those a batch of its own has
         if len(result.verifiers) == 1:  # one verifier scored the batch (the usual gathered batch): no lookups
-            report = _part(result.verifiers[0], self.mean[0], count, total(rewards), first)
-            return BatchResult(rewards, [report], result.elapsed, [0] * count, usage)
+            report = _part(result.verifiers[0], self.mean[0], count, total(rewards), first, len(cached))
+            return BatchResult(rewards, [report], result.elapsed, [0] * count, usage, cached=cached)
         mine: dict[int, int] = {}
         verifier_of = []
         theirs: list[list[float]] = []  # per verifier of the request, its rewards
@@ -334,11 +338,13 @@ class _Parts:
                 theirs.append([])
             theirs[local].append(reward)
             verifier_of.append(local)
+        hits = Counter(verifier_of[i] for i in cached)
         reports = [
-            _part(result.verifiers[which], self.mean[which], len(theirs[local]), total(theirs[local]), first)
+            _part(result.verifiers[which], self.mean[which], len(theirs[local]), total(theirs[local]), first,
+                  hits[local])
             for which, local in mine.items()
         ]
-        return BatchResult(rewards, reports, result.elapsed, verifier_of, usage)
+        return BatchResult(rewards, reports, result.elapsed, verifier_of, usage, cached=cached)
 
 
 def _means(result: BatchResult) -> list[float]:
@@ -347,13 +353,16 @@ def _means(result: BatchResult) -> list[float]:
     return [report.busy / report.items if report.items else 0.0 for report in result.verifiers]
 
 
-def _part(report: VerifierReport, mean: float, items: int, reward_sum: float, first: bool) -> VerifierReport:
+def _part(
+    report: VerifierReport, mean: float, items: int, reward_sum: float, first: bool, hits: int
+) -> VerifierReport:
     """A verifier's report for ``items`` of its batch's: those items' count and rewards, the batch's timing.
 
     ``latencies`` is the batch's mean seconds an item took, standing for these items; ``waited`` and
     ``busy`` this share of the batch's (so a request's figures add up to the batch's); ``active`` and
     ``peak_in_flight`` are the batch's; ``retries``, ``startup`` and ``spent`` go to the batch's first
-    request still waiting alone.
+    request still waiting alone, and so do its ``deduped`` items (an item's copies may be in other requests);
+    ``hits`` are these items' served from the verdict cache.
     """
     share = items / report.items if report.items else 0.0
     return VerifierReport(
@@ -372,4 +381,6 @@ def _part(report: VerifierReport, mean: float, items: int, reward_sum: float, fi
         active=report.active,
         startup=report.startup if first else [],
         spent=report.spent if first else {},
+        cache_hits=hits,
+        deduped=report.deduped if first else 0,
     )

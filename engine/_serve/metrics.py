@@ -82,6 +82,17 @@ class Metrics:
         yield _counter("engine_verifier_spent", "What the verifier's calls spent (a judge's requests and tokens).",
                        [*verifier, "what"],
                        {(*labels, what): amount for labels, t in totals for what, amount in t.spent.items()})
+        yield _counter("engine_verifier_cache_hits", "Items served from the verdict cache, per verifier (a rubric's).",
+                       verifier, {labels: t.cache_hits for labels, t in totals})
+        yield _counter("engine_verifier_deduped",
+                       "Items that shared the reward of an identical item of their batch, per verifier (a rubric's).",
+                       verifier, {labels: t.deduped for labels, t in totals})
+        rate = GaugeMetricFamily("engine_verifier_cache_hit_rate",
+                                 "Of the verifier's items, the share served from the verdict cache.", labels=verifier)
+        for labels, t in totals:
+            if t.items:
+                rate.add_metric(list(labels), t.cache_hit_rate)
+        yield rate
         peak = GaugeMetricFamily("engine_verifier_peak_in_flight",
                                  "Most calls the verifier had in flight at once, in its latest batch.", labels=verifier)
         for labels, t in totals:

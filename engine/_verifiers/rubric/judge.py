@@ -15,13 +15,14 @@ import anyio
 import httpx
 import orjson
 
-from engine._config import JudgeConfig
+from engine._config import JudgeConfig, Limits
 from engine._core.meters import Meter, held, waiting
-from engine._errors import Failure
+from engine._errors import Failure, Overspent
 from engine._http.headers import fill_headers
 from engine._http.post import Post
 from engine._http.retry import RETRY_STATUSES, Sleep
 from engine._reasons import Scrubber, excerpt
+from engine._verifiers.rubric.budget import Budget
 from engine._verifiers.rubric.prompt import build_messages, parse_score, reply_content
 from engine._verifiers.rubric.registry import Rubric
 
@@ -69,12 +70,21 @@ _HEADERS = {"content-type": "application/json", "accept": "application/json", "a
 class Judge:
     """A judge model behind an OpenAI-compatible API, with its own limits.
 
-    One judge serves every rubric of an engine; each rubric's verifier keeps its own cost accounting.
+    One judge serves every rubric of an engine; each rubric's verifier keeps its own cost accounting (a batch's),
+    its ``budget`` the engine's (``refs``: the config's refs tables, where a rubric's own budget is).
     ``sleep`` is what retries wait with.
     """
 
-    def __init__(self, config: JudgeConfig, client: httpx.AsyncClient, *, sleep: Sleep = anyio.sleep) -> None:
+    def __init__(
+        self,
+        config: JudgeConfig,
+        client: httpx.AsyncClient,
+        *,
+        sleep: Sleep = anyio.sleep,
+        refs: Mapping[str, Limits] | None = None,
+    ) -> None:
         self.config = config
+        self.budget = Budget(config, refs or {})  # the engine's: its rubrics' budgets are in its refs tables
         self._post = Post(config.url, client, config, sleep=sleep, retry_statuses=JUDGE_RETRY_STATUSES)
         self._meter = Meter.of(config.max_concurrency, config.max_rate)
 
@@ -112,29 +122,41 @@ class Judge:
             request["response_format"] = {"type": "json_object"}
         return orjson.dumps(request)
 
-    async def _count(self, usage: Usage, attempt: int) -> None:
-        """Before each try of a request: count it (and a retry), and wait for the rate limit."""
+    async def _count(self, usage: Usage, key: str, attempt: int) -> None:
+        """Before each try of a request: count it (and a retry), wait for the rate limit, and send none past a
+        budget (``Overspent``; checked last, as the request goes: a reply may have crossed it meanwhile)."""
         if attempt > 1:
             usage.retries += 1
         if self._meter.rate is not None:
             with waiting():  # the judge's quota is a limit: time queued for it is waiting, not judging
                 await self._meter.rate.acquire()  # every request counts against the quota, retries too
+        self.budget.check(key)
         usage.requests += 1
 
+    def request_body(self, rubric: Rubric, task: Mapping[str, Any], trajectory: Any) -> bytes:
+        """The exact body :meth:`grade` sends for the item: what decides its verdict (the cache's key); ``Failure``."""
+        return self._body(rubric, task, trajectory)
+
     async def grade(
-        self, rubric: Rubric, task: Mapping[str, Any], trajectory: Any, *, usage: Usage | None = None
+        self, rubric: Rubric, task: Mapping[str, Any], trajectory: Any, *, usage: Usage | None = None,
+        body: bytes | None = None,
     ) -> float:
         """The item's score on ``rubric``, normalised to 0..1; raises ``Failure``.
 
-        ``usage``, if given, is charged with this call's cost (requests, retries, tokens).
+        ``usage``, if given, is charged with this call's cost (requests, retries, tokens); ``body``, if given, is
+        the item's :meth:`request_body`, made already.
         """
         ref = rubric.ref
-        body = self._body(rubric, task, trajectory)
+        key = f"{rubric.owner}/{rubric.name}"  # a budget's rubric: every version's
+        if body is None:
+            body = self._body(rubric, task, trajectory)
         headers, scrub = self._headers(ref)
         account = Usage() if usage is None else usage
         try:
             async with held(self._meter.slots):  # queued behind the judge's max_concurrency: waiting
-                response = await self._post(body, headers, scrub, functools.partial(self._count, account))
+                response = await self._post(body, headers, scrub, functools.partial(self._count, account, key))
+        except Overspent:  # no request sent: the budget's words, as they are
+            raise
         except Failure as exc:  # the POST's
             reason = f"judge request failed: {exc.reason}"
             # the cause is what really failed (the last try's error), not tenacity's wrapper of it
@@ -147,8 +169,9 @@ class Judge:
             data = orjson.loads(content)
         except orjson.JSONDecodeError:
             raise Failure(f"judge response is not JSON: {excerpt(content)!r}") from None
-        if isinstance(data, dict):
-            account.add(data.get("usage"))
+        reported = data.get("usage") if isinstance(data, dict) else None
+        account.add(reported)
+        self.budget.charge(key, reported)  # before the score is read: a reply without one cost tokens too
         try:
             return parse_score(reply_content(data), rubric.scale)
         except ValueError as exc:

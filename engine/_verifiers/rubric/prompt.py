@@ -18,6 +18,7 @@ from engine._verifiers._json import Words, number_field
 from engine._verifiers.rubric.registry import Rubric
 
 __all__ = [
+    "PROMPT_VERSION",
     "REFERENCE_BLOCK",
     "SYSTEM_PROMPT",
     "USER_PROMPT",
@@ -115,6 +116,10 @@ def response_text(trajectory: Any) -> str:
 # The prompt: everything the judge model reads is written here, and only here.
 # Fields are filled with str.format; the values are never parsed as templates themselves.
 # ---------------------------------------------------------------------------------------------
+
+# Raise it with any change to what the judge reads (the prompts below, build_messages, flatten): every
+# rubric verdict's provenance carries it, and a cached verdict of another version is never served.
+PROMPT_VERSION = 1
 
 SYSTEM_PROMPT = """\
 You are a strict, impartial grader. You grade one response to a task against a rubric: a team's \
