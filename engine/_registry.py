@@ -176,15 +176,20 @@ class Registry:
                     thread_limiter=shared.threads,
                 )
             else:
-                verifier = EndpointVerifier(spec.ref, limits, shared.routes.transport_for(spec.ref), sleep=self._sleep)
+                window = self.meter(key, adaptive=True).window
+                verifier = EndpointVerifier(
+                    spec.ref, limits, shared.routes.transport_for(spec.ref), sleep=self._sleep, window=window
+                )
             self._verifiers[key] = verifier
         return verifier
 
-    def meter(self, key: str) -> Meter:
-        """The live limits of the verifier configured under ``key``, shared by every batch."""
+    def meter(self, key: str, *, adaptive: bool = False) -> Meter:
+        """The live limits of the verifier configured under ``key``, shared by every batch; ``adaptive``: its
+        slots a window that adapts to a quota (an endpoint's, built with its verifier, before any batch asks)."""
         meter = self._meters.get(key)
         if meter is None:
-            meter = self._meters[key] = Meter.from_limits(self.config.limits_for(key))
+            limits = self.config.limits_for(key)
+            meter = self._meters[key] = Meter.adaptive(limits, self._sleep) if adaptive else Meter.from_limits(limits)
         return meter
 
     def resolver(self) -> Resolve:
@@ -192,8 +197,13 @@ class Registry:
         rubrics: dict[str, Verifier] = {}
 
         def resolve(name: str) -> tuple[Verifier, Meter]:
-            verifier = self.verifier_for(self.environment(name), rubrics)
-            return verifier, self.meter(verifier.key)
+            env = self.environment(name)
+            verifier = self.verifier_for(env, rubrics)
+            meter = self.meter(verifier.key)
+            judge = self._shared.judge if self._shared is not None else None
+            if env.verifier.kind == "rubric" and judge is not None:  # its calls queue inside for the judge's window
+                meter = meter.through(judge.window)
+            return verifier, meter
 
         return resolve
 

@@ -260,7 +260,8 @@ async def test_token_usage_is_summed_per_batch(
         "requests": 5, "retries": 1,
         "prompt_tokens": 400 + 2 + 3 + 4 + 5, "completion_tokens": 4 * 3, "total_tokens": 412 + 2 + 3 + 4 + 5,
     }
-    assert sleeps.calls == [0.25]
+    # the retry waited its Retry-After; the judge's window paused the first tries sent meanwhile, no longer
+    assert sleeps.calls.count(0.25) == 1 and all(0 < seconds <= 0.25 for seconds in sleeps.calls)
     assert sum(report.retries for report in first.verifiers) == 1
     # the second batch's usage is its own, not a running total
     assert dict(second.usage) == {

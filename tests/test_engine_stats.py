@@ -22,11 +22,12 @@ FIGURES = ["items", "reward_mean", "errors", "retries", "timeouts", "latency_p50
 RUBRICS = Path(__file__).parent / "rubrics"
 
 
-def figures(stats: dict[str, float], key: str) -> dict[str, float]:
-    """The figures of verifier ``key`` in a snapshot (every one of them must be there)."""
+def figures(stats: dict[str, float], key: str, *, window: bool = False) -> dict[str, float]:
+    """The figures of verifier ``key`` in a snapshot (every one of them must be there; ``window``: an endpoint's
+    or a rubric's, which go through an adaptive window, have that figure too)."""
     prefix = f"engine/{key}/"
     mine = {name.removeprefix(prefix): value for name, value in stats.items() if name.startswith(prefix)}
-    assert sorted(mine) == sorted(FIGURES), sorted(stats)
+    assert sorted(mine) == sorted([*FIGURES, *(["window"] if window else [])]), sorted(stats)
     return mine
 
 
@@ -89,10 +90,11 @@ async def test_an_endpoint_is_keyed_by_its_url_and_counts_its_retries_and_timeou
             with pytest.raises(VerificationError) as info:
                 await eng.score([item("remote", slow=True)])
             assert "timed out" in info.value.reason
-            stats = figures(eng.stats(), url)
+            stats = figures(eng.stats(), url, window=True)
     assert (stats["items"], stats["reward_mean"], stats["retries"], stats["errors"], stats["timeouts"]) == (
         1, 0.75, 1, 1, 1,
     )
+    assert stats["window"] == 64  # never throttled: its max_concurrency (the default)
 
 
 async def test_a_rubric_counts_its_judges_tokens_under_owner_and_name(envs: Path, tmp_path: Path) -> None:
@@ -109,10 +111,11 @@ async def test_a_rubric_counts_its_judges_tokens_under_owner_and_name(envs: Path
         )
         async with Engine(config) as eng:
             await eng.score([item("graded", "42", prompt="6 * 7?", reference="42")] * 3)
-            stats = figures(eng.stats(), "alice/arithmetic-correctness")  # the key drops the version pin
+            stats = figures(eng.stats(), "alice/arithmetic-correctness", window=True)  # the key drops the version pin
     # three identical items: one judge call, two deduped
     assert (stats["items"], stats["reward_mean"], stats["judge_tokens"], stats["deduped"]) == (3, 1.0, 105, 2)
     assert (stats["cache_hits"], stats["cache_hit_rate"]) == (0, 0.0)
+    assert stats["window"] == 32  # the judge's, never throttled: its max_concurrency (the default)
 
 
 def test_the_blocking_engine_gives_the_same_figures(config: EngineConfig) -> None:

@@ -39,6 +39,7 @@ def report(items: int, reward_sum: float) -> dict[str, Any]:
         "kind": "plugin", "ref": "arith", "key": "plugin:arith", "provenance": {"kind": "plugin", "digest": "ab"},
         "items": items, "reward_sum": reward_sum, "latencies": [0.001], "latency_items": [items], "waited": 0.0,
         "busy": 0.001, "peak_in_flight": 1, "retries": 0, "active": 0.001, "startup": [], "spent": {},
+        "window": None,
     }
 
 

@@ -38,6 +38,7 @@ from engine._cli.render import (
     show_progress,
     stdout,
     summary_table,
+    window_lines,
 )
 from engine._columns import Columns
 from engine._config import load_config
@@ -217,6 +218,8 @@ def score(input_path: Path, output: Path, config_path: Path, resume: bool, chunk
             f"the run had already finished: {summary.output} was complete; removed what it had left", soft_wrap=True
         )
     stdout.print(summary_table(summary.verifiers, f"all {plural(summary.rows, 'row')}"))
+    for line in window_lines(summary.verifiers, config):
+        stdout.print(line, soft_wrap=True, markup=False)
     for part in rewards_summary(summary.rewards, summary.rows):
         stdout.print(part, soft_wrap=True, markup=False)
     if summary.repeated_ids is None:
@@ -280,6 +283,8 @@ def _score_on_ray(input_path: Path, output: Path, config_path: Path, resume: boo
     # the parts committed before this run kept no figures of their verifiers: the table covers this run's rows
     covered = f"all {plural(scored, 'row')}" if scored == summary.rows else f"the {plural(scored, 'row')} of this run"
     stdout.print(summary_table(summary.verifiers, covered))
+    for line in window_lines(summary.verifiers, config):
+        stdout.print(line, soft_wrap=True, markup=False)
     for part in rewards_summary(summary.rewards, summary.rows):
         stdout.print(part, soft_wrap=True, markup=False)
     stdout.print(session_line(scored, summary.rows, summary.elapsed), soft_wrap=True)

@@ -18,6 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from engine._backfill.rewards import BINS, Rewards
+from engine._config import EngineConfig
 from engine._core.report import VerifierTotals
 from engine._errors import VerificationError
 from engine._verifiers.plugin.worker_client import PluginError
@@ -34,6 +35,7 @@ __all__ = [
     "stderr",
     "stdout",
     "summary_table",
+    "window_lines",
 ]
 
 PLAIN_PROGRESS_EVERY = 10.0  # seconds between progress lines when stderr is not a terminal
@@ -177,6 +179,23 @@ def summary_table(verifiers: Mapping[str, VerifierTotals], rows: str) -> Table:
             *judged,
         )
     return table
+
+
+def window_lines(verifiers: Mapping[str, VerifierTotals], config: EngineConfig | None) -> list[str]:
+    """A line per verifier whose adaptive window ended below its ceiling (``max_concurrency``): a quota's 429s
+    shrank it, and how far."""
+    lines = []
+    for key, totals in verifiers.items():
+        if totals.window is None or config is None:
+            continue
+        judge = config.judge
+        ceiling = (judge.max_concurrency if judge is not None else None) if totals.kind == "rubric" else (
+            config.limits_for(key).max_concurrency)
+        if ceiling is not None and totals.window < ceiling:
+            whose = f"the judge of {totals.ref}" if totals.kind == "rubric" else totals.ref
+            lines.append(f"window: {whose} ended at {totals.window:,} of max_concurrency {ceiling:,} "
+                         "(429s or 503s with Retry-After shrank it)")
+    return lines
 
 
 def _seconds(seconds: float | None) -> str:

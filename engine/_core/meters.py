@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AbstractContextManager, asynccontextmanager, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -16,6 +16,8 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Protocol
 
 import anyio
+
+from engine._core.window import Window
 
 if TYPE_CHECKING:
     from aiolimiter import AsyncLimiter
@@ -27,6 +29,7 @@ __all__ = [
     "Ledger",
     "LoopCalls",
     "Meter",
+    "Slots",
     "held",
     "ledger",
     "loop_calls",
@@ -61,16 +64,35 @@ def threads(size: int) -> anyio.CapacityLimiter:
     return anyio.CapacityLimiter(size)
 
 
+Slots = anyio.Semaphore | Window  # what a call holds: fixed slots, or a window adapting to a quota
+
+
 @dataclass(frozen=True, eq=False)
 class Meter:
-    """A caller's limits as live objects: ``slots`` held for a whole call, and an optional ``rate``."""
+    """A caller's limits as live objects: ``slots`` held for a whole call, and an optional ``rate``.
 
-    slots: anyio.Semaphore
+    ``window`` is the adaptive window its calls go through, if any: its ``slots`` (an endpoint's), or the
+    judge's a rubric's calls queue for inside the call; what a batch's report shows.
+    """
+
+    slots: Slots
     rate: AsyncLimiter | None
+    window: Window | None = None
 
     @classmethod
     def of(cls, max_concurrency: int, max_rate: float | None) -> Meter:
         return cls(slots(max_concurrency), rate(max_rate) if max_rate is not None else None)
+
+    @classmethod
+    def adaptive(cls, limits: Limits, sleep: Callable[[float], Awaitable[None]]) -> Meter:
+        """A meter whose slots are a :class:`Window` under ``max_concurrency`` (an endpoint's): a ``Retry-After``
+        pauses it (waited with ``sleep``) no longer than a retry may wait (``retry_deadline``)."""
+        window = Window(limits.max_concurrency, longest_pause=limits.retry_deadline, sleep=sleep)
+        return cls(window, rate(limits.max_rate) if limits.max_rate is not None else None, window)
+
+    def through(self, window: Window) -> Meter:
+        """This meter, its calls going through ``window`` inside them (a rubric's, through the judge's)."""
+        return Meter(self.slots, self.rate, window)
 
     @classmethod
     def from_limits(cls, limits: Limits) -> Meter:
@@ -149,7 +171,7 @@ def waiting() -> AbstractContextManager[None]:
 
 
 @asynccontextmanager
-async def held(limit: anyio.Semaphore) -> AsyncIterator[None]:
+async def held(limit: Slots) -> AsyncIterator[None]:
     """One of ``limit``'s slots held for the block, inside a call: the time queued for it is the call's waiting
     (a limit a verifier keeps itself, the judge's, a worker pool's, is a limit as the scheduler's are)."""
     with waiting():

@@ -65,6 +65,8 @@ class VerifierReport:
     in ``items`` alone. ``spent`` is what its calls cost (a judge's requests and tokens; empty for
     other kinds). ``cache_hits`` counts its items served from the verdict cache, ``deduped`` those that
     shared the reward of an identical item of the batch (a rubric's; both are among ``items``, with no call).
+    ``window`` is the adaptive concurrency window its calls went through as the batch ended (an endpoint's,
+    the judge's for a rubric; ``engine._core.window``), None for a kind without one.
     """
 
     kind: str
@@ -84,6 +86,7 @@ class VerifierReport:
     spent: Mapping[str, float] = field(default_factory=dict)
     cache_hits: int = 0
     deduped: int = 0
+    window: int | None = None
 
     @property
     def mean_reward(self) -> float:
@@ -213,7 +216,7 @@ class VerifierTotals:
 
     ``peak_in_flight`` is the most of any report, ``latest_peak_in_flight`` its latest report's; the start-up
     figures are over the calls that started the verifier up; ``errors`` counts failed batches by error type,
-    ``timeouts`` those that ran out of time.
+    ``timeouts`` those that ran out of time; ``window`` is its latest report's (None: it has none).
     """
 
     kind: str
@@ -235,6 +238,7 @@ class VerifierTotals:
     timeouts: int = 0
     cache_hits: int = 0
     deduped: int = 0
+    window: int | None = None
 
     @property
     def cache_hit_rate(self) -> float:
@@ -263,6 +267,8 @@ class VerifierTotals:
         self.cache_hits += report.cache_hits
         self.deduped += report.deduped
         self.latency.extend(*report.latency_sample())
+        if report.window is not None:
+            self.window = report.window
 
     def failed(self, error: VerificationError) -> None:
         """Count a batch that ``error``, naming this verifier, aborted (its items gave no rewards: none counted)."""
@@ -289,6 +295,8 @@ class VerifierTotals:
         self.cache_hits += other.cache_hits
         self.deduped += other.deduped
         self.latency.merge(other.latency)
+        if other.window is not None:
+            self.window = other.window
 
     def to_json(self) -> dict[str, Any]:
         """The figures a backfill's state keeps (and a Ray actor sends): what its summary shows."""

@@ -514,6 +514,7 @@ class _Batch:
                     spent=spent,
                     cache_hits=sum(lane.hits for lane in its),
                     deduped=sum(lane.deduped for lane in its),
+                    window=None if (window := its[0].meter.window) is None else window.shown,
                 )
             )
         return BatchResult(self.rewards, reports, elapsed, verifier_of=verifier_of, usage=dict(usage),

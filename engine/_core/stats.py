@@ -28,6 +28,7 @@ FIGURES = (
     "cache_hits",
     "cache_hit_rate",
     "deduped",
+    "window",
 )
 # the figures that add up across ranks (a sum of counts); reward_mean averages weighted by items, and
 # the percentiles and the hit rate do not average at all
@@ -35,7 +36,8 @@ SUMMED = frozenset({"items", "errors", "retries", "timeouts", "judge_tokens", "j
 
 
 def _figures(totals: VerifierTotals) -> dict[str, float]:
-    return {
+    """Its figures; ``window`` only for a verifier with one (an endpoint, a rubric: the judge's)."""
+    figures = {
         "items": float(totals.items),
         "reward_mean": totals.mean_reward,
         "errors": float(totals.errors.total()),
@@ -49,6 +51,9 @@ def _figures(totals: VerifierTotals) -> dict[str, float]:
         "cache_hit_rate": totals.cache_hit_rate,
         "deduped": float(totals.deduped),
     }
+    if totals.window is not None:
+        figures["window"] = float(totals.window)
+    return figures
 
 
 class Stats:

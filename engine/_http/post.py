@@ -15,11 +15,20 @@ import httpx
 import tenacity
 
 from engine._errors import Failure
-from engine._http.retry import RETRY_STATUSES, Scrub, Sleep, TransientStatus, is_transient, last_failure, make_retrying
+from engine._http.retry import (
+    RETRY_STATUSES,
+    Scrub,
+    Sleep,
+    TransientStatus,
+    is_throttle,
+    is_transient,
+    last_failure,
+    make_retrying,
+)
 from engine._http.transport import MAX_BODY, TOTAL_TIMEOUT, PoolTransport, ResponseTooLarge
 from engine._reasons import describe, is_timeout
 
-__all__ = ["BACKSTOP", "Bounds", "CallTimeout", "Post", "check_size", "read_capped"]
+__all__ = ["BACKSTOP", "Bounds", "CallTimeout", "Pacer", "Post", "check_size", "read_capped"]
 
 # seconds after a call's deadline when this module's own timer cuts it, for a transport that may not
 # keep deadlines itself (one that does fails the phase that overran first, a moment earlier)
@@ -28,6 +37,21 @@ BACKSTOP = 0.05
 _NO_PHASE_TIMEOUTS: dict[str, float | None] = {"connect": None, "read": None, "write": None, "pool": None}
 
 Before = Callable[[int], Awaitable[None]]  # called before each try with its number (1, 2, ...)
+
+
+class Pacer(Protocol):
+    """What is told each try's outcome, and paces tries: an adaptive window (``engine._core.window.Window``)."""
+
+    @property
+    def epoch(self) -> int: ...  # the window's shrinks so far, read as a try is sent
+
+    async def paused(self) -> None: ...  # before a call's first try: a Retry-After's pause waited out
+
+    async def readmit(self) -> None: ...  # before a retry: a throttled try's slot taken again
+
+    def answered(self, epoch: int) -> None: ...  # a try sent in ``epoch`` succeeded
+
+    def throttled(self, epoch: int, retry_after: float | None) -> None: ...  # it was told to slow down
 
 
 class Bounds(Protocol):
@@ -117,7 +141,8 @@ class Post:
 
     ``retry_statuses`` are the statuses tried again (the judge's every 5xx, an endpoint's fewer);
     every other is returned. ``sleep`` is what retries wait with. ``retries`` counts the tries
-    after a first, over this object's life.
+    after a first, over this object's life. ``window``, if given, is told each try's outcome (a throttle,
+    by ``is_throttle``; a success) and paces the tries (a ``Retry-After`` waited out, a retry readmitted).
     """
 
     def __init__(
@@ -128,7 +153,9 @@ class Post:
         *,
         sleep: Sleep,
         retry_statuses: frozenset[int] = RETRY_STATUSES,
+        window: Pacer | None = None,
     ) -> None:
+        self._window = window
         timeout, max_body = bounds.timeout, bounds.max_body
         self._timeout = timeout
         self._max_body = max_body
@@ -157,6 +184,8 @@ class Post:
         ``scrub`` cleans the excerpt of a transient answer's body that a reason quotes; ``before``,
         if given, is awaited before each try (to count it, or wait for a rate limit).
         """
+        if self._window is not None:
+            await self._window.paused()
         started = time.monotonic()
         try:
             if before is not None:
@@ -192,6 +221,8 @@ class Post:
                     if number == 1:
                         raise first
                     self.retries += 1
+                    if self._window is not None:
+                        await self._window.readmit()
                     if before is not None:
                         await before(number)
                     response = await self._try(body, headers, scrub)
@@ -203,6 +234,21 @@ class Post:
 
     async def _try(self, body: bytes, headers: Mapping[str, str], scrub: Scrub | None) -> httpx.Response:
         """One request; ``TransientStatus`` for an answer whose status asks to try again."""
+        window = self._window
+        if window is None:
+            return await self._send_one(body, headers, scrub)
+        epoch = window.epoch
+        try:
+            response = await self._send_one(body, headers, scrub)
+        except TransientStatus as exc:
+            if is_throttle(exc.status, exc.retry_after):
+                window.throttled(epoch, exc.retry_after)
+            raise
+        if response.is_success:
+            window.answered(epoch)
+        return response
+
+    async def _send_one(self, body: bytes, headers: Mapping[str, str], scrub: Scrub | None) -> httpx.Response:
         request = self._build(content=body, headers=headers, extensions=self._extensions)
         try:
             if self._kept:

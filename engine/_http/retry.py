@@ -22,6 +22,7 @@ __all__ = [
     "Scrub",
     "TransientStatus",
     "backoff",
+    "is_throttle",
     "is_transient",
     "last_failure",
     "make_retrying",
@@ -49,6 +50,15 @@ class TransientStatus(Exception):
         body: str | bytes = response.content if scrub is None else scrub(response.content.decode(errors="replace"))
         self.reason = f"HTTP {self.status}: {excerpt(body) or '(empty body)'}"
         super().__init__(self.reason)
+
+
+THROTTLE_STATUS = 429  # always a congestion signal; a 503 is one only with a Retry-After (else it is an outage)
+
+
+def is_throttle(status: int, retry_after: float | None) -> bool:
+    """Whether a transient answer says the caller is over a quota (an adaptive window shrinks), not that the
+    server is down."""
+    return status == THROTTLE_STATUS or (status == 503 and retry_after is not None)
 
 
 def is_transient(exc: BaseException) -> bool:

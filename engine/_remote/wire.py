@@ -155,6 +155,9 @@ def _report(position: int, fields: Any) -> VerifierReport:
             what = "finite numbers" if each is _number else "whole numbers >= 0"
             raise _Malformed(f"{where}'s {name} is not a list of {what}")
     _counts(f"{where}'s spent", fields["spent"])
+    window = fields["window"]
+    if window is not None and not (_count(window) and window >= 1):
+        raise _Malformed(f"{where}'s window is {_shown(window)}, not null or a whole number >= 1")
     return VerifierReport(**fields)
 
 

@@ -383,4 +383,5 @@ def _part(
         spent=report.spent if first else {},
         cache_hits=hits,
         deduped=report.deduped if first else 0,
+        window=report.window,
     )

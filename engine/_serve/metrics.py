@@ -98,6 +98,13 @@ class Metrics:
         for labels, t in totals:
             peak.add_metric(list(labels), t.latest_peak_in_flight)
         yield peak
+        window = GaugeMetricFamily("engine_verifier_window",
+                                   "Calls the verifier's adaptive window let in flight at once, as its latest batch "
+                                   "ended: max_concurrency, less while the server answers 429.", labels=verifier)
+        for labels, t in totals:
+            if t.window is not None:
+                window.add_metric(list(labels), t.window)
+        yield window
         yield _histogram("engine_verifier_latency_seconds", _LATENCY_DOC.format("item in the verifier"), verifier,
                          {labels: t.latency for labels, t in totals})
         yield _counter("engine_http_requests", "Requests answered, per route and status.", ["route", "status"],

@@ -18,7 +18,7 @@ from engine._core.contract import check_reward
 from engine._errors import Failure
 from engine._http.headers import fill_headers
 from engine._http.network import credentials_refusal, shown_url, url_problem, without_credentials
-from engine._http.post import Post
+from engine._http.post import Pacer, Post
 from engine._http.retry import Scrub, Sleep
 from engine._reasons import Scrubber, describe, excerpt, is_timeout
 from engine._verifiers._json import Words, number_field
@@ -90,7 +90,13 @@ class EndpointVerifier:
     chunker: None = None  # one HTTP request per item
 
     def __init__(
-        self, url: str, limits: Limits, transport: httpx.AsyncBaseTransport, *, sleep: Sleep = anyio.sleep
+        self,
+        url: str,
+        limits: Limits,
+        transport: httpx.AsyncBaseTransport,
+        *,
+        sleep: Sleep = anyio.sleep,
+        window: Pacer | None = None,
     ) -> None:
         self.ref = self.key = url
         self.limits = limits
@@ -102,7 +108,7 @@ class EndpointVerifier:
             raise ValueError(f"an endpoint's URL is unusable: {problem}")
         if httpx.URL(url).scheme not in ("http", "https"):
             raise ValueError(f"an endpoint's URL must be http:// or https://, got {shown_url(url)!r}")
-        self._post = Post(url, transport, limits, sleep=sleep)
+        self._post = Post(url, transport, limits, sleep=sleep, window=window)  # the window its meter's slots are
         self._plain_headers = httpx.Headers(HEADERS)  # built once: httpx copies a Headers without parsing it again
         self._templates = tuple(limits.headers.items())
 

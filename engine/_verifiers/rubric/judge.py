@@ -16,7 +16,8 @@ import httpx
 import orjson
 
 from engine._config import JudgeConfig, Limits
-from engine._core.meters import Meter, held, waiting
+from engine._core.meters import Meter, held, rate, waiting
+from engine._core.window import Window
 from engine._errors import Failure, Overspent
 from engine._http.headers import fill_headers
 from engine._http.post import Post
@@ -85,8 +86,12 @@ class Judge:
     ) -> None:
         self.config = config
         self.budget = Budget(config, refs or {})  # the engine's: its rubrics' budgets are in its refs tables
-        self._post = Post(config.url, client, config, sleep=sleep, retry_statuses=JUDGE_RETRY_STATUSES)
-        self._meter = Meter.of(config.max_concurrency, config.max_rate)
+        # one window for every rubric: the quota is the API's (a Retry-After pauses no longer than a retry may wait)
+        self.window = Window(config.max_concurrency, longest_pause=config.retry_deadline, sleep=sleep)
+        self._meter = Meter(self.window, rate(config.max_rate) if config.max_rate is not None else None, self.window)
+        self._post = Post(
+            config.url, client, config, sleep=sleep, retry_statuses=JUDGE_RETRY_STATUSES, window=self.window
+        )
 
     def _headers(self, ref: str) -> tuple[dict[str, str], Scrubber | None]:
         """The request's headers, and what scrubs the API key and header variables (if any) from messages."""
