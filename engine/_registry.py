@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
@@ -23,6 +23,7 @@ from engine._verifiers.endpoint.verifier import EndpointVerifier
 from engine._verifiers.plugin.verifier import PluginVerifier
 from engine._verifiers.rubric.judge import Judge
 from engine._verifiers.rubric.registry import RubricRegistry
+from engine._verifiers.rubric.verdicts import InFlight
 from engine._verifiers.rubric.verifier import RubricVerifier
 
 __all__ = ["Registry", "Shared"]
@@ -39,6 +40,7 @@ class Shared:
     threads: anyio.CapacityLimiter
     judge: Judge | None
     cache: VerdictStore | None = None
+    in_flight: InFlight = field(default_factory=InFlight)  # the judge's calls in flight, for every batch's dedup
 
 
 class Registry:
@@ -160,7 +162,7 @@ class Registry:
                     raise VerificationError("rubric", spec.ref, "no [judge] is configured to grade rubrics",
                                             key=env.verifier_key, cannot_load=True)
                 verifier = rubrics[spec.ref] = RubricVerifier(
-                    self.rubrics.resolve(spec.ref), shared.judge, shared.cache
+                    self.rubrics.resolve(spec.ref), shared.judge, shared.cache, shared.in_flight
                 )
             return verifier
         key = env.verifier_key

@@ -14,20 +14,23 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import orjson
 import pytest
 from click.testing import CliRunner
 from conftest import add_rubric_env, item
-from servers import Server, judges, status
-from test_engine_rubric import ARITH, HELP, RUBRICS, by_response, judged
+from polling import eventually
+from servers import Request, Response, Server, judges, status
+from test_engine_rubric import ARITH, HELP, RUBRICS, by_response, judged, response_of
 
 import engine._verifiers.rubric.verdicts as verdicts_module
-from engine import CacheConfig, CacheError, Engine, EngineConfig, JudgeConfig, VerificationError
+from engine import BatchResult, CacheConfig, CacheError, Engine, EngineConfig, JudgeConfig, VerificationError
 from engine._cli.lifecycle import EXIT_BAD_INPUT
 from engine._verifiers.rubric.prompt import PROMPT_VERSION
 from engine.cli import cli
@@ -83,6 +86,86 @@ async def test_identical_items_are_judged_once_with_the_rewards_of_judging_each(
     assert report.reward_sum == pytest.approx(sum(every.rewards))
     assert every.verifiers[0].deduped == 0
     assert dict(once.usage)["requests"] == 20
+
+
+def holding(*held: str) -> tuple[Any, dict[str, threading.Event]]:
+    """A judge reply that holds each request whose answer is one of ``held`` until its event is set, then scores it
+    as ``by_response`` does (the answer ``fail`` is a 400); and those events."""
+    events = {answer: threading.Event() for answer in held}
+
+    async def reply(request: Request) -> Response:
+        answer = response_of(request)
+        if answer in events:  # on the judge server's loop, which goes on serving the other requests
+            await eventually(events[answer].is_set, message=f"the request for {answer} was never released")
+        return status(400) if answer == "fail" else by_response(request)
+
+    return reply, events
+
+
+def calls_in_flight(eng: Engine) -> verdicts_module.InFlight:
+    """The open engine's judge calls in flight: their waiters are what the test waits on."""
+    shared = eng._registry._shared
+    assert shared is not None
+    return shared.in_flight
+
+
+async def test_an_item_identical_to_one_in_flight_in_another_batch_waits_for_that_call(
+    serve: Any, envs: Path, rubrics: Path
+) -> None:
+    # as two requests to engine serve (two ranks) with one completion do: one call for both
+    add_rubric_env(envs, "graded", ARITH)
+    reply, events = holding("3")
+    server = serve(default=reply)
+    results: dict[str, BatchResult] = {}
+    async with Engine(config(envs, rubrics, server)) as eng:
+        in_flight = calls_in_flight(eng)
+
+        async def run(name: str, batch: list[dict[str, Any]]) -> None:
+            results[name] = await eng.run(batch)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(run, "a", [judged("graded", "3"), judged("graded", "5")])
+            await eventually(lambda: len(server.requests) == 2)
+            group.start_soon(run, "b", [judged("graded", "3"), judged("graded", "7")])
+            await eventually(lambda: in_flight.waiting == 1 and len(server.requests) == 3)
+            events["3"].set()
+    assert results["a"].rewards == [0.3, 0.5] and results["b"].rewards == [0.3, 0.7]
+    assert sorted(response_of(request) for request in server.requests) == ["3", "5", "7"]
+    assert (results["a"].verifiers[0].deduped, results["b"].verifiers[0].deduped) == (0, 1)
+    assert dict(results["b"].usage)["requests"] == 1
+
+
+async def test_a_call_in_flight_that_is_cancelled_shares_nothing_and_its_waiter_calls_itself(
+    serve: Any, envs: Path, rubrics: Path
+) -> None:
+    add_rubric_env(envs, "graded", ARITH)
+    reply, events = holding("3", "fail")
+    server = serve(default=reply)
+    async with Engine(config(envs, rubrics, server)) as eng:
+        in_flight = calls_in_flight(eng)
+        failed: list[VerificationError] = []
+        results: list[BatchResult] = []
+
+        async def first() -> None:
+            with pytest.raises(VerificationError) as info:
+                await eng.run([judged("graded", "3"), judged("graded", "fail")])
+            failed.append(info.value)
+
+        async def second() -> None:
+            results.append(await eng.run([judged("graded", "3")]))
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(first)
+            await eventually(lambda: len(server.requests) == 2)
+            group.start_soon(second)
+            await eventually(lambda: in_flight.waiting == 1)
+            events["fail"].set()  # the first batch aborts, cancelling its call for 3 that the second waits for
+            await eventually(lambda: failed and len(server.requests) == 3)  # the waiter's own call
+            events["3"].set()
+    assert failed[0].index == 1
+    assert results[0].rewards == [0.3] and results[0].verifiers[0].deduped == 0
+    assert [response_of(request) for request in server.requests].count("3") == 2
+    assert in_flight.waiting == 0
 
 
 async def test_a_second_scoring_is_served_from_the_cache_saying_so(serve: Any, envs: Path, rubrics: Path,

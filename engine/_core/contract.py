@@ -165,6 +165,11 @@ class SiftingVerifier(Verifier, Protocol):
         """The batch is over, scored or aborted: keep what its calls returned (written behind, not waited for)."""
         ...
 
+    @property
+    def shared(self) -> int:
+        """Items of the batch given the reward of another batch's call in flight for an identical one."""
+        ...
+
 
 @dataclass(frozen=True)
 class ProcessHint:

@@ -513,7 +513,8 @@ class _Batch:
                     startup=[seconds for book in books for seconds in book.startup],
                     spent=spent,
                     cache_hits=sum(lane.hits for lane in its),
-                    deduped=sum(lane.deduped for lane in its),
+                    # and those another batch's call in flight answered (a sifting verifier is this batch's)
+                    deduped=sum(lane.deduped for lane in its) + sum(s.shared for s in self.sifting if s is v),
                     window=None if (window := its[0].meter.window) is None else window.shown,
                 )
             )

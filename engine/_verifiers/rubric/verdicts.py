@@ -1,4 +1,5 @@
-"""A rubric verifier's verdicts in one batch: identical items judged once, and verdicts kept in the cache.
+"""A rubric verifier's verdicts: identical items judged once (in a batch, and across the batches in flight), and
+verdicts kept in the cache.
 
 An item's verdict is decided by the exact request the judge is sent (model, messages built from the rubric's text,
 the task and the flattened trajectory, temperature, max_tokens, response_format), the judge's URL, the prompt's
@@ -10,9 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
+import anyio
 import anyio.lowlevel
 
 from engine._cache.store import Verdict, VerdictStore
@@ -22,7 +24,7 @@ from engine._verifiers.rubric.judge import Judge
 from engine._verifiers.rubric.prompt import PROMPT_VERSION
 from engine._verifiers.rubric.registry import Rubric
 
-__all__ = ["SIFT_SLICE", "Verdicts"]
+__all__ = ["SIFT_SLICE", "InFlight", "Verdicts"]
 
 SIFT_SLICE = 1024  # items keyed between two yields to the event loop (~10 ms of work)
 
@@ -32,6 +34,47 @@ def _prefix(judge: Judge, rubric: Rubric) -> hashlib._Hash:
     lo, hi = rubric.scale
     head = f"engine-verdict\0{PROMPT_VERSION}\0{rubric.ref}\0{rubric.digest}\0{lo!r},{hi!r}\0{judge.config.url}\0"
     return hashlib.sha256(head.encode())
+
+
+class _Call:
+    """One judge call in flight for a verdict key: its reward once it returns (None: it failed, or was cancelled)."""
+
+    __slots__ = ("done", "reward")
+
+    def __init__(self) -> None:
+        self.done = anyio.Event()
+        self.reward: float | None = None
+
+
+class InFlight:
+    """An open engine's judge calls in flight, by verdict key: an item of another batch (another request to
+    ``engine serve``, another rank's) identical to one being judged waits for that call instead of paying again.
+
+    A call that fails or is cancelled (its batch aborted) shares nothing: a waiter then calls itself, so a
+    failure is never passed on to an item it did not happen to.
+    """
+
+    def __init__(self) -> None:
+        self._calls: dict[bytes, _Call] = {}
+        self.waiting = 0  # items waiting for another's call now
+
+    async def judged(self, key: bytes, call: Callable[[], Awaitable[float]]) -> tuple[float, bool]:
+        """The reward for ``key``, and whether it came from another batch's call (True) rather than ``call``."""
+        while (other := self._calls.get(key)) is not None:
+            self.waiting += 1
+            try:
+                await other.done.wait()
+            finally:
+                self.waiting -= 1
+            if other.reward is not None:
+                return other.reward, True
+        mine = self._calls[key] = _Call()
+        try:
+            mine.reward = await call()
+            return mine.reward, False
+        finally:
+            del self._calls[key]
+            mine.done.set()
 
 
 class Verdicts:

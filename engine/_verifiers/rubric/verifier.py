@@ -10,7 +10,7 @@ from engine._core.contract import Sifted
 from engine._verifiers.rubric.judge import Judge, Usage
 from engine._verifiers.rubric.prompt import PROMPT_VERSION
 from engine._verifiers.rubric.registry import Rubric
-from engine._verifiers.rubric.verdicts import Verdicts
+from engine._verifiers.rubric.verdicts import InFlight, Verdicts
 
 __all__ = ["RubricVerifier"]
 
@@ -20,20 +20,25 @@ class RubricVerifier:
 
     The version is fixed when this is built, so every item it grades uses the same text even if a
     newer version is added meanwhile; build one per batch to pick up new versions. ``usage`` is
-    what this verifier's items cost. Unless the judge's ``dedupe`` is off, identical items are judged once
-    and verdicts are kept in ``store`` (the engine's cache, if it has one): ``engine._verifiers.rubric.verdicts``.
+    what this verifier's items cost. Unless the judge's ``dedupe`` is off, identical items are judged once (in
+    the batch, and with ``in_flight``, the engine's calls in flight, across its batches) and verdicts are kept in
+    ``store`` (the engine's cache, if it has one): ``engine._verifiers.rubric.verdicts``.
     """
 
     kind = "rubric"
     chunker: None = None  # one HTTP request per item
 
-    def __init__(self, rubric: Rubric, judge: Judge, store: VerdictStore | None = None) -> None:
+    def __init__(
+        self, rubric: Rubric, judge: Judge, store: VerdictStore | None = None, in_flight: InFlight | None = None
+    ) -> None:
         self.rubric = rubric
         self.judge = judge
         self.ref = rubric.ref
         self.key = f"{rubric.owner}/{rubric.name}"
         self.usage = Usage()
         self.verdicts = Verdicts(judge, rubric, self.key, store) if judge.config.dedupe else None
+        self.in_flight = in_flight if in_flight is not None else InFlight()  # the engine's, shared by its batches
+        self.shared = 0  # items given the reward of another batch's call in flight, with no call of their own
 
     @property
     def retries(self) -> int:
@@ -69,9 +74,17 @@ class RubricVerifier:
             self.verdicts.finish()
 
     async def verify(self, task: Mapping[str, Any], trajectory: Any) -> float:
-        if self.verdicts is None:
+        verdicts = self.verdicts
+        if verdicts is None:
             return await self.judge.grade(self.rubric, task, trajectory, usage=self.usage)
         body = self.judge.request_body(self.rubric, task, trajectory)
-        reward = await self.judge.grade(self.rubric, task, trajectory, usage=self.usage, body=body)
-        self.verdicts.scored(body, reward)
+
+        async def call() -> float:
+            return await self.judge.grade(self.rubric, task, trajectory, usage=self.usage, body=body)
+
+        reward, shared = await self.in_flight.judged(verdicts.key(body), call)
+        if shared:
+            self.shared += 1
+        else:
+            verdicts.scored(body, reward)
         return reward
