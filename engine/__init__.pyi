@@ -1,5 +1,11 @@
 # The public face's names, each imported from the private module it lives in: the one list of them. Type
 # checkers read it for engine's types; engine/__init__.py reads it for what to import when a name is first used.
+from engine._backfill.audit import Agreement as Agreement
+from engine._backfill.audit import AuditReport as AuditReport
+from engine._backfill.audit import Confusion as Confusion
+from engine._backfill.audit import DiffReport as DiffReport
+from engine._backfill.audit import audit as audit
+from engine._backfill.audit import diff as diff
 from engine._backfill.writer import RewardRecord as RewardRecord
 from engine._backfill.writer import read_rewards as read_rewards
 from engine._blocking import BlockingEngine as BlockingEngine

@@ -510,3 +510,34 @@ def test_an_input_is_a_file_a_directory_or_a_glob_and_blocks_name_their_lines(tm
     starts = [(b.file, b.start, b.rows, b.number) for b in plan.blocks]
     assert starts == [(0, 0, 2, 1), (0, 2, 1, 5), (1, 3, 2, 1), (1, 5, 1, 3)]  # line 5: after two blank lines
     assert plan.rows == 6
+
+
+def test_a_ray_output_audits_and_a_resume_under_an_edited_plugin_refuses_naming_both(
+    space: Workspace, cluster: str
+) -> None:
+    source = write_rows(space.root / "in.jsonl", rows(6))
+    outdir = space.root / "out"
+    assert space.score(source, outdir, "--ray", "--chunk-size", "2").returncode == 0
+    audited = space.run("audit", outdir, "--input", source, "--config", space.config, "--sample", "6", "--json")
+    assert audited.returncode == 0, audited.stderr
+    (verifier,) = orjson.loads(audited.stdout)["verifiers"]
+    assert verifier["compared"] == verifier["equal"] == 6 and verifier["provenance_changed"] == 0
+    # the state of a run stopped before its last two parts were committed (two: one block per actor)
+    (outdir / "_SUCCESS").unlink()
+    first, *left = sorted(committed(outdir))
+    for name in left:
+        (outdir / name).unlink()
+    before = engine.digest_directory(space.envs / ENV)
+    verify = space.envs / ENV / "verify.py"
+    original = verify.read_text()
+    verify.write_text(original.replace("n * 37 % 101", "n * 41 % 101"))  # other rewards, a new digest
+    after = engine.digest_directory(space.envs / ENV)
+    refused = space.score(source, outdir, "--ray", "--chunk-size", "2", "--resume")
+    assert refused.returncode == EXIT_BAD_INPUT, refused.stderr
+    assert f"environment '{ENV}'" in refused.stderr and before in refused.stderr and after in refused.stderr
+    assert "new output directory" in refused.stderr
+    assert committed(outdir) == {first} and not (outdir / "_SUCCESS").exists()  # nothing scored, nothing mixed
+    verify.write_text(original)  # the configuration the run started with: it resumes
+    resumed = space.score(source, outdir, "--ray", "--chunk-size", "2", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert by_id(outdir) == single(space, source)

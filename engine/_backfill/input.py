@@ -37,6 +37,7 @@ __all__ = [
     "json_columns",
     "named_environments",
     "open_rows",
+    "rows_at",
 ]
 
 JSON_TEXT_COLUMNS: tuple[str, ...] = ("task", "trajectory")  # what a caller may say a Parquet file holds as JSON text
@@ -606,6 +607,57 @@ def open_rows(
     where each field is read from (:class:`Columns`).
     """
     return RowReader(Path(path), start=start, json_columns=json_columns, columns=columns)
+
+
+def rows_at(
+    path: Path, positions: Collection[int], *, json_columns: Collection[str] = (), columns: Columns | None = None
+) -> Iterator[tuple[int, Row]]:
+    """``(position, row)`` of the rows of ``path`` at ``positions`` (counted from 1), in order, decoded and checked
+    as :class:`RowReader` does; the others are neither decoded nor hashed (a JSON Lines line is only split off, a
+    Parquet batch without one is never converted). For ``engine audit``, whose sample is a small share of its input.
+
+    Raises:
+        InputError: the file cannot be read, or a row at one of ``positions`` is not one.
+    """
+    decoder = RowDecoder(path, json_columns, columns)
+    wanted = frozenset(positions)
+    last = max(wanted, default=0)
+    if decoder.unit == "line":
+        try:
+            with path.open("rb") as file:
+                position = 0
+                for number, line in enumerate(file, 1):
+                    if line.isspace():
+                        continue
+                    position += 1
+                    if position in wanted:
+                        yield position, decoder.decode(number, line)
+                        if position == last:
+                            return
+        except OSError as exc:
+            raise InputError(path, f"cannot read: {exc}") from exc
+        return
+    try:
+        parquet = pq.ParquetFile(path)
+    except (OSError, pa.ArrowException) as exc:
+        raise InputError(path, f"cannot read as Parquet: {exc}") from exc
+    with parquet:
+        decoder.use_schema(parquet.schema_arrow)
+        reads = list(decoder.reads)
+        before = 0  # rows before the batch
+        try:
+            for batch in parquet.iter_batches(batch_size=BATCH_ROWS, columns=reads):
+                here = sorted(p for p in wanted if before < p <= before + batch.num_rows)
+                if here:
+                    taken = batch.take(pa.array([p - before - 1 for p in here]))
+                    values = zip(*(taken.column(name).to_pylist() for name in reads), strict=True)
+                    for position, raw in zip(here, values, strict=True):
+                        yield position, decoder.decode(position, raw)
+                before += batch.num_rows
+                if before >= last:
+                    return
+        except (OSError, pa.ArrowException) as exc:
+            raise InputError(path, f"cannot read as Parquet after row {before}: {exc}") from exc
 
 
 def named_environments(path: Path, *, start: int = 0, source: str = "environment") -> dict[str, int]:

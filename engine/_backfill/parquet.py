@@ -5,7 +5,7 @@ Its columns and how every output round-trips: docs/design.md, Crash-safe finish 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from itertools import islice
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
@@ -21,6 +21,7 @@ __all__ = [
     "output_batch",
     "output_schema",
     "read_records",
+    "records_at",
     "spool_to_parquet",
     "verifier_problem",
 ]
@@ -61,6 +62,13 @@ def _python_type(kind: pa.DataType) -> type:
 
 
 _FIELD_TYPES: dict[str, type] = {field.name: _python_type(field.type) for field in VERIFIER_TYPE}
+
+def verifier_identity(provenance: Mapping[str, Any]) -> dict[str, Any]:
+    """What says which verifier scored a record, as compared (a resume's check, an audit): its provenance less the
+    null fields (a Parquet output's struct holds every kind's) and ``cached`` (when its verdict was judged, not by
+    what: a cache's hit and a call are the same verifier's)."""
+    return {key: value for key, value in provenance.items() if value is not None and key != "cached"}
+
 
 IdKind = Literal["null", "int", "str", "json"]
 
@@ -183,6 +191,21 @@ def spool_to_parquet(spool: Path, target: Path) -> None:
             writer.write_table(pa.Table.from_batches(group), row_group_size=PARQUET_BATCH_ROWS)
 
 
+def _values(batch: pa.RecordBatch, name: str, json_columns: Collection[str]) -> list[Any]:
+    """A column of an output's batch as :func:`read_records` gives it (JSON text decoded, a struct's nulls left out)."""
+    values = batch.column(name).to_pylist()
+    if name in json_columns:
+        return [None if v is None else orjson.loads(v) for v in values]
+    if pa.types.is_struct(batch.schema.field(name).type):
+        return [None if v is None else {k: x for k, x in v.items() if x is not None} for v in values]
+    return values
+
+
+def _json_columns(pf: pq.ParquetFile) -> set[str]:
+    metadata = pf.schema_arrow.metadata or {}
+    return set(metadata.get(JSON_COLUMNS_KEY, b"").decode().split(","))
+
+
 def read_records(path: Path) -> Iterator[tuple[Any, float, Any]]:
     """``(id, reward, verifier)`` of each record of a Parquet output, streamed, in order.
 
@@ -190,16 +213,28 @@ def read_records(path: Path) -> Iterator[tuple[Any, float, Any]]:
     struct, the JSON text's object.
     """
     with pq.ParquetFile(path) as pf:
-        metadata = pf.schema_arrow.metadata or {}
-        json_columns = set(metadata.get(JSON_COLUMNS_KEY, b"").decode().split(","))
-
-        def column(batch: pa.RecordBatch, name: str) -> list[Any]:
-            values = batch.column(name).to_pylist()
-            if name in json_columns:
-                return [None if v is None else orjson.loads(v) for v in values]
-            if pa.types.is_struct(batch.schema.field(name).type):
-                return [None if v is None else {k: x for k, x in v.items() if x is not None} for v in values]
-            return values
-
+        listed = _json_columns(pf)
         for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=["id", "reward", "verifier"]):
-            yield from zip(column(batch, "id"), column(batch, "reward"), column(batch, "verifier"), strict=True)
+            yield from zip(*(_values(batch, name, listed) for name in ("id", "reward", "verifier")), strict=True)
+
+
+def records_at(path: Path, positions: Collection[int]) -> Iterator[tuple[int, Any, float, Any]]:
+    """``(position, id, reward, verifier)`` of the records of a Parquet output at ``positions`` (from 1), in order,
+    as :func:`read_records` gives them; a batch holding none of them is never converted to Python."""
+    wanted = sorted(set(positions))
+    with pq.ParquetFile(path) as pf:
+        listed = _json_columns(pf)
+        before, at = 0, 0  # rows before the batch; the first wanted position not yet given
+        for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=["id", "reward", "verifier"]):
+            if at == len(wanted):
+                return
+            end = at
+            while end < len(wanted) and wanted[end] <= before + batch.num_rows:
+                end += 1
+            if end > at:
+                here = wanted[at:end]
+                taken = batch.take(pa.array([p - before - 1 for p in here]))
+                columns = (_values(taken, name, listed) for name in ("id", "reward", "verifier"))
+                yield from zip(here, *columns, strict=True)
+                at = end
+            before += batch.num_rows

@@ -12,13 +12,16 @@ from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 from time import perf_counter
+from typing import Any
 
 import httpx
+import orjson
 
 from engine._backfill.checkpoint import Checkpoint, hold_lock, state_path
 from engine._backfill.input import Row, RowDecoder, RowReader, named_environments, open_rows
+from engine._backfill.parquet import verifier_identity
 from engine._backfill.rewards import Rewards
-from engine._backfill.writer import RewardWriter, open_output
+from engine._backfill.writer import RewardWriter, discard_unfinished, open_output
 from engine._check import check_ready
 from engine._columns import Columns
 from engine._config import EngineConfig
@@ -33,6 +36,7 @@ __all__ = [
     "PROGRESS_EVERY",
     "RunSummary",
     "check_named",
+    "check_provenances",
     "open_run",
     "score_chunks",
     "score_file",
@@ -76,6 +80,7 @@ def open_run(
     resume: bool = False,
     json_columns: Collection[str] = (),
     columns: Columns | None = None,
+    restart: bool = False,
 ) -> Iterator[tuple[RowReader, RewardWriter]]:
     """The rows still to score and the writer of their rewards, checked against each other.
 
@@ -86,10 +91,15 @@ def open_run(
     opened. Both are closed on exit; the run is complete only once the caller has called
     ``writer.finish()``. The run holds ``OUT.lock`` all along: a second run for the same output
     is refused (:class:`OutputError`) while it does. ``json_columns``: Parquet columns holding JSON
-    text; ``columns``: where each field is read from (:func:`engine._backfill.input.open_rows`).
+    text; ``columns``: where each field is read from (:func:`engine._backfill.input.open_rows`). ``restart``
+    (not with ``resume``): an unfinished run's checkpoint and partial file are discarded, under the lock, first.
     """
+    if resume and restart:
+        raise ValueError("resume or restart, not both")
     with contextlib.ExitStack() as stack:
         stack.enter_context(hold_lock(Path(output)))
+        if restart:
+            discard_unfinished(Path(output))
         if resume:
             writer = stack.enter_context(open_output(output, input_path=input_path, resume=True))
             if writer.already_finished:  # only the cleanup is left: the input is neither needed nor read
@@ -168,12 +178,15 @@ async def score_file(
     transport: httpx.AsyncBaseTransport | None = None,
     json_columns: Collection[str] = (),
     columns: Mapping[str, str] | None = None,
+    restart: bool = False,
 ) -> RunSummary:
     """Score every row of ``input_path`` into ``output``; see the module docstring.
 
     Every environment the rows to score name is checked first (:func:`check_named`): one that cannot score
     stops the run before it writes anything. ``columns``: where each field is read from (``--columns``),
-    replacing the config's ``[input.columns]``.
+    replacing the config's ``[input.columns]``. A resume whose configuration resolves a verifier the checkpointed
+    rows name to another provenance is refused (:class:`ResumeError`, naming both); ``restart`` starts over instead,
+    discarding an unfinished run's checkpoint.
 
     Raises ``VerificationError`` when a verifier fails (a note names the input line or row),
     ``UnreadyError`` when an environment the rows name cannot score, ``InputError`` for a bad row,
@@ -185,10 +198,15 @@ async def score_file(
     mapping = Columns.chosen(columns, config.input_columns)
     began = perf_counter()
     async with Engine(config, transport=transport) as engine:
-        await check_named(engine, Path(input_path), _rows_left_after(output) if resume else 0,
-                          source=mapping.source_of("environment") or "environment")
-        with open_run(input_path, output, resume=resume, json_columns=json_columns, columns=mapping) as (rows, writer):
+        named = await check_named(engine, Path(input_path), _rows_left_after(output) if resume else 0,
+                                  source=mapping.source_of("environment") or "environment")
+        opened = open_run(input_path, output, resume=resume, json_columns=json_columns, columns=mapping,
+                          restart=restart)
+        with opened as (rows, writer):
             resumed_at = writer.rows_written
+            recorded = _recorded_provenances(writer) if resume else {}
+            if resume and not writer.already_finished:
+                _check_provenances(engine, recorded, named, writer)
             totals = _previous_totals(writer) if resume else {}
             rewards = _previous_rewards(writer) if resume else Rewards()
             if writer.already_finished:
@@ -199,10 +217,12 @@ async def score_file(
 
             def scored(chunk: list[Row], result: BatchResult) -> None:
                 for position, (row, reward) in enumerate(zip(chunk, result.rewards, strict=True)):
-                    writer.write(row.id, reward, {**result.provenance(position), "environment": row.environment})
+                    provenance = {**result.provenance(position), "environment": row.environment}
+                    writer.write(row.id, reward, provenance)
+                    _record_provenance(recorded, provenance)
                 rewards.add(result.rewards)
                 verifiers = {key: total.to_json() for key, total in totals.items()}
-                meta = {"verifiers": verifiers, "rewards": rewards.to_json()}
+                meta = {"verifiers": verifiers, "rewards": rewards.to_json(), PROVENANCES: recorded}
                 writer.checkpoint(rows.rows_read, rows.checksum(), meta=meta)
                 if progress is not None:
                     progress(rows.rows_read)
@@ -222,10 +242,13 @@ def _rows_left_after(output: Path) -> int | None:
     return None if checkpoint.finished is not None else checkpoint.rows_done
 
 
-async def check_named(engine: Engine, input_path: Path, start: int | None, *, source: str = "environment") -> None:
+async def check_named(
+    engine: Engine, input_path: Path, start: int | None, *, source: str = "environment"
+) -> dict[str, int]:
     """Check, before any row is scored, every environment the rows of ``input_path`` after its first ``start``
     name (:func:`engine._check.check_ready`, on the run's own engine: its imports are the run's); None: no row.
-    ``source``: where a row's environment is read from (a column mapping's, a dotted path).
+    ``source``: where a row's environment is read from (a column mapping's, a dotted path). Returns those
+    environments, each with its first row's number (none when ``start`` is None).
 
     Raises:
         InputError: a row names no environment of ``engine``'s (the first such row, by its line or row).
@@ -233,7 +256,7 @@ async def check_named(engine: Engine, input_path: Path, start: int | None, *, so
         UnreadyError: some of those environments cannot score (each named, with why): no row was scored.
     """
     if start is None:
-        return
+        return {}
     decoder = RowDecoder(input_path)
     # in a thread of its own: a signal stops the run at once, not once a pass over a large file is done
     names = functools.partial(named_environments, input_path, start=start, source=source)
@@ -248,6 +271,68 @@ async def check_named(engine: Engine, input_path: Path, start: int | None, *, so
     which = "the rows still to score name" if start else "the input names"
     await check_ready(engine, (engine.config.environments / name for name in named), which=which,
                       then=", checked before scoring any row")
+    return named
+
+
+PROVENANCES = "provenances"  # the checkpoint's meta: each environment's provenances so far, for the resume's check
+
+
+def _record_provenance(recorded: dict[str, list[dict[str, Any]]], provenance: Mapping[str, Any]) -> None:
+    """Add a written record's provenance to ``recorded`` (each environment's distinct ones, in order)."""
+    seen = recorded.setdefault(str(provenance.get("environment")), [])
+    canonical = verifier_identity(provenance)
+    if canonical not in seen:
+        seen.append(canonical)
+
+
+def _recorded_provenances(writer: RewardWriter) -> dict[str, list[dict[str, Any]]]:
+    """The provenances of a resumed run's checkpointed records: its checkpoint's, or (a state an older version
+    wrote) read from the partial file's checkpointed lines, which a JSON Lines spool holds whatever the output."""
+    previous = writer.last_checkpoint.meta.get(PROVENANCES)
+    recorded: dict[str, list[dict[str, Any]]] = {}
+    if isinstance(previous, dict) and all(
+        isinstance(value, list) and all(isinstance(p, dict) for p in value) for value in previous.values()
+    ):
+        for values in previous.values():
+            for provenance in values:
+                _record_provenance(recorded, provenance)
+        return recorded
+    if writer.already_finished:
+        return recorded
+    with writer.partial.open("rb") as f:
+        for line in islice(f, writer.last_checkpoint.rows_done):
+            _record_provenance(recorded, orjson.loads(line)["verifier"])
+    return recorded
+
+
+def _check_provenances(engine: Engine, recorded: Mapping[str, list[dict[str, Any]]], named: Mapping[str, int],
+                       writer: RewardWriter) -> None:
+    """Refuse a resume that would add rows of an environment under another verifier than its checkpointed rows'
+    (a new pin, rubric version or URL): the output would mix two verifiers' rewards under one name in silence."""
+    now = {name: {**engine._verifier(name).provenance(), "environment": name} for name in set(recorded) & set(named)}
+    check_provenances(recorded, now, where=f"the rows already checkpointed in {writer.partial}",
+                      instead="run with --restart to score every row again with the verifier now (the checkpoint "
+                              "is discarded)")
+
+
+def check_provenances(recorded: Mapping[str, list[dict[str, Any]]], now: Mapping[str, Mapping[str, Any]], *,
+                      where: str, instead: str) -> None:
+    """Refuse (:class:`ResumeError`) to resume when an environment of ``now`` (its provenance now) has rows in
+    ``recorded`` (each environment's provenances so far) under another provenance, naming both.
+
+    ``where``: the rows already written (for the message); ``instead``: how to start a new output.
+    """
+    for name in sorted(set(recorded) & set(now)):
+        current = verifier_identity(now[name])
+        before = [p for p in recorded[name] if verifier_identity(p) != current]
+        if before:
+            shown = orjson.dumps(before[-1], option=orjson.OPT_SORT_KEYS).decode()
+            raise ResumeError(
+                f"environment {name!r} now resolves to another verifier than {where}: they were scored by "
+                f"{shown}, the rest would be by {orjson.dumps(current, option=orjson.OPT_SORT_KEYS).decode()}; "
+                f"resuming would mix the two in one output: {instead}, or restore the configuration the run "
+                "started with and --resume"
+            )
 
 
 def _previous_totals(writer: RewardWriter) -> dict[str, VerifierTotals]:

@@ -35,7 +35,15 @@ from engine._backfill.ids import count_repeated, id_hash, ids_path
 from engine._backfill.parquet import read_records, spool_to_parquet, verifier_problem
 from engine._errors import OutputError, ResumeError, WriteError
 
-__all__ = ["RewardRecord", "RewardWriter", "open_output", "output_tmp_path", "partial_path", "read_rewards"]
+__all__ = [
+    "RewardRecord",
+    "RewardWriter",
+    "discard_unfinished",
+    "open_output",
+    "output_tmp_path",
+    "partial_path",
+    "read_rewards",
+]
 
 
 def partial_path(output: Path) -> Path:
@@ -285,6 +293,14 @@ def open_output(output: str | Path, *, input_path: str | Path, resume: bool) -> 
     if _resolved(output) == _resolved(input_path):
         raise OutputError(f"{output}: the output would replace the input; choose another output file")
     return _restore(output, input_path) if resume else _start(output, input_path)
+
+
+def discard_unfinished(output: Path) -> None:
+    """Remove what an unfinished run for ``output`` left (its state, partial and ids files), for a run that starts
+    over (``--restart``); the caller holds ``output``'s lock. A complete ``output`` is left: a new run replaces it."""
+    for path in (state_path(output), partial_path(output), ids_path(output), state_tmp_path(state_path(output))):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
 
 
 def _start(output: Path, input_path: Path) -> RewardWriter:

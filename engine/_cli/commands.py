@@ -12,6 +12,8 @@ import orjson
 from rich.table import Table
 from rich.text import Text
 
+from engine._backfill.audit import audit as audit_file
+from engine._backfill.audit import diff as diff_outputs
 from engine._backfill.bench import DEFAULT_BATCH_SIZE, bench_file, summarise
 from engine._backfill.checkpoint import Checkpoint, state_path
 from engine._backfill.files import file_format
@@ -19,8 +21,10 @@ from engine._backfill.input import JSON_TEXT_COLUMNS, count_rows, json_columns
 from engine._backfill.run import DEFAULT_CHUNK_SIZE, score_file
 from engine._cache.store import Database, remove
 from engine._check import check_environments
+from engine._cli.audit import show_agreements
 from engine._cli.lifecycle import (
     EXIT_BAD_INPUT,
+    EXIT_DISAGREE,
     EXIT_IO,
     EXIT_VERIFICATION,
     Commands,
@@ -146,7 +150,8 @@ def _only_cleanup_left(output: Path) -> bool:
     cls=Commands,
     context_settings={"help_option_names": ["-h", "--help"]},
     epilog="Exit codes: 0 done, 1 a verification error aborted the run, 2 bad usage, config or input, "
-    "3 the output or its state could not be written (disk full), 70 an internal error (a bug: please report it), "
+    "3 the output or its state could not be written (disk full), 4 engine audit or diff: rewards disagree, "
+    "70 an internal error (a bug: please report it), "
     "130 interrupted, 143 terminated (SIGTERM).",
 )
 def cli() -> None:
@@ -159,6 +164,9 @@ def cli() -> None:
               help="Rewards file: .jsonl or .parquet. Written only when complete. With --ray: a directory.")
 @config_option
 @click.option("--resume", is_flag=True, help="Continue an interrupted or failed run from its last checkpoint.")
+@click.option("--restart", is_flag=True,
+              help="Start over: discard an unfinished run's checkpoint and partial file for OUTPUT and score every "
+              "row (what a resume refused for a verifier that changed needs). Not with --ray.")
 @click.option("--chunk-size", type=click.IntRange(min=1), default=None,
               help=f"Rows per batch and per checkpoint (at most this many are scored again on resume) "
               f"[default: {DEFAULT_CHUNK_SIZE}; with --ray, rows per block: {DEFAULT_BLOCK_ROWS}].")
@@ -172,11 +180,16 @@ def cli() -> None:
 @json_columns_option
 @traceback_option
 @columns_option
-def score(input_path: Path, output: Path, config_path: Path, resume: bool, chunk_size: int | None, on_ray: bool,
+def score(input_path: Path, output: Path, config_path: Path, resume: bool, restart: bool, chunk_size: int | None,
+          on_ray: bool,
           address: str | None, actors: int | None, url: str | None, token_env: str | None,
           json_text: frozenset[str], whole_traceback: bool, columns: dict[str, str] | None) -> None:
     """Backfill rewards for a file of stored trajectories (JSON Lines or Parquet)."""
     ray_only = {"--address": address, "--actors": actors, "--url": url, "--token-env": token_env}
+    if resume and restart:
+        fail(EXIT_BAD_INPUT, "--resume and --restart: give one (--restart discards what --resume would continue)")
+    if on_ray and restart:
+        fail(EXIT_BAD_INPUT, "--restart is not for --ray: write to a new output directory instead")
     if on_ray:
         _score_on_ray(input_path, output, config_path, resume, chunk_size or DEFAULT_BLOCK_ROWS, address, actors, url,
                       token_env, json_text, whole_traceback, columns)
@@ -207,6 +220,7 @@ def score(input_path: Path, output: Path, config_path: Path, resume: bool, chunk
                     progress=progress,
                     json_columns=json_text,
                     columns=columns,
+                    restart=restart,
                 ),
                 kept=lambda: _kept(output),
                 whole=whole_traceback,
@@ -318,6 +332,61 @@ def bench(input_path: Path, config_path: Path, repeat: int, batch_size: int, as_
         click.echo(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
         return
     bench_table(summary, wide=wide)
+
+
+tolerance_option = click.option(
+    "--tolerance", type=click.FloatRange(min=0), default=0.0, show_default=True,
+    help="The largest difference between two rewards that still agrees (0: exactly equal); beyond it, exit 4.")
+
+
+@cli.command()
+@click.argument("output", metavar="OUTPUT", type=click.Path(path_type=Path))
+@click.option("--input", "input_path", metavar="INPUT", type=click.Path(dir_okay=False, path_type=Path),
+              required=True, help="The input OUTPUT was scored from: each sampled row is found in it by its id.")
+@config_option
+@click.option("--sample", type=click.IntRange(min=1), default=None,
+              help="Rows to draw (every row when OUTPUT has fewer) [default: 100].")
+@click.option("--fraction", type=click.FloatRange(min=0, max=1, min_open=True), default=None,
+              help="A share of OUTPUT's rows to draw instead of --sample (at least one).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seeds the draw: the same seed, the same rows.")
+@click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Times each sampled row is scored; above 1 the spread of its rewards is the noise floor.")
+@tolerance_option
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON instead of a table.")
+@json_columns_option
+@traceback_option
+@columns_option
+def audit(output: Path, input_path: Path, config_path: Path, sample: int | None, fraction: float | None, seed: int,
+          repeat: int, tolerance: float, as_json: bool, json_text: frozenset[str], whole_traceback: bool,
+          columns: dict[str, str] | None) -> None:
+    """Score a seeded sample of a stored output again and compare, per verifier; exit 4 if one disagrees."""
+    if sample is not None and fraction is not None:
+        fail(EXIT_BAD_INPUT, "--sample and --fraction: give one")
+    _refuse_json_columns_for_jsonl(input_path, json_text)
+    config = load_config(config_path)
+    if not input_path.is_file():
+        fail(EXIT_BAD_INPUT, f"{input_path}: no such input file")
+    report = run(lambda: audit_file(output, input=input_path, config=config, sample=sample, fraction=fraction,
+                                    seed=seed, repeat=repeat, tolerance=tolerance, json_columns=json_text,
+                                    columns=columns), whole=whole_traceback)
+    show_agreements(report, as_json=as_json)
+    if not report.agrees:
+        raise SystemExit(EXIT_DISAGREE)
+
+
+@cli.command()
+@click.argument("a", metavar="A", type=click.Path(path_type=Path))
+@click.argument("b", metavar="B", type=click.Path(path_type=Path))
+@click.option("--by", type=click.Choice(["id", "position"]), default="id", show_default=True,
+              help="Match the records by id (a repeated id by its occurrence), or record by record.")
+@tolerance_option
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON instead of a table.")
+def diff(a: Path, b: Path, by: str, tolerance: float, as_json: bool) -> None:
+    """Compare two outputs of the same input per verifier (B as the new side); exit 4 if one disagrees."""
+    report = diff_outputs(a, b, by=by, tolerance=tolerance)
+    show_agreements(report, as_json=as_json)
+    if not report.agrees:
+        raise SystemExit(EXIT_DISAGREE)
 
 
 @cli.command()

@@ -25,6 +25,7 @@ from engine._errors import EngineError, UnreadyError, VerificationError, WriteEr
 
 __all__ = [
     "EXIT_BAD_INPUT",
+    "EXIT_DISAGREE",
     "EXIT_INTERNAL",
     "EXIT_INTERRUPTED",
     "EXIT_IO",
@@ -46,6 +47,7 @@ EXIT_OK = 0  # done
 EXIT_VERIFICATION = 1  # a verification error aborted the run (engine check: a check failed)
 EXIT_BAD_INPUT = 2  # bad usage, config, manifest, input, or an output that cannot be resumed
 EXIT_IO = 3  # the output or its state could not be written (disk full, I/O error)
+EXIT_DISAGREE = 4  # engine audit / engine diff: a verifier's rewards differ beyond --tolerance (not an error)
 # EX_SOFTWARE of sysexits.h: a bug in the engine, an exception none of its own errors (engine._errors), reported
 # with its traceback, never as bad input (outcome() draws that line)
 EXIT_INTERNAL = 70

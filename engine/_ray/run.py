@@ -16,15 +16,22 @@ from dataclasses import astuple, dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
+import anyio
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from engine import _json
 from engine._backfill.checkpoint import hold_lock
 from engine._backfill.rewards import Rewards
+from engine._backfill.parquet import verifier_identity
+from engine._backfill.run import check_provenances
+from engine._check import check_ready
 from engine._columns import Columns
 from engine._config import EngineConfig
 from engine._core.report import VerifierTotals
+from engine._core.threads import in_thread
+from engine._engine import Engine
 from engine._errors import ConfigError, EngineError, OutputError, ResumeError
 from engine._ray.actor import BlockScorer, Carried, absolute, blocks_to_do, split_limits
 from engine._ray.plan import (
@@ -169,6 +176,56 @@ def _committed_rewards(outdir: Path, parts: Collection[str]) -> Rewards:
     return rewards
 
 
+def _committed_provenances(outdir: Path, parts: Collection[str]) -> dict[str, list[dict[str, Any]]]:
+    """Each environment's distinct verifier provenances in whole parts committed before this run (their verifier
+    column only, its distinct values found by Arrow: no row is converted to Python)."""
+    recorded: dict[str, list[dict[str, Any]]] = {}
+    for name in sorted(parts):
+        try:
+            column = pq.read_table(outdir / name, columns=["verifier"]).column("verifier").combine_chunks()
+            if pa.types.is_struct(column.type):
+                fields = [column.type.field(i).name for i in range(column.type.num_fields)]
+                table = pa.Table.from_arrays([pc.struct_field(column, i) for i in range(len(fields))], names=fields)
+                distinct = table.group_by(fields, use_threads=False).aggregate([]).to_pylist()
+            else:  # a part written before the struct: JSON text
+                distinct = [_json.loads(text) for text in pc.unique(column).to_pylist() if text is not None]
+        except (OSError, pa.ArrowException, ValueError) as exc:
+            raise OutputError(f"cannot read the verifiers of {outdir / name}: {exc}") from exc
+        for provenance in distinct:
+            known = recorded.setdefault(str(provenance.get("environment")), [])
+            canonical = verifier_identity(provenance)
+            if canonical not in known:
+                known.append(canonical)
+    return recorded
+
+
+def _current_provenances(config: EngineConfig, names: Collection[str]) -> dict[str, dict[str, Any]]:
+    """The provenance each environment of ``names`` resolves to now: on an engine of the driver's own, each one
+    checked (and a plugin imported) as a run checks them; in a thread of its own, so a caller's loop is never used."""
+
+    async def resolve() -> dict[str, dict[str, Any]]:
+        async with Engine(config) as engine:
+            await check_ready(engine, (config.environments / name for name in names),
+                              which="the committed parts name", then=", checked before scoring any block")
+            return {name: {**engine._verifier(name).provenance(), "environment": name} for name in names}
+
+    return in_thread(lambda: anyio.run(resolve, backend="asyncio"), "engine-resume-check").result()
+
+
+def _check_resume(outdir: Path, whole: Collection[str], config: EngineConfig | None) -> None:
+    """Refuse a resume whose configuration resolves an environment of the committed parts to another verifier than
+    theirs (the output would mix two verifiers' rewards under one name). Through an ``engine serve`` (no config
+    here) the service's verifiers are not known to the driver: not checked."""
+    if config is None or not whole:
+        return
+    recorded = _committed_provenances(outdir, whole)
+    known = {name for name in recorded if (config.environments / name).is_dir()}
+    check_provenances(recorded, _current_provenances(config, sorted(known)),
+                      where=f"the parts already committed in {outdir}",
+                      instead=f"write to a new output directory (or delete {outdir}) to score every row with the "
+                              "verifier now")
+
+
 def _prepare(outdir: Path, plan: Plan, resume: bool) -> bool:
     """Check ``outdir`` against ``plan``; True if it already holds the complete output (nothing to do)."""
     saved = load_plan(outdir)
@@ -257,6 +314,8 @@ def backfill(
         for name in broken:  # never left beside the whole ones: the directory is read as one table
             (outdir / name).unlink(missing_ok=True)
         todo = list(blocks_to_do(plan, whole))
+        if todo and whole:  # a resume, or a complete output repaired (a part lost): never two verifiers mixed
+            _check_resume(outdir, whole, config)
         done = plan.rows - sum(block.rows for _, block in todo)
         summary = RaySummary(outdir, plan.rows, done, len(plan.blocks), {}, rescored=broken,
                              rewards=_committed_rewards(outdir, whole))
