@@ -23,8 +23,8 @@ import pyarrow.parquet as pq
 
 from engine import _json
 from engine._backfill.checkpoint import hold_lock
-from engine._backfill.rewards import Rewards
 from engine._backfill.parquet import verifier_identity
+from engine._backfill.rewards import Rewards
 from engine._backfill.run import check_provenances
 from engine._check import check_ready
 from engine._columns import Columns
