@@ -252,7 +252,8 @@ async def test_429_with_retry_after_is_waited_for(remote: Remote, sleeps: SleepR
     remote.handler.fault = storm(429, 2, **{"retry-after": "3"})
     async with Engine(remote.config(retry_deadline=30), sleep=sleeps) as eng:
         assert (await eng.run(BATCH)).rewards == [0.25, 0.5, 0.0625, 1.0, 0.75]
-    assert sleeps.calls == [3.0, 3.0]  # exactly what the server asked for
+    # exactly what the server asked for; the window paused a first try not yet sent at the 429, no longer
+    assert sleeps.calls.count(3.0) == 2 and all(0 < seconds <= 3.0 for seconds in sleeps.calls)
     assert remote.handler.bad_requests == 3
     await all_closed(remote.server)
 
@@ -262,7 +263,9 @@ async def test_429_with_a_retry_after_past_the_deadline_gives_up_at_once(
 ) -> None:
     remote.handler.fault = storm(429, 100, **{"retry-after": "120"})
     await aborts(remote, remote.config(retry_deadline=60), sleeps, "gave up after 1 attempt; last: HTTP 429: storm 1")
-    assert sleeps.calls == [] and remote.handler.bad_requests == 1
+    # one attempt, and no wait for the 120 s it asked (the window pauses the other items' first tries, at most
+    # for the deadline, while the batch aborts)
+    assert remote.handler.bad_requests == 1 and all(seconds <= 60 for seconds in sleeps.calls)
 
 
 # --- size ----------------------------------------------------------------------------------------
