@@ -135,7 +135,7 @@ async def test_an_item_identical_to_one_in_flight_in_another_batch_waits_for_tha
     assert dict(results["b"].usage)["requests"] == 1
 
 
-async def test_a_call_in_flight_that_is_cancelled_shares_nothing_and_its_waiter_calls_itself(
+async def test_a_call_in_flight_that_is_cancelled_shares_nothing_and_its_waiters_call_at_once(
     serve: Any, envs: Path, rubrics: Path
 ) -> None:
     add_rubric_env(envs, "graded", ARITH)
@@ -151,20 +151,23 @@ async def test_a_call_in_flight_that_is_cancelled_shares_nothing_and_its_waiter_
                 await eng.run([judged("graded", "3"), judged("graded", "fail")])
             failed.append(info.value)
 
-        async def second() -> None:
+        async def waiter() -> None:
             results.append(await eng.run([judged("graded", "3")]))
 
         async with anyio.create_task_group() as group:
             group.start_soon(first)
             await eventually(lambda: len(server.requests) == 2)
-            group.start_soon(second)
-            await eventually(lambda: in_flight.waiting == 1)
-            events["fail"].set()  # the first batch aborts, cancelling its call for 3 that the second waits for
-            await eventually(lambda: failed and len(server.requests) == 3)  # the waiter's own call
+            group.start_soon(waiter)
+            group.start_soon(waiter)
+            await eventually(lambda: in_flight.waiting == 2)
+            events["fail"].set()  # the first batch aborts, cancelling its call for 3 that the others wait for
+            # each waiter's own call, both in flight at once (not one queued behind the other's)
+            await eventually(lambda: failed and len(server.requests) == 4)
             events["3"].set()
     assert failed[0].index == 1
-    assert results[0].rewards == [0.3] and results[0].verifiers[0].deduped == 0
-    assert [response_of(request) for request in server.requests].count("3") == 2
+    assert [result.rewards for result in results] == [[0.3], [0.3]]
+    assert [result.verifiers[0].deduped for result in results] == [0, 0]
+    assert [response_of(request) for request in server.requests].count("3") == 3
     assert in_flight.waiting == 0
 
 
@@ -306,13 +309,15 @@ async def test_a_file_that_is_not_a_cache_fails_the_open_before_any_judge_call(
     else:
         with sqlite3.connect(path) as db:
             db.execute("CREATE TABLE users (name TEXT)")
+        db.close()
+    before = path.read_bytes()
     with pytest.raises(CacheError) as info:
         async with Engine(config(envs, rubrics, server, path)) as eng:
             await eng.run([judged("graded", "1")])
     assert info.value.path == path and str(path) in str(info.value) and not info.value.ours
     assert "if it is the cache, delete it" in str(info.value)
     assert not server.requests
-    before = path.read_bytes()
+    assert path.read_bytes() == before  # not even switched to WAL mode: the file is someone else's
     config_file = str(_config_file(tmp_path, envs, rubrics, server, path))
     result = CliRunner().invoke(cli, ["cache", "clear", "--config", config_file])
     # a file the engine did not make may be someone's data (a [cache] path pointed at the wrong file): kept

@@ -261,7 +261,8 @@ def test_help_documents_the_exit_codes() -> None:
     assert result.exit_code == EXIT_OK
     text = " ".join(result.stdout.split())
     assert "Exit codes: 0 done, 1 a verification error aborted the run, 2 bad usage, config or input" in text
-    assert "3 the output or its state could not be written (disk full), 70 an internal error (a bug" in text
+    assert "3 the output or its state could not be written (disk full), 4 engine audit or diff: rewards disagree, " \
+           "70 an internal error (a bug" in text
     assert "130 interrupted, 143 terminated (SIGTERM)" in text
 
 

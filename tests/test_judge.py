@@ -253,8 +253,8 @@ async def test_a_version_added_mid_batch_does_not_change_a_resolved_verifier(
 
     async def grade_some(count: int) -> None:
         async with anyio.create_task_group() as tg:
-            for _ in range(count):
-                tg.start_soon(collect, results, verifier.verify, TASK, "42")
+            for n in range(count):  # distinct answers: identical ones in flight at once share one call
+                tg.start_soon(collect, results, verifier.verify, TASK, f"42 ({len(results)}.{n})")
 
     await grade_some(3)
     (root / ARITH / "3.md").write_text("+++\nscale = [0, 100]\n+++\nVERSION THREE: a new standard.\n")
@@ -458,7 +458,7 @@ async def test_the_concurrency_limit_holds_over_all_rubrics(
     results: list[float] = []
     async with anyio.create_task_group() as tg:
         for i in range(count):
-            tg.start_soon(collect, results, verifiers[i % 2].verify, TASK, "42")
+            tg.start_soon(collect, results, verifiers[i % 2].verify, TASK, f"42 ({i})")  # distinct: no sharing
     assert sorted(results) == [0.0] * 6 + [1.0] * 6  # score 1: top of [0, 1], bottom of [1, 5]
     assert server.max_in_flight == limit
 

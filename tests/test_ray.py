@@ -47,10 +47,10 @@ from polling import wait_until
 
 import engine
 from engine import InputError, VerificationError, _json
-from engine._backfill.parquet import JSON_COLUMNS_KEY, read_records
+from engine._backfill.parquet import JSON_COLUMNS_KEY, output_batch, output_schema, read_records
 from engine._ray.actor import split_limits
 from engine._ray.plan import committed, make_plan, resolve_inputs
-from engine._ray.run import NO_PROGRESS_VARIABLE
+from engine._ray.run import NO_PROGRESS_VARIABLE, _committed_provenances
 from engine.cli import EXIT_BAD_INPUT
 from engine.ray import backfill, engine_error, score_dataset
 
@@ -154,6 +154,25 @@ def reap(process: subprocess.Popen[str]) -> None:
 
 def logged(log: Path) -> Counter[int]:
     return Counter(int(line) for line in log.read_text().split()) if log.exists() else Counter()
+
+
+def test_a_parts_distinct_verifiers_are_read_by_arrow_with_the_judges_parameters_and_without_cached(
+    tmp_path: Path,
+) -> None:
+    # what a --ray --resume checks before scoring: a struct inside the verifier struct cannot be a group key
+    judge = {"model": "m", "base_url": "http://127.0.0.1:9/v1", "temperature": 0.0, "max_tokens": 512,
+             "response_format": True}
+    graded = {"kind": "rubric", "ref": "a/b@1", "environment": "h", "digest": "sha256:1", "version": 1, "prompt": 1,
+              "model": "m", "judge": judge}
+    plugin = {"kind": "plugin", "ref": "verify:score", "environment": "p", "digest": "sha256:2"}
+    provenances = [graded, {**graded, "cached": 1.5}, {**graded, "cached": 2.5}, plugin, {**graded, "version": 2}]
+    schema = output_schema("int")
+    batch = output_batch(schema, list(range(5)), [0.5] * 5, provenances)
+    pq.write_table(pa.Table.from_batches([batch]), tmp_path / "part-a.parquet")
+    assert _committed_provenances(tmp_path, ["part-a.parquet"]) == {
+        "h": [graded, {**graded, "version": 2}],  # a hit is the same verifier's; another version is not
+        "p": [plugin],
+    }
 
 
 def test_a_directory_scored_on_ray_equals_the_single_machine_output_row_for_row(space: Workspace, cluster: str) -> None:

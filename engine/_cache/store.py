@@ -76,8 +76,12 @@ class Database:
         """A new (empty) file gets the schema; one that is not SQLite, or holds other tables, is a ``CacheError``."""
         db, path = self.connection, self.path
         try:
-            db.execute("PRAGMA journal_mode=WAL")
             tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            # another program's database is refused before anything is written: even WAL mode changes its file
+            if tables and (_META not in tables or "verdicts" not in tables):
+                shown = ", ".join(sorted(tables))
+                raise CacheError(path, f"it is an SQLite database of another program (its tables: {shown})")
+            db.execute("PRAGMA journal_mode=WAL")
             if not tables:
                 db.execute("BEGIN IMMEDIATE")  # another process may be creating it too: one does, under the lock
                 try:

@@ -176,6 +176,41 @@ def _committed_rewards(outdir: Path, parts: Collection[str]) -> Rewards:
     return rewards
 
 
+def _distinct_structs(column: pa.StructArray) -> list[dict[str, Any]]:
+    """The distinct values of a part's verifier column, as dicts: grouped by Arrow on its leaf fields (a struct
+    cannot be a key: the judge's parameters are flattened, then put back), less ``cached`` (a time per hit)."""
+    paths: list[tuple[int, ...]] = []
+    names: list[str] = []
+
+    def leaves(kind: pa.StructType, path: tuple[int, ...], prefix: str) -> None:
+        for i in range(kind.num_fields):
+            child = kind.field(i)
+            if not path and child.name == "cached":
+                continue
+            if pa.types.is_struct(child.type):
+                leaves(child.type, (*path, i), f"{prefix}{child.name}.")
+            else:
+                paths.append((*path, i))
+                names.append(f"{prefix}{child.name}")
+
+    leaves(column.type, (), "")
+    table = pa.Table.from_arrays([pc.struct_field(column, list(path)) for path in paths], names=names)
+    distinct = []
+    for flat in table.group_by(names, use_threads=False).aggregate([]).to_pylist():
+        nested: dict[str, Any] = {}
+        for name in names:
+            *parents, leaf = name.split(".")
+            place = nested
+            for parent in parents:
+                place = place.setdefault(parent, {})
+            place[leaf] = flat[name]
+        for key, value in nested.items():  # a struct all of whose fields are null was a null (another kind's)
+            if isinstance(value, dict) and all(v is None for v in value.values()):
+                nested[key] = None
+        distinct.append(nested)
+    return distinct
+
+
 def _committed_provenances(outdir: Path, parts: Collection[str]) -> dict[str, list[dict[str, Any]]]:
     """Each environment's distinct verifier provenances in whole parts committed before this run (their verifier
     column only, its distinct values found by Arrow: no row is converted to Python)."""
@@ -184,9 +219,7 @@ def _committed_provenances(outdir: Path, parts: Collection[str]) -> dict[str, li
         try:
             column = pq.read_table(outdir / name, columns=["verifier"]).column("verifier").combine_chunks()
             if pa.types.is_struct(column.type):
-                fields = [column.type.field(i).name for i in range(column.type.num_fields)]
-                table = pa.Table.from_arrays([pc.struct_field(column, i) for i in range(len(fields))], names=fields)
-                distinct = table.group_by(fields, use_threads=False).aggregate([]).to_pylist()
+                distinct = _distinct_structs(column)
             else:  # a part written before the struct: JSON text
                 distinct = [_json.loads(text) for text in pc.unique(column).to_pylist() if text is not None]
         except (OSError, pa.ArrowException, ValueError) as exc:

@@ -50,7 +50,8 @@ class InFlight:
     """An open engine's judge calls in flight, by verdict key: an item of another batch (another request to
     ``engine serve``, another rank's) identical to one being judged waits for that call instead of paying again.
 
-    A call that fails or is cancelled (its batch aborted) shares nothing: a waiter then calls itself, so a
+    A call that fails or is cancelled (its batch aborted) shares nothing: its waiters then call, each on its own
+    and at once (never queued behind one another: a failure that repeats would take each a call's time more), so a
     failure is never passed on to an item it did not happen to.
     """
 
@@ -60,7 +61,8 @@ class InFlight:
 
     async def judged(self, key: bytes, call: Callable[[], Awaitable[float]]) -> tuple[float, bool]:
         """The reward for ``key``, and whether it came from another batch's call (True) rather than ``call``."""
-        while (other := self._calls.get(key)) is not None:
+        other = self._calls.get(key)
+        if other is not None:
             self.waiting += 1
             try:
                 await other.done.wait()
@@ -68,6 +70,7 @@ class InFlight:
                 self.waiting -= 1
             if other.reward is not None:
                 return other.reward, True
+            return await call(), False
         mine = self._calls[key] = _Call()
         try:
             mine.reward = await call()
