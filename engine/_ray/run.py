@@ -176,7 +176,7 @@ def _committed_rewards(outdir: Path, parts: Collection[str]) -> Rewards:
     return rewards
 
 
-def _distinct_structs(column: pa.StructArray) -> list[dict[str, Any]]:
+def _distinct_structs(column: pa.Array[Any]) -> list[dict[str, Any]]:
     """The distinct values of a part's verifier column, as dicts: grouped by Arrow on its leaf fields (a struct
     cannot be a key: the judge's parameters are flattened, then put back), less ``cached`` (a time per hit)."""
     paths: list[tuple[int, ...]] = []
